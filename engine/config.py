@@ -1,0 +1,189 @@
+"""Typed views of a Hugging Face checkpoint's `config.json` and of the engine's settings."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+class ModelConfigError(ValueError):
+    """The checkpoint directory is missing, malformed or of an unsupported architecture."""
+
+
+@dataclass(slots=True, frozen=True)
+class ModelConfig:
+    """The architecture facts the engine needs, read from a checkpoint's `config.json`.
+
+    Accepts both the transformers 4.x spelling (`rope_theta`, `rope_scaling`, `torch_dtype`) and the 5.x
+    spelling (`rope_parameters`, `dtype`).
+    """
+
+    path: Path
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    checkpoint_dtype: torch.dtype
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    sliding_window: int | None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence (prompt + output) the engine will accept for this model.
+
+        A model with a sliding window is capped at the window: the engine attends to the full context,
+        which equals the windowed attention only while the context fits inside the window.
+        """
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        """Read `path/config.json` and return the engine's view of it, or raise `ModelConfigError`."""
+        root = Path(path)
+        cfg_file = root / "config.json"
+        if not cfg_file.is_file():
+            raise ModelConfigError(f"{root}: no config.json (expected a Hugging Face checkpoint directory)")
+        try:
+            raw = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise ModelConfigError(f"{cfg_file}: not valid JSON ({exc})") from exc
+        return cls.from_dict(raw, root)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], path: Path | None = None) -> ModelConfig:
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ModelConfigError(
+                f"unsupported architecture {archs or raw.get('model_type')!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        try:
+            hidden = int(raw["hidden_size"])
+            heads = int(raw["num_attention_heads"])
+            layers = int(raw["num_hidden_layers"])
+            vocab = int(raw["vocab_size"])
+            inter = int(raw["intermediate_size"])
+        except KeyError as exc:
+            raise ModelConfigError(f"config.json lacks required field {exc.args[0]!r}") from exc
+        kv_heads = int(raw.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise ModelConfigError(f"num_attention_heads={heads} is not a multiple of kv heads={kv_heads}")
+        head_dim = int(raw.get("head_dim") or hidden // heads)
+
+        rope = dict(raw.get("rope_parameters") or {})
+        legacy_scaling = raw.get("rope_scaling")
+        if legacy_scaling:
+            rope.update(legacy_scaling)
+        theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rope_scaling: dict[str, Any] | None = None
+        if rope_type not in (None, "default"):
+            if rope_type != "llama3":
+                raise ModelConfigError(f"rope scaling type {rope_type!r} is not supported (supported: llama3)")
+            rope_scaling = {k: v for k, v in rope.items() if k != "type"} | {"rope_type": rope_type}
+
+        dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+        if dtype_name not in _DTYPES:
+            raise ModelConfigError(f"checkpoint dtype {dtype_name!r} is not supported")
+
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        use_sw = raw.get("use_sliding_window", arch == "MistralForCausalLM")
+        sliding = raw.get("sliding_window") if use_sw else None
+        default_bias = arch == "Qwen2ForCausalLM"
+        return cls(
+            path=path or Path("."),
+            architecture=arch,
+            model_type=str(raw.get("model_type", "")),
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=bool(raw.get("attention_bias", default_bias)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            checkpoint_dtype=_DTYPES[dtype_name],
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            sliding_window=int(sliding) if sliding else None,
+            extra={"hidden_act": raw.get("hidden_act", "silu")},
+        )
+
+
+def resolve_dtype(dtype: str | torch.dtype, model: ModelConfig, device: torch.device) -> torch.dtype:
+    """Map the user's `dtype` choice to a torch dtype; `"auto"` takes the checkpoint's.
+
+    On CPU, float16 "auto" becomes float32 (CPU half matmuls are slow and lossy); an explicit choice is
+    honoured.
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+        return dtype
+    if dtype == "auto":
+        chosen = model.checkpoint_dtype
+        if device.type == "cpu" and chosen == torch.float16:
+            return torch.float32
+        return chosen
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use auto, float32, bfloat16 or float16")
+    return _DTYPES[dtype]
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division for non-negative ints."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 2 ** math.ceil(math.log2(n))
