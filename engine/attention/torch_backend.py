@@ -1,0 +1,75 @@
+"""Paged attention in plain torch: the CPU path (and CUDA fallback).
+
+Decodes are batched: gather each sequence's blocks into `[B, max_blocks*block_size, Hkv, D]`, mask
+positions past `seq_len`, and attend. Prefill chunks go one sequence at a time through SDPA with a mask
+that lets query i (at absolute position ctx_start + i) see keys 0..ctx_start+i. Semantics match
+`kernels.reference.paged_attention_decode_ref` / `paged_attention_prefill_ref`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def write_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
+        flat_k = k_cache.view(-1, *k_cache.shape[2:])
+        flat_v = v_cache.view(-1, *v_cache.shape[2:])
+        flat_k.index_copy_(0, meta.slot_mapping, key.to(k_cache.dtype))
+        flat_v.index_copy_(0, meta.slot_mapping, value.to(v_cache.dtype))
+
+    def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = torch.empty_like(query)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(query[:nd], k_cache, v_cache, meta, scale)
+        qs, sl = meta.query_start_list, meta.seq_lens_list
+        block_size = k_cache.shape[1]
+        for b in range(nd, meta.num_seqs):
+            q = query[qs[b] : qs[b + 1]]
+            n_blocks = -(-sl[b] // block_size)
+            blocks = meta.block_tables[b, :n_blocks].long()
+            k = k_cache[blocks].flatten(0, 1)[: sl[b]]
+            v = v_cache[blocks].flatten(0, 1)[: sl[b]]
+            out[qs[b] : qs[b + 1]] = _causal_attention(q, k, v, sl[b] - q.shape[0], scale)
+        return out
+
+    @staticmethod
+    def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        nd = q.shape[0]
+        block_size = k_cache.shape[1]
+        max_blocks = -(-max(meta.seq_lens_list[:nd]) // block_size)
+        tables = meta.block_tables[:nd, :max_blocks].long()
+        k = k_cache[tables].flatten(1, 2)  # [B, L, Hkv, D]
+        v = v_cache[tables].flatten(1, 2)
+        hkv, hq = k.shape[2], q.shape[1]
+        group = hq // hkv
+        qg = q.view(nd, hkv, group, -1).float()
+        scores = torch.einsum("bhgd,blhd->bhgl", qg, k.float()) * scale
+        pos = torch.arange(k.shape[1], device=q.device)
+        valid = pos[None, :] < meta.seq_lens[:nd, None]
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1)
+        out = torch.einsum("bhgl,blhd->bhgd", probs, v.float())
+        return out.reshape(nd, hq, -1).to(q.dtype)
+
+
+def _causal_attention(q, k, v, ctx_start: int, scale: float) -> torch.Tensor:
+    """q [Tq, Hq, D] at positions ctx_start.., k/v [Tk, Hkv, D] at positions 0..Tk-1 -> [Tq, Hq, D]."""
+    tq, tk = q.shape[0], k.shape[0]
+    qpos = torch.arange(ctx_start, ctx_start + tq, device=q.device)
+    mask = torch.arange(tk, device=q.device)[None, :] <= qpos[:, None]
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return o.squeeze(0).transpose(0, 1)

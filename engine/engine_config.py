@@ -1,0 +1,45 @@
+"""All of the engine's settings in one validated object (the keyword arguments of `LLM`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None  # budget for the KV cache when num_kv_blocks is None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    enable_lora: bool = True
+    max_loras: int = 8
+    max_lora_rank: int = 64
+    max_cpu_loras: int | None = None
+    seed: int = 0
+
+    def resolve_device(self) -> torch.device:
+        """`auto` picks CUDA when available, else CPU."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda; got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was requested but CUDA is not available")
+        return torch.device(self.device)
+
+    def kv_budget_bytes(self, device: torch.device) -> int:
+        """Memory for the KV cache: the explicit budget, 90% of free device memory on CUDA, 1 GiB on CPU."""
+        if self.kv_cache_memory_bytes is not None:
+            return self.kv_cache_memory_bytes
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return int(free * 0.9)
+        return 1 << 30

@@ -1,0 +1,106 @@
+"""`LLM`: offline batch generation on top of `LLMEngine` (the Python contract in the design doc)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.engine_config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.lora_request import LoRARequest
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """Load a Hugging Face checkpoint directory once; `generate` many prompts in continuous batches."""
+
+    def __init__(
+        self,
+        model: str,
+        dtype: str = "auto",
+        device: str = "auto",
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        scheduling_policy: str = "fcfs",
+        enable_lora: bool = True,
+        max_loras: int = 8,
+        max_lora_rank: int = 64,
+        max_cpu_loras: int | None = None,
+        seed: int = 0,
+        **kwargs,
+    ) -> None:
+        config = EngineConfig(
+            model=str(model),
+            dtype=dtype,
+            device=device,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            scheduling_policy=scheduling_policy,
+            enable_lora=enable_lora,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
+            max_cpu_loras=max_cpu_loras,
+            seed=seed,
+            **kwargs,
+        )
+        self.engine = LLMEngine(config)
+        self._counter = 0
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the order of `prompts`.
+
+        `sampling_params` and `lora_request` are one for all prompts or one per prompt. All prompts are
+        validated before any is queued, so a bad one leaves the engine untouched.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # a single prompt
+        prompts = list(prompts)
+        params = _per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params")
+        loras = _per_prompt(lora_request, len(prompts), "lora_request")
+        prios = list(priority) if priority is not None else [0] * len(prompts)
+        if len(prios) != len(prompts):
+            raise ValueError(f"priority has {len(prios)} entries for {len(prompts)} prompts")
+        for p in prompts:
+            self.engine.tokenize(p)
+        ids = []
+        try:
+            for prompt, sp, lr, pr in zip(prompts, params, loras, prios, strict=True):
+                rid = f"gen-{self._counter}"
+                self._counter += 1
+                self.engine.add_request(rid, prompt, sp, lr, priority=pr)
+                ids.append(rid)
+            final: dict[str, RequestOutput] = {}
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+        except BaseException:
+            self.engine.abort_request(ids)
+            raise
+        return [final[rid] for rid in ids]
+
+
+def _per_prompt(value, n: int, name: str) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        return list(value)
+    return [value] * n

@@ -1,0 +1,270 @@
+"""`LLMEngine`: the step-wise engine a server drives (`add_request`, `step`, `abort_request`).
+
+One step is `plan = scheduler.schedule(); out = runner.run(plan); scheduler.update(plan, out)`, then
+detokenization and stop strings for the requests that got a token. A prompt with `n > 1` becomes `n`
+sequences whose prompt blocks are shared through the prefix cache; they are reported together.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import ModelConfig, cdiv, resolve_dtype
+from engine.engine_config import EngineConfig
+from engine.kv_cache import KVCacheManager
+from engine.lora_request import LoRARequest
+from engine.metrics import EngineStats
+from engine.model.loader import load_model
+from engine.model_runner import ModelRunner, kv_block_bytes
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.tokenizer import IncrementalDetokenizer, find_stop, load_tokenizer
+
+
+@dataclass(slots=True)
+class _Group:
+    """The user's request: its prompt and the `n` sequences generated for it."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Request]
+    detoks: list[IncrementalDetokenizer | None]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.resolve_device()
+        self.model_config = ModelConfig.from_dir(config.model)
+        self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
+        self.tokenizer = load_tokenizer(config.model)
+        self.model = load_model(self.model_config, self.dtype, self.device)
+        self.num_kv_blocks = self._num_blocks()
+        self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        sched_cfg = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            policy=config.scheduling_policy,
+            max_loras=config.max_loras,
+        )
+        self.scheduler = Scheduler(sched_cfg, self.kv, self._eos_token_ids())
+        self.runner = ModelRunner(
+            self.model, self.model_config, self.num_kv_blocks, config.block_size, self.dtype, self.device,
+            config.seed,
+        )
+        self._groups: dict[str, _Group] = {}
+        self._seq_to_group: dict[str, str] = {}
+        self._steps = 0
+        self._last_step_tokens = 0
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+
+    @classmethod
+    def from_args(cls, model: str, **kwargs: Any) -> LLMEngine:
+        return cls(EngineConfig(model=str(model), **kwargs))
+
+    # ---- set-up helpers ---------------------------------------------------------------------------
+    def _num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            if cfg.num_kv_blocks < 1:
+                raise ValueError(f"num_kv_blocks must be >= 1, got {cfg.num_kv_blocks}")
+            return cfg.num_kv_blocks
+        per_block = kv_block_bytes(self.model_config, cfg.block_size, self.dtype)
+        by_budget = cfg.kv_budget_bytes(self.device) // per_block
+        enough = cfg.max_num_seqs * cdiv(self.model_config.max_model_len, cfg.block_size)
+        return max(1, int(min(by_budget, enough)))
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        ids = set(self.model_config.eos_token_ids)
+        gen = Path(self.config.model) / "generation_config.json"
+        if gen.is_file():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids), validating both forms."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer files; pass prompts as lists of token ids")
+            return prompt, list(self.tokenizer.encode(prompt))
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        return None, ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request; raises `ValueError` if it is malformed or could never fit in the KV cache."""
+        params = params or SamplingParams()
+        params.validate()
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.tokenize(prompt)
+        max_len = self.model_config.max_model_len
+        if len(ids) >= max_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {max_len} tokens")
+        max_total = min(len(ids) + params.max_tokens, max_len)
+        if not self.kv.can_fit(self.kv.blocks_needed(max_total)):
+            raise ValueError(
+                f"request needs {self.kv.blocks_needed(max_total)} KV blocks for {max_total} tokens but the "
+                f"cache has {self.num_kv_blocks}; lower max_tokens or raise num_kv_blocks"
+            )
+        lora_key = self._lora_key(lora_request)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        seqs = []
+        for i in range(params.n):
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(params.seed + i)
+            seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            seqs.append(
+                Request(seq_id, ids, params, arrival, priority, lora_request, lora_key, gen, max_total)
+            )
+        detoks = [self._detokenizer() for _ in seqs]
+        self._groups[request_id] = _Group(request_id, text, ids, seqs, detoks)
+        for s in seqs:
+            self._seq_to_group[s.request_id] = request_id
+            self.scheduler.add_request(s)
+        self._prompt_tokens += len(ids)
+
+    def _lora_key(self, lora_request: LoRARequest | None) -> str | None:
+        if lora_request is None:
+            return None
+        raise ValueError("this engine build does not serve LoRA adapters yet")
+
+    def _detokenizer(self) -> IncrementalDetokenizer | None:
+        return IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+
+    def abort_request(self, request_id: str | Sequence[str]) -> None:
+        """Stop the request(s) now, freeing their KV blocks; unknown or finished ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            group = self._groups.pop(rid, None)
+            if group is None:
+                continue
+            for seq in group.seqs:
+                self._seq_to_group.pop(seq.request_id, None)
+                self.scheduler.finish_request(seq, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    # ---- the step ---------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step and return the state of every request that produced a token."""
+        plan = self.scheduler.schedule()
+        self._steps += 1
+        self._last_step_tokens = plan.num_batched_tokens
+        if plan.empty:
+            return []
+        out = self.runner.run(plan)
+        progressed = self.scheduler.update(plan, out)
+        self._generation_tokens += len(progressed)
+        touched: dict[str, _Group] = {}
+        for seq in progressed:
+            gid = self._seq_to_group.get(seq.request_id)
+            if gid is None:
+                continue
+            group = self._groups[gid]
+            self._detokenize(group, seq)
+            touched[gid] = group
+        outputs = []
+        for gid, group in touched.items():
+            ro = self._output(group)
+            outputs.append(ro)
+            if ro.finished:
+                self._groups.pop(gid, None)
+                for s in group.seqs:
+                    self._seq_to_group.pop(s.request_id, None)
+        return outputs
+
+    def _detokenize(self, group: _Group, seq: Request) -> None:
+        idx = group.seqs.index(seq)
+        detok = group.detoks[idx]
+        if detok is None:
+            return
+        delta = detok.push(seq.output_token_ids[-1])
+        seq.text = detok.text
+        stops = seq.params.stop
+        if stops and delta and not (seq.is_finished and seq.finish_reason == "stop"):
+            hit = find_stop(seq.text, len(delta), stops)
+            if hit is not None:
+                seq.text = seq.text[: hit[0]]
+                seq.stop_reason = hit[1]
+                if seq.is_finished:  # length limit reached on the same token: the stop string wins
+                    seq.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish_request(seq, RequestStatus.FINISHED_STOPPED)
+
+    def _output(self, group: _Group) -> RequestOutput:
+        comps = [
+            CompletionOutput(
+                index=i,
+                text=s.text,
+                token_ids=list(s.output_token_ids),
+                cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
+                logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for i, s in enumerate(group.seqs)
+        ]
+        first = group.seqs[0]
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=comps,
+            finished=all(s.is_finished for s in group.seqs),
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+        )
+
+    def get_stats(self) -> EngineStats:
+        kv = self.kv.stats()
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_total=kv.num_blocks,
+            kv_blocks_used=kv.num_used,
+            kv_blocks_cached_free=kv.num_cached_free,
+            kv_blocks_free=kv.num_free,
+            kv_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.scheduler.stats.num_preemptions,
+            last_step_tokens=self._last_step_tokens,
+            num_steps=self._steps,
+            prompt_tokens_total=self._prompt_tokens,
+            generation_tokens_total=self._generation_tokens,
+        )

@@ -1,0 +1,430 @@
+"""Read and validate a PEFT LoRA adapter directory against a base model.
+
+Shared by the registry (validation on registration) and the engine (loading). The only engine import
+allowed here is `engine.config`: the registry imports this module without pulling in the engine.
+
+An adapter directory holds `adapter_config.json` + `adapter_model.safetensors`. Its identity is
+
+    digest = sha256(canonical_config_json_bytes ‖ safetensors_bytes)
+
+where the canonical JSON has sorted keys and no insignificant whitespace, so reformatting the JSON does
+not change the digest while any change of a value or a weight byte does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+
+from engine.config import ModelConfig
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth", "pytorch_model.bin")
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_PARENT = {p: "self_attn" for p in PROJECTIONS[:4]} | {p: "mlp" for p in PROJECTIONS[4:]}
+_EMBEDDING_NAMES = ("embed_tokens", "lm_head", "wte", "embed_in", "embed_out")
+_FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
+_MAX_HEADER_BYTES = 100 * 1024 * 1024
+# base_model.model.<module path>.lora_A[.<adapter name>].weight
+_TENSOR_RE = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+?)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
+_MODULE_RE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp)\.(?P<proj>\w+)$")
+
+
+class AdapterError(ValueError):
+    """The adapter is malformed or unsupported; the message names the offending field or tensor."""
+
+
+@dataclass(slots=True, frozen=True)
+class LoRAModuleWeights:
+    """One adapted projection: `delta_y = scaling * (x @ lora_a.T) @ lora_b.T`."""
+
+    layer: int
+    module: str
+    rank: int
+    alpha: float
+    scaling: float
+    lora_a: torch.Tensor | None  # [rank, in_features]; None when inspected without weights
+    lora_b: torch.Tensor | None  # [out_features, rank]
+
+
+@dataclass(slots=True, frozen=True)
+class AdapterCheckpoint:
+    """A validated adapter: its identity, summary facts and (optionally) its weights."""
+
+    digest: str
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    use_rslora: bool
+    size_bytes: int
+    base_model_name: str | None
+    modules: tuple[LoRAModuleWeights, ...]
+
+
+def module_features(model: ModelConfig, module: str) -> tuple[int, int]:
+    """(in_features, out_features) of projection `module` in `model`."""
+    hidden, inter = model.hidden_size, model.intermediate_size
+    q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    return {
+        "q_proj": (hidden, q),
+        "k_proj": (hidden, kv),
+        "v_proj": (hidden, kv),
+        "o_proj": (q, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }[module]
+
+
+def canonical_config_bytes(config: dict[str, Any]) -> bytes:
+    """The adapter config as canonical JSON: sorted keys, no insignificant whitespace, UTF-8."""
+    return json.dumps(config, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def adapter_files(path: str | Path) -> tuple[Path, Path]:
+    """(config file, weights file) of an adapter directory (or of one of its two files).
+
+    Refuses a directory that has pickle weights but no safetensors file, and missing files.
+    """
+    root = Path(path)
+    if root.is_file() and root.name in (CONFIG_FILE, WEIGHTS_FILE):
+        root = root.parent
+    if not root.is_dir():
+        raise AdapterError(f"adapter path {str(root)!r}: not a directory")
+    cfg, weights = root / CONFIG_FILE, root / WEIGHTS_FILE
+    if not cfg.is_file():
+        raise AdapterError(f"{CONFIG_FILE}: missing in {root}")
+    if not weights.is_file():
+        pickled = [name for name in PICKLE_FILES if (root / name).exists()]
+        if pickled:
+            raise AdapterError(
+                f"{pickled[0]}: pickle weights are refused (unsafe to load); save as {WEIGHTS_FILE}"
+            )
+        raise AdapterError(f"{WEIGHTS_FILE}: missing in {root}")
+    return cfg, weights
+
+
+def load_adapter_config(cfg_file: Path) -> dict[str, Any]:
+    """Parse `adapter_config.json` into a dict, or raise `AdapterError`."""
+    try:
+        raw = json.loads(cfg_file.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise AdapterError(f"{CONFIG_FILE}: not valid JSON ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise AdapterError(f"{CONFIG_FILE}: expected a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def adapter_digest(path: str | Path) -> str:
+    """sha256 hex of canonical config JSON followed by the safetensors bytes (streamed)."""
+    cfg_file, weights_file = adapter_files(path)
+    h = hashlib.sha256(canonical_config_bytes(load_adapter_config(cfg_file)))
+    with weights_file.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def inspect_adapter(
+    path: str | Path, model: ModelConfig, max_lora_rank: int = 64, load_weights: bool = True
+) -> AdapterCheckpoint:
+    """Validate the adapter at `path` against `model` and return its facts (and weights).
+
+    Every refusal raises `AdapterError` naming the field or tensor. NaN/Inf checks need the weights, so
+    they run only with `load_weights=True`.
+    """
+    cfg_file, weights_file = adapter_files(path)
+    config = load_adapter_config(cfg_file)
+    rules = _check_config(config)
+    targeted = _target_set(config, model)
+    data = weights_file.read_bytes()
+    header = _parse_safetensors_header(data)
+    digest = hashlib.sha256(canonical_config_bytes(config) + data).hexdigest()
+
+    pairs: dict[tuple[int, str], dict[str, str]] = {}
+    for name in header:
+        layer, module, ab = _parse_tensor_name(name, model)
+        if targeted is not None and (layer, module) not in targeted:
+            raise AdapterError(
+                f"tensor {name!r}: module not selected by target_modules/layers_to_transform/exclude_modules"
+            )
+        slot = pairs.setdefault((layer, module), {})
+        if ab in slot:
+            raise AdapterError(f"tensor {name!r}: duplicate lora_{ab} for layer {layer} {module}")
+        slot[ab] = name
+    if not pairs:
+        raise AdapterError(f"{WEIGHTS_FILE}: contains no LoRA tensors")
+
+    tensors = _load_tensors(data) if load_weights else {}
+    modules: list[LoRAModuleWeights] = []
+    for (layer, module), slot in sorted(
+        pairs.items(), key=lambda kv: (kv[0][0], PROJECTIONS.index(kv[0][1]))
+    ):
+        for ab in "AB":
+            if ab not in slot:
+                other = next(iter(slot.values()))
+                raise AdapterError(f"tensor {other!r}: its lora_{ab} partner is missing")
+        key = f"model.layers.{layer}.{_PARENT[module]}.{module}"
+        rank, r_field = rules.rank_for(key)
+        alpha = rules.alpha_for(key)
+        if rank > max_lora_rank:
+            raise AdapterError(
+                f"{r_field}: rank {rank} of layer {layer} {module} exceeds max_lora_rank {max_lora_rank}"
+            )
+        in_f, out_f = module_features(model, module)
+        _check_shape(slot["A"], header[slot["A"]], (rank, in_f), module)
+        _check_shape(slot["B"], header[slot["B"]], (out_f, rank), module)
+        a = b = None
+        if load_weights:
+            a, b = tensors[slot["A"]], tensors[slot["B"]]
+            for name, t in ((slot["A"], a), (slot["B"], b)):
+                if not torch.isfinite(t).all():
+                    raise AdapterError(f"tensor {name!r}: contains NaN or Inf values")
+        scaling = alpha / math.sqrt(rank) if rules.use_rslora else alpha / rank
+        modules.append(LoRAModuleWeights(layer, module, rank, alpha, scaling, a, b))
+
+    present = {m.module for m in modules}
+    return AdapterCheckpoint(
+        digest=digest,
+        rank=max(m.rank for m in modules),
+        alpha=rules.alpha,
+        target_modules=tuple(p for p in PROJECTIONS if p in present),
+        use_rslora=rules.use_rslora,
+        size_bytes=cfg_file.stat().st_size + len(data),
+        base_model_name=config.get("base_model_name_or_path"),
+        modules=tuple(modules),
+    )
+
+
+@dataclass(slots=True, frozen=True)
+class _Rules:
+    """The rank/alpha settings of a config: `r`, `lora_alpha`, per-module patterns, rsLoRA."""
+
+    r: int
+    alpha: float
+    use_rslora: bool
+    rank_pattern: dict[str, int]
+    alpha_pattern: dict[str, float]
+
+    def rank_for(self, key: str) -> tuple[int, str]:
+        """(rank, config field that set it) for module `key`, matched the PEFT way (first suffix match)."""
+        pat = _pattern_key(self.rank_pattern, key)
+        return (self.rank_pattern[pat], f"rank_pattern[{pat!r}]") if pat is not None else (self.r, "r")
+
+    def alpha_for(self, key: str) -> float:
+        pat = _pattern_key(self.alpha_pattern, key)
+        return float(self.alpha_pattern[pat]) if pat is not None else self.alpha
+
+
+def _pattern_key(patterns: dict[str, Any], key: str) -> str | None:
+    """First pattern `p` such that `key` is `p` or ends with `.p` (`p` is a regex), as PEFT matches them."""
+    for p in patterns:
+        try:
+            if re.match(rf"(.*\.)?({p})$", key):
+                return p
+        except re.error as exc:
+            raise AdapterError(f"pattern {p!r}: invalid regex ({exc})") from exc
+    return None
+
+
+_REFUSED_FIELDS = {
+    "modules_to_save": "modules_to_save is not supported (it would replace base-model weights)",
+    "lora_bias": "a bias on lora_B is not supported",
+    "trainable_token_indices": "trainable token embeddings are not supported",
+    "target_parameters": "target_parameters (raw parameter adapters) are not supported",
+    "layer_replication": "layer_replication is not supported",
+}
+
+
+def _check_config(config: dict[str, Any]) -> _Rules:
+    """Refuse unsupported settings and return the rank/alpha rules."""
+    peft_type = config.get("peft_type", "LORA")
+    if peft_type != "LORA":
+        raise AdapterError(f"peft_type: {peft_type!r} is not supported (only LORA)")
+    if config.get("use_dora"):
+        raise AdapterError("use_dora: DoRA is not supported yet")
+    if config.get("bias", "none") not in ("none", None):
+        raise AdapterError(f"bias: {config['bias']!r} is not supported (only 'none')")
+    for field, why in _REFUSED_FIELDS.items():
+        if config.get(field):
+            raise AdapterError(f"{field}: {why}")
+    r = config.get("r", 8)
+    if not _is_int(r) or r < 1:
+        raise AdapterError(f"r: expected a positive integer, got {r!r}")
+    alpha = config.get("lora_alpha", 8)
+    if not _is_number(alpha):
+        raise AdapterError(f"lora_alpha: expected a number, got {alpha!r}")
+    use_rslora = config.get("use_rslora", False)
+    if not isinstance(use_rslora, bool):
+        raise AdapterError(f"use_rslora: expected true or false, got {use_rslora!r}")
+    patterns: list[dict[str, Any]] = []
+    for field, check in (("rank_pattern", lambda v: _is_int(v) and v >= 1), ("alpha_pattern", _is_number)):
+        value = config.get(field) or {}
+        if not isinstance(value, dict):
+            raise AdapterError(f"{field}: expected an object, got {type(value).__name__}")
+        for k, v in value.items():
+            if not check(v):
+                raise AdapterError(f"{field}[{k!r}]: invalid value {v!r}")
+        patterns.append(value)
+    return _Rules(r, float(alpha), use_rslora, patterns[0], patterns[1])
+
+
+def _target_set(config: dict[str, Any], model: ModelConfig) -> set[tuple[int, str]] | None:
+    """The (layer, projection) pairs the config targets, or None when it names no targets.
+
+    `target_modules`: a list (a module is targeted when its full name equals an entry or ends with
+    `.entry`, then filtered by `layers_to_transform`), a regex (full match), or "all-linear".
+    `exclude_modules` (list or regex) removes modules. Embedding/lm_head targets and names that match
+    no projection of the model are refused.
+    """
+    keys = {
+        f"model.layers.{i}.{_PARENT[p]}.{p}": (i, p) for i in range(model.num_layers) for p in PROJECTIONS
+    }
+    other = ["model.embed_tokens", "lm_head"]
+    targets = config.get("target_modules")
+    if targets is None:
+        return None
+    if targets == "all-linear":
+        chosen = set(keys)
+    elif isinstance(targets, str):
+        try:
+            rx = re.compile(targets)
+        except re.error as exc:
+            raise AdapterError(f"target_modules: invalid regex {targets!r} ({exc})") from exc
+        if any(rx.fullmatch(k) for k in other):
+            raise AdapterError(
+                f"target_modules: {targets!r} targets embeddings/lm_head, which is not supported"
+            )
+        chosen = {k for k in keys if rx.fullmatch(k)}
+        if not chosen:
+            raise AdapterError(f"target_modules: regex {targets!r} matches no supported projection")
+    elif isinstance(targets, list) and all(isinstance(t, str) for t in targets):
+        chosen = set()
+        for t in targets:
+            if t.split(".")[-1] in _EMBEDDING_NAMES:
+                raise AdapterError(
+                    f"target_modules: {t!r} is an embedding/lm_head target, which is not supported"
+                )
+            hits = {k for k in keys if k == t or k.endswith("." + t)}
+            if not hits:
+                raise AdapterError(
+                    f"target_modules: unknown module name {t!r} (supported: {', '.join(PROJECTIONS)})"
+                )
+            chosen |= hits
+        layers = config.get("layers_to_transform")
+        if layers is not None and layers != []:
+            layers = [layers] if _is_int(layers) else layers
+            if not isinstance(layers, list) or not all(_is_int(x) for x in layers):
+                raise AdapterError(f"layers_to_transform: expected an int or a list of ints, got {layers!r}")
+            for x in layers:
+                if not 0 <= x < model.num_layers:
+                    raise AdapterError(
+                        f"layers_to_transform: layer {x} out of range (model has {model.num_layers})"
+                    )
+            chosen = {k for k in chosen if keys[k][0] in layers}
+    else:
+        raise AdapterError(
+            f"target_modules: expected a list of names, a regex or 'all-linear', got {targets!r}"
+        )
+    excluded = config.get("exclude_modules")
+    if isinstance(excluded, str):
+        chosen = {k for k in chosen if not re.fullmatch(excluded, k)}
+    elif isinstance(excluded, list):
+        chosen = {k for k in chosen if not any(k == e or k.endswith("." + e) for e in excluded)}
+    return {keys[k] for k in chosen}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _parse_safetensors_header(data: bytes) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Validate the safetensors framing and return {tensor name: (dtype, shape)}.
+
+    Layout: u64 little-endian header length N, N bytes of JSON, then the tensor data; every tensor's
+    `data_offsets` must lie inside the data and the data must end exactly at the last tensor.
+    """
+    if len(data) < 8:
+        raise AdapterError(f"{WEIGHTS_FILE}: truncated (only {len(data)} bytes)")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > _MAX_HEADER_BYTES or 8 + n > len(data):
+        raise AdapterError(f"{WEIGHTS_FILE}: truncated or corrupt header (declares {n} header bytes)")
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise AdapterError(f"{WEIGHTS_FILE}: corrupt header ({exc})") from exc
+    if not isinstance(header, dict):
+        raise AdapterError(f"{WEIGHTS_FILE}: corrupt header (not a JSON object)")
+    header.pop("__metadata__", None)
+    body = len(data) - 8 - n
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    end = 0
+    for name, info in header.items():
+        try:
+            dtype, shape, (start, stop) = (
+                info["dtype"],
+                tuple(int(s) for s in info["shape"]),
+                info["data_offsets"],
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise AdapterError(f"tensor {name!r}: corrupt safetensors entry") from exc
+        if dtype not in _FLOAT_DTYPES:
+            raise AdapterError(f"tensor {name!r}: dtype {dtype} is not a floating-point type")
+        if not 0 <= start <= stop <= body:
+            raise AdapterError(f"tensor {name!r}: data lies outside the file ({WEIGHTS_FILE} truncated?)")
+        end = max(end, stop)
+        out[name] = (dtype, shape)
+    if end != body:
+        raise AdapterError(f"{WEIGHTS_FILE}: {body - end} unexpected bytes after the tensors (corrupt file)")
+    return out
+
+
+def _load_tensors(data: bytes) -> dict[str, torch.Tensor]:
+    try:
+        return load_safetensors(data)
+    except (SafetensorError, ValueError, RuntimeError) as exc:
+        raise AdapterError(f"{WEIGHTS_FILE}: corrupt ({exc})") from exc
+
+
+def _parse_tensor_name(name: str, model: ModelConfig) -> tuple[int, str, str]:
+    """(layer, projection, "A"|"B") of a LoRA tensor name, or `AdapterError` for anything else."""
+    if "lora_magnitude_vector" in name:
+        raise AdapterError(f"tensor {name!r}: DoRA is not supported yet")
+    if "lora_embedding_" in name or any(f"{e}." in name for e in _EMBEDDING_NAMES):
+        raise AdapterError(f"tensor {name!r}: embedding/lm_head adapters are not supported")
+    m = _TENSOR_RE.match(name)
+    if m is None:
+        raise AdapterError(f"tensor {name!r}: not a LoRA A/B weight (unexpected tensor)")
+    mm = _MODULE_RE.match(m["module"])
+    if mm is None or mm["proj"] not in PROJECTIONS or _PARENT[mm["proj"]] != mm["parent"]:
+        raise AdapterError(f"tensor {name!r}: unknown module {m['module']!r}")
+    layer = int(mm["layer"])
+    if layer >= model.num_layers:
+        raise AdapterError(
+            f"tensor {name!r}: layer {layer} out of range (model has {model.num_layers} layers)"
+        )
+    return layer, mm["proj"], m["ab"]
+
+
+def _check_shape(name: str, entry: tuple[str, tuple[int, ...]], want: tuple[int, int], module: str) -> None:
+    shape = entry[1]
+    if shape != want:
+        raise AdapterError(
+            f"tensor {name!r}: shape {list(shape)} does not fit the base model's {module} "
+            f"(expected {list(want)})"
+        )

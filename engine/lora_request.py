@@ -1,0 +1,14 @@
+"""The engine's handle on a LoRA adapter: a name for humans and a path to its PEFT files."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class LoRARequest:
+    """Ask the engine to apply the PEFT adapter stored at `path` (a directory with `adapter_config.json`
+    and `adapter_model.safetensors`). The engine identifies adapters by content digest, not by `name`."""
+
+    name: str
+    path: str

@@ -1,0 +1,23 @@
+"""Engine counters a server exports (a snapshot after each step)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_cached_free: int
+    kv_blocks_free: int
+    kv_usage: float
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of which were found cached
+    num_preemptions: int  # total so far
+    last_step_tokens: int  # tokens computed by the last step
+    num_steps: int
+    prompt_tokens_total: int
+    generation_tokens_total: int

@@ -1,0 +1,59 @@
+"""The one linear layer type every projection goes through — the seam where LoRA plugs in.
+
+A `ProjectionLinear` may pack several logical projections ("slices") along its output, e.g. q|k|v or
+gate|up, so the base GEMM runs once. Its forward computes::
+
+    y = x @ W.T (+ b)
+    if lora is not None:                  # per-step adapter state; None when no adapter is in the batch
+        lora.apply(layer_index, slice_names, x, y)   # y[:, slice s] += scale * (x @ A_s.T) @ B_s.T
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+
+class LoRAStepContext(Protocol):
+    """Per-step adapter state handed to every projection (implemented by the LoRA layer of the engine)."""
+
+    def apply(self, layer_index: int, slice_names: tuple[str, ...], x: torch.Tensor, y: torch.Tensor) -> None:
+        """Add each token's adapter delta for the given packed slices into `y` in place."""
+        ...
+
+
+class ProjectionLinear(nn.Module):
+    """`y = x @ W.T + b` for the packed slices `slice_names` with output widths `slice_sizes`."""
+
+    def __init__(
+        self,
+        in_features: int,
+        slice_names: tuple[str, ...],
+        slice_sizes: tuple[int, ...],
+        layer_index: int,
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.slice_names = slice_names
+        self.slice_sizes = slice_sizes
+        self.layer_index = layer_index
+        out = sum(slice_sizes)
+        self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor, lora: LoRAStepContext | None = None) -> torch.Tensor:
+        y = nn.functional.linear(x, self.weight, self.bias)
+        if lora is not None:
+            lora.apply(self.layer_index, self.slice_names, x, y)
+        return y
+
+    def slice_offsets(self) -> tuple[int, ...]:
+        """Start column of each slice in the packed output."""
+        offs, acc = [], 0
+        for s in self.slice_sizes:
+            offs.append(acc)
+            acc += s
+        return tuple(offs)

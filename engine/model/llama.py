@@ -1,0 +1,133 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flat token batch with a paged KV cache.
+
+Differences between the families are configuration, not code paths: Qwen2 adds q/k/v bias, Qwen3 adds
+RMSNorm on each head of q and k before RoPE, Qwen2 may tie the LM head to the embeddings, Llama 3 scales
+RoPE frequencies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.config import ModelConfig
+from engine.model.linear import LoRAStepContext, ProjectionLinear
+from engine.model.rope import RotaryEmbedding
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """Everything one forward pass reads besides the weights."""
+
+    input_ids: torch.Tensor  # [T] int64, all sequences' new tokens concatenated
+    positions: torch.Tensor  # [T] int64
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor  # [S] int64: rows of the flat batch whose next-token logits are needed
+    lora: LoRAStepContext | None = None  # None when no request in the step uses an adapter
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / sqrt(mean(x^2) + eps), computed in float32 and cast back (as HF does)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = ProjectionLinear(
+            cfg.hidden_size,
+            ("q_proj", "k_proj", "v_proj"),
+            (cfg.q_size, cfg.kv_size, cfg.kv_size),
+            layer,
+            bias=cfg.qkv_bias,
+        )
+        self.o_proj = ProjectionLinear(cfg.q_size, ("o_proj",), (cfg.hidden_size,), layer)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rope = rope
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, x, positions, kv: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, backend):
+        t = x.shape[0]
+        qkv = self.qkv_proj(x, batch.lora)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q = qkv[:, :q_size].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(positions, q, k)
+        backend.write_kv(k, v, kv[0], kv[1], batch.attn)
+        o = backend.attend(q, kv[0], kv[1], batch.attn, self.scale)
+        return self.o_proj(o.reshape(t, q_size), batch.lora)
+
+
+class MLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate|up packed in one projection."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = ProjectionLinear(cfg.hidden_size, ("gate_proj", "up_proj"), (inter, inter), layer)
+        self.down_proj = ProjectionLinear(inter, ("down_proj",), (cfg.hidden_size,), layer)
+        self.inter = inter
+
+    def forward(self, x: torch.Tensor, lora: LoRAStepContext | None) -> torch.Tensor:
+        gu = self.gate_up_proj(x, lora)
+        h = nn.functional.silu(gu[:, : self.inter]) * gu[:, self.inter :]
+        return self.down_proj(h, lora)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer, rope)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, layer)
+
+    def forward(self, x, positions, kv, batch: ForwardBatch, backend):
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv, batch, backend)
+        return x + self.mlp(self.post_attention_layernorm(x), batch.lora)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder stack + LM head; `forward` returns float32 logits for `batch.logits_indices` only."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.extra.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg.extra['hidden_act']!r} is not supported (only silu)")
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rope) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
+
+    def forward(
+        self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend
+    ) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, batch.positions, kv, batch, backend)
+        x = self.norm(x[batch.logits_indices])
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
+        return nn.functional.linear(x, head).float()

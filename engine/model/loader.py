@@ -1,0 +1,101 @@
+"""Load a Hugging Face checkpoint directory (`*.safetensors`, sharded or not) into our model."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.config import ModelConfig
+from engine.model.llama import LlamaForCausalLM
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# HF module name -> (our packed module, slice index)
+_PACKED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+class CheckpointError(ValueError):
+    """Weights are missing, extra or of the wrong shape for the config."""
+
+
+def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """Build the model on `device` in `dtype` and fill every parameter from the checkpoint's tensors.
+
+    The module tree is created on the meta device and materialized once, so no memory is spent on
+    random initialization. Packed projections (q|k|v, gate|up) are filled slice by slice.
+    """
+    files = sorted(Path(cfg.path).glob("*.safetensors"))
+    if not files:
+        bins = list(Path(cfg.path).glob("*.bin"))
+        hint = " (pickle .bin weights are refused; convert to safetensors)" if bins else ""
+        raise CheckpointError(f"{cfg.path}: no *.safetensors weight files{hint}")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to(dtype).to_empty(device=device)
+    model.rope.reset_tables(device)
+    params = dict(model.named_parameters())
+    filled: set[str] = set()
+    with torch.no_grad():
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    target = _target(key)
+                    if target is None:
+                        continue
+                    name, slice_idx = target
+                    if name not in params:
+                        raise CheckpointError(f"{file.name}: unexpected tensor {key!r}")
+                    _copy_into(model, params[name], name, slice_idx, f.get_tensor(key), key)
+                    filled.add(name if slice_idx is None else f"{name}#{slice_idx}")
+    _check_complete(model, params, filled)
+    return model.eval()
+
+
+def _target(key: str) -> tuple[str, int | None] | None:
+    """Our parameter name for an HF tensor key, and the slice index when it goes into a packed weight."""
+    if key.startswith(("model.embed_tokens.", "model.norm.")):
+        return key.removeprefix("model."), None
+    if key == "lm_head.weight":
+        return "lm_head", None
+    m = _LAYER.match(key)
+    if m is None:
+        return None  # e.g. buffers some exporters save
+    layer, rest = m.groups()
+    module, _, leaf = rest.rpartition(".")
+    if "rotary_emb" in module:
+        return None
+    if module in _PACKED:
+        packed, idx = _PACKED[module]
+        return f"layers.{layer}.{packed}.{leaf}", idx
+    return f"layers.{layer}.{rest}", None
+
+
+def _copy_into(model, dest: torch.Tensor, name: str, slice_idx: int | None, src: torch.Tensor, key: str):
+    if slice_idx is not None:
+        module = model.get_submodule(name.rsplit(".", 1)[0])
+        start, size = module.slice_offsets()[slice_idx], module.slice_sizes[slice_idx]
+        dest = dest[start : start + size]
+    if tuple(src.shape) != tuple(dest.shape):
+        raise CheckpointError(f"tensor {key!r} has shape {tuple(src.shape)}, expected {tuple(dest.shape)}")
+    dest.copy_(src)
+
+
+def _check_complete(model, params: dict[str, torch.Tensor], filled: set[str]) -> None:
+    missing = []
+    for name in params:
+        owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        n_slices = len(getattr(owner, "slice_sizes", ()))
+        if n_slices > 1:
+            missing += [f"{name}[slice {i}]" for i in range(n_slices) if f"{name}#{i}" not in filled]
+        elif name not in filled:
+            missing.append(name)
+    if missing:
+        raise CheckpointError(f"checkpoint lacks weights for: {', '.join(missing[:8])}")

@@ -1,0 +1,64 @@
+"""Rotary position embeddings (rotate-half / NeoX layout, as in HF Llama), with llama3 frequency scaling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """inv_freq[i] = theta^(-2i/d), optionally rescaled by the llama3 rule.
+
+    llama3: wavelengths longer than `original_max_position_embeddings / low_freq_factor` are divided by
+    `factor`, those shorter than `.../high_freq_factor` are kept, and the band between is interpolated.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    if not scaling:
+        return inv_freq.float()
+    factor = float(scaling["factor"])
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    orig = float(scaling["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = orig / low, orig / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (orig / wavelen - low) / (high - low)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    return torch.where(is_mid, mid, scaled).float()
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Precomputed cos/sin tables for positions `[0, max_positions)`; `forward` rotates q and k in place."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None):
+        super().__init__()
+        self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
+        self.register_buffer("cos", torch.empty(0), persistent=False)  # [P, D/2] float32
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.reset_tables()
+
+    def reset_tables(self, device: torch.device | None = None) -> None:
+        """(Re)compute the float32 cos/sin tables, e.g. after the module was materialized from meta."""
+        device = device or self.cos.device
+        if device.type == "meta":
+            device = torch.device("cpu")
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
+        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32, device="cpu"), inv_freq)
+        self.cos = freqs.cos().to(device)
+        self.sin = freqs.sin().to(device)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q [T, Hq, D], k [T, Hkv, D] -> rotated copies: x*cos + rotate_half(x)*sin at each position."""
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)

@@ -1,0 +1,91 @@
+"""Turn next-token logits into tokens for a batch of requests with different sampling settings.
+
+For each row: greedy rows take argmax(logits). Other rows divide by temperature, keep the top-k logits
+and the smallest set of tokens whose probability mass reaches top_p, and draw from the renormalized
+distribution with the Gumbel/exponential trick `argmax(p / q), q ~ Exp(1)`. A request with a `seed` draws
+its `q` from its own generator, so its tokens do not depend on the rest of the batch.
+Log-probabilities are reported under the raw (untempered) distribution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.outputs import Logprob
+from engine.request import Request
+from engine.scheduler.output import SampledToken
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, reqs: Sequence[Request]) -> list[SampledToken]:
+        """logits [S, V] float32, one row per request -> one sampled token per request."""
+        params = [r.params for r in reqs]
+        greedy_rows = [p.greedy for p in params]
+        argmax = logits.argmax(dim=-1)
+        if all(greedy_rows):
+            tokens = argmax
+        else:
+            tokens = torch.where(
+                torch.tensor(greedy_rows, device=logits.device), argmax, self._draw(logits, reqs)
+            )
+        token_list = tokens.tolist()
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        out = [SampledToken(t) for t in token_list]
+        if logprob_rows:
+            rows = torch.tensor(logprob_rows, device=logits.device)
+            logp = torch.log_softmax(logits[rows], dim=-1)
+            chosen = tokens[rows]
+            chosen_lp = logp.gather(1, chosen[:, None]).squeeze(1)
+            ranks = (logp > chosen_lp[:, None]).sum(-1) + 1
+            max_k = max(params[i].logprobs for i in logprob_rows)
+            top_lp, top_ids = logp.topk(max_k, dim=-1) if max_k else (None, None)
+            chosen_l, ranks_l = chosen_lp.tolist(), ranks.tolist()
+            for j, i in enumerate(logprob_rows):
+                entry = {token_list[i]: Logprob(chosen_l[j], ranks_l[j])}
+                k = params[i].logprobs
+                if k:
+                    for r, (tid, lp) in enumerate(zip(top_ids[j, :k].tolist(), top_lp[j, :k].tolist(), strict=True)):
+                        entry.setdefault(tid, Logprob(lp, r + 1))
+                out[i].logprob = chosen_l[j]
+                out[i].top_logprobs = entry
+        return out
+
+    def _draw(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+        params = [r.params for r in reqs]
+        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=logits.device)
+        scaled = logits / temps[:, None]
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            scaled = _filter_top_k_top_p(scaled, top_k, top_p)
+        probs = scaled.softmax(dim=-1)
+        q = torch.empty_like(probs)
+        q.exponential_(generator=self.generator)
+        for i, r in enumerate(reqs):
+            if r.generator is not None:
+                q[i].exponential_(generator=r.generator)
+        return (probs / q).argmax(dim=-1)
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Set to -inf every logit outside its row's top-k and outside its row's top-p nucleus."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=logits.device)
+    rank = torch.arange(vocab, device=logits.device)[None, :]
+    drop = rank >= k[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    p = torch.tensor(top_p, device=logits.device, dtype=torch.float32)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
+    drop = mass_before >= p[:, None]
+    drop[:, 0] = False  # always keep the most likely token
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)

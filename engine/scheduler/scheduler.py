@@ -1,0 +1,218 @@
+"""Continuous batching with chunked prefill, prefix caching and preemption by recompute.
+
+Each step (`schedule`):
+1. Running requests first, in admission order: each gets `min(tokens left to compute, budget)` tokens;
+   for a decode that is one token. If the KV pool has no room, the policy's victim among the running
+   requests not yet scheduled this step (possibly the request itself) is preempted: its blocks are
+   released and it returns to the front of the queue to be recomputed later.
+2. If nothing was preempted, waiting requests are admitted in policy order while the token budget,
+   `max_num_seqs`, `max_loras` and the KV pool allow, each starting after its cached prefix. A long
+   prompt is split across steps (chunked prefill) by the token budget.
+The scheduler never touches tensors; `update` applies the runner's sampled tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.kv_cache import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.scheduler.policy import admission_order, pick_victim, validate_policy
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    policy: str = "fcfs"
+    max_loras: int = 8
+
+    def __post_init__(self) -> None:
+        validate_policy(self.policy)
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preemptions: int = 0
+    num_batched_tokens: int = 0
+
+
+class Scheduler:
+    """Decides each step's batch; owns the waiting and running queues and the KV cache manager."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        eos_token_ids: tuple[int, ...] = (),
+        adapter_ready: Callable[[Request], bool] | None = None,
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.adapter_ready = adapter_ready or (lambda req: True)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+
+    # ---- queue management -------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish_request(self, req: Request, status: RequestStatus) -> None:
+        """End a request (stop, length or abort) and release everything it holds."""
+        if req.is_finished:
+            return
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.insert(0, req)
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+        adapters: set[str | None] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req, n):
+                victim = pick_victim(self.config.policy, self.running[i:])
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req in preempted:
+                continue
+            scheduled.append(self._scheduled(req, n))
+            adapters.add(req.lora_key)
+            budget -= n
+            i += 1
+
+        if not preempted:
+            budget = self._admit(budget, scheduled, adapters)
+
+        out = SchedulerOutput(scheduled, self.config.max_num_batched_tokens - budget, preempted)
+        self.stats.num_running = len(self.running)
+        self.stats.num_waiting = len(self.waiting)
+        self.stats.num_batched_tokens = out.num_batched_tokens
+        return out
+
+    def _admit(self, budget: int, scheduled: list[ScheduledRequest], adapters: set[str | None]) -> int:
+        running_adapters = {r.lora_key for r in self.running} | adapters
+        hit_cache: dict[int, tuple[list, int]] = {}
+
+        def cached(req: Request) -> int:
+            if id(req) not in hit_cache:
+                hit_cache[id(req)] = self.kv.find_cached_prefix(req)
+            return hit_cache[id(req)][1]
+
+        order = admission_order(self.config.policy, self.waiting, cached)
+        for req in order:
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            key = req.lora_key
+            if key is not None and key not in running_adapters:
+                if sum(k is not None for k in running_adapters) >= self.config.max_loras:
+                    continue
+            if not self.adapter_ready(req):
+                continue
+            # Look up again: blocks cached earlier in this loop (e.g. by an n>1 sibling) may now hit.
+            hit_cache.pop(id(req), None)
+            cached(req)
+            blocks, num_cached = hit_cache[id(req)]
+            n = min(req.num_tokens - num_cached, budget)
+            if not self.kv.allocate_slots(req, n, blocks):
+                if self.config.policy == "fcfs":
+                    break
+                continue
+            self.kv.record_lookup(req, num_cached)
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+            req.num_computed_tokens = num_cached
+            self.waiting.remove(req)
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            running_adapters.add(key)
+            scheduled.append(self._scheduled(req, n))
+            budget -= n
+        return budget
+
+    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        return ScheduledRequest(
+            request=req,
+            start=start,
+            num_tokens=n,
+            block_ids=self.kv.block_ids(req),
+            sample=start + n == req.num_tokens,
+        )
+
+    def update(self, plan: SchedulerOutput, out: RunnerOutput) -> list[Request]:
+        """Advance computed counts, append sampled tokens, and finish requests that hit a stop condition.
+
+        Returns the requests that received a new token this step (finished ones included).
+        """
+        now = time.monotonic()
+        progressed = []
+        for item, sampled in zip(plan.scheduled, out.sampled, strict=True):
+            req = item.request
+            if req.is_finished:  # aborted while the step ran
+                continue
+            req.num_computed_tokens += item.num_tokens
+            if sampled is None:
+                continue
+            req.append_token(sampled.token_id)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if req.logprobs is not None and sampled.top_logprobs is not None:
+                req.logprobs.append(sampled.top_logprobs)
+            if sampled.logprob is not None:
+                req.cumulative_logprob += sampled.logprob
+            self._check_stop(req, sampled.token_id)
+            progressed.append(req)
+        return progressed
+
+    def _check_stop(self, req: Request, token_id: int) -> None:
+        params = req.params
+        if token_id in params.stop_token_ids:
+            req.stop_reason = token_id
+            self.finish_request(req, RequestStatus.FINISHED_STOPPED)
+        elif not params.ignore_eos and token_id in self.eos_token_ids:
+            self.finish_request(req, RequestStatus.FINISHED_STOPPED)
+        elif req.num_output_tokens >= params.max_tokens or req.num_tokens >= req.max_total_tokens:
+            self.finish_request(req, RequestStatus.FINISHED_LENGTH)
