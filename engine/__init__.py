@@ -1,6 +1,6 @@
 """loraplex's single-device inference engine.
 
-    from engine import LLM, SamplingParams, LoRARequest
+from engine import LLM, SamplingParams, LoRARequest
 """
 
 from engine.engine_config import EngineConfig

@@ -122,7 +122,7 @@ class ModelConfig:
         rope_scaling: dict[str, Any] | None = None
         if rope_type not in (None, "default"):
             if rope_type != "llama3":
-                raise ModelConfigError(f"rope scaling type {rope_type!r} is not supported (supported: llama3)")
+                raise ModelConfigError(f"rope scaling {rope_type!r} is not supported (supported: llama3)")
             rope_scaling = {k: v for k, v in rope.items() if k != "type"} | {"rope_type": rope_type}
 
         dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"

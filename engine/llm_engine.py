@@ -59,7 +59,12 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(sched_cfg, self.kv, self._eos_token_ids())
         self.runner = ModelRunner(
-            self.model, self.model_config, self.num_kv_blocks, config.block_size, self.dtype, self.device,
+            self.model,
+            self.model_config,
+            self.num_kv_blocks,
+            config.block_size,
+            self.dtype,
+            self.device,
             config.seed,
         )
         self._groups: dict[str, _Group] = {}

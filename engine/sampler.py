@@ -51,7 +51,8 @@ class Sampler:
                 entry = {token_list[i]: Logprob(chosen_l[j], ranks_l[j])}
                 k = params[i].logprobs
                 if k:
-                    for r, (tid, lp) in enumerate(zip(top_ids[j, :k].tolist(), top_lp[j, :k].tolist(), strict=True)):
+                    alts = zip(top_ids[j, :k].tolist(), top_lp[j, :k].tolist(), strict=True)
+                    for r, (tid, lp) in enumerate(alts):
                         entry.setdefault(tid, Logprob(lp, r + 1))
                 out[i].logprob = chosen_l[j]
                 out[i].top_logprobs = entry

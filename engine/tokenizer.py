@@ -38,9 +38,12 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes (possibly empty)."""
         self.tokens.append(token_id)
-        decode = self.tokenizer.decode
-        prefix_text = decode(self.tokens[self.prefix_offset : self.read_offset], skip_special_tokens=self.skip)
-        new_text = decode(self.tokens[self.prefix_offset :], skip_special_tokens=self.skip)
+
+        def decode(ids: list[int]) -> str:
+            return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+
+        prefix_text = decode(self.tokens[self.prefix_offset : self.read_offset])
+        new_text = decode(self.tokens[self.prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""
         delta = new_text[len(prefix_text) :]

@@ -123,7 +123,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
 
     def forward(
-        self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend
+        self,
+        batch: ForwardBatch,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        backend: AttentionBackend,
     ) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
         for layer, kv in zip(self.layers, kv_caches, strict=True):

@@ -14,7 +14,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     llama3: wavelengths longer than `original_max_position_embeddings / low_freq_factor` are divided by
     `factor`, those shorter than `.../high_freq_factor` are kept, and the band between is interpolated.
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
     if not scaling:
         return inv_freq.float()
     factor = float(scaling["factor"])

@@ -146,9 +146,9 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             key = req.lora_key
-            if key is not None and key not in running_adapters:
-                if sum(k is not None for k in running_adapters) >= self.config.max_loras:
-                    continue
+            new_adapter = key is not None and key not in running_adapters
+            if new_adapter and sum(k is not None for k in running_adapters) >= self.config.max_loras:
+                continue
             if not self.adapter_ready(req):
                 continue
             # Look up again: blocks cached earlier in this loop (e.g. by an n>1 sibling) may now hit.
