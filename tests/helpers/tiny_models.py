@@ -1,0 +1,102 @@
+"""Tiny random Hugging Face checkpoints for tests (built locally, nothing downloaded)."""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import torch
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+_BASE = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def build_checkpoint(out_dir: Path, arch: str, seed: int = 0, dtype=torch.float32, **overrides) -> Path:
+    """Save a random `arch` model to `out_dir` (safetensors + config.json) and return the directory.
+
+    Variations by family: llama uses llama3 RoPE scaling; qwen2 has q/k/v bias and tied embeddings;
+    qwen3 has q/k norms and a head_dim different from hidden/heads; mistral has a sliding window
+    larger than the context.
+    """
+    import transformers as tf
+
+    kw = dict(_BASE)
+    if arch == "llama":
+        kw["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        }
+        cfg_cls, model_cls = tf.LlamaConfig, tf.LlamaForCausalLM
+    elif arch == "mistral":
+        kw["sliding_window"] = 4096
+        cfg_cls, model_cls = tf.MistralConfig, tf.MistralForCausalLM
+    elif arch == "qwen2":
+        kw["tie_word_embeddings"] = True
+        cfg_cls, model_cls = tf.Qwen2Config, tf.Qwen2ForCausalLM
+    elif arch == "qwen3":
+        kw["head_dim"] = 24
+        cfg_cls, model_cls = tf.Qwen3Config, tf.Qwen3ForCausalLM
+    else:
+        raise ValueError(arch)
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**kw))
+    with torch.no_grad():  # larger weights than the init default so logits are far from ties
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+            elif p.dim() > 1:
+                p.normal_(0, 0.25)
+    model = model.to(dtype)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def save_char_tokenizer(out_dir: Path) -> None:
+    """A character-level fast tokenizer over printable ASCII (ids 3..), with <unk>=0, <s>=1, </s>=2."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {c: i + 3 for i, c in enumerate(chars)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(out_dir)
+
+
+class HFGreedyOracle:
+    """Greedy continuation by the transformers model itself: full forward, argmax, append."""
+
+    def __init__(self, model_dir: Path, dtype=torch.float32) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+    @torch.no_grad()
+    def greedy(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        ids = list(prompt)
+        for _ in range(max_new_tokens):
+            logits = self.model(torch.tensor([ids])).logits[0, -1]
+            ids.append(int(logits.argmax()))
+        return ids[len(prompt) :]
+
+    @torch.no_grad()
+    def logprobs(self, ids: list[int]) -> torch.Tensor:
+        """log_softmax of next-token logits at every position of `ids` -> [len(ids), vocab]."""
+        return torch.log_softmax(self.model(torch.tensor([ids])).logits[0].float(), dim=-1)
