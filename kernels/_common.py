@@ -1,0 +1,98 @@
+"""Shared launcher helpers: input checks with clear errors, pointer tables for multi-slice pools."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+
+_PTR_TABLE_CACHE: OrderedDict[tuple, Tensor] = OrderedDict()
+_PTR_TABLE_CACHE_SIZE = 4096
+
+
+def check_tensor(
+    op: str,
+    name: str,
+    t: object,
+    *,
+    ndim: int,
+    dtypes: Sequence[torch.dtype],
+    device: torch.device | None = None,
+    last_contiguous: bool = True,
+    contiguous: bool = False,
+) -> Tensor:
+    """Raise ``ValueError`` unless ``t`` is a tensor with the given rank, dtype, device and layout."""
+    if not isinstance(t, Tensor):
+        raise ValueError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{op}: {name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d) for d in dtypes)
+        raise ValueError(f"{op}: {name} has dtype {t.dtype}, expected one of: {allowed}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{op}: {name} is on {t.device}, expected {device} (all inputs on one device)")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{op}: {name} must be contiguous (strides {t.stride()})")
+    if last_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{op}: {name} must be contiguous in its last dim (strides {t.stride()})")
+    return t
+
+
+def check_shape(op: str, name: str, t: Tensor, expected: Sequence[int | None]) -> None:
+    """Raise ``ValueError`` unless ``t.shape`` matches ``expected`` (``None`` = any size)."""
+    if len(t.shape) != len(expected) or any(
+        e is not None and e != s for s, e in zip(t.shape, expected, strict=True)
+    ):
+        want = tuple("*" if e is None else e for e in expected)
+        raise ValueError(f"{op}: {name} has shape {tuple(t.shape)}, expected {want}")
+
+
+def check_runnable(op: str, device: torch.device, interpreted: bool) -> None:
+    """Triton kernels run on CUDA, or on CPU only under ``TRITON_INTERPRET=1`` (set before import)."""
+    if device.type == "cuda" or (device.type == "cpu" and interpreted):
+        return
+    raise ValueError(
+        f"{op}: tensors on {device} cannot run the Triton kernel; use CUDA tensors, or on CPU the "
+        "kernels.reference ops (or set TRITON_INTERPRET=1 before triton is imported)"
+    )
+
+
+def is_interpreted(kernel: object) -> bool:
+    """True when ``kernel`` was decorated while ``TRITON_INTERPRET=1`` (runs on CPU via numpy)."""
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` input precision: exact fp32 for fp32 inputs, native for fp16/bf16."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def pointer_table(pools: Sequence[Tensor], extra: Sequence[Sequence[int]] | None = None) -> Tensor:
+    """An int64 table ``[len(pools), 3 + k]``: ``(data_ptr, stride(0), stride(1), *extra[i])`` per pool.
+
+    Cached by content (pointers and strides), so a per-layer view of a persistent pool builds its
+    table once and later calls do no host-to-device copy.
+    """
+    rows = [
+        (p.data_ptr(), p.stride(0), p.stride(1), *(extra[i] if extra is not None else ()))
+        for i, p in enumerate(pools)
+    ]
+    key = (pools[0].device, tuple(rows))
+    table = _PTR_TABLE_CACHE.get(key)
+    if table is None:
+        table = torch.tensor(rows, dtype=torch.int64, device=pools[0].device)
+        _PTR_TABLE_CACHE[key] = table
+        if len(_PTR_TABLE_CACHE) > _PTR_TABLE_CACHE_SIZE:
+            _PTR_TABLE_CACHE.popitem(last=False)
+    else:
+        _PTR_TABLE_CACHE.move_to_end(key)
+    return table
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= max(n, 1)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
