@@ -23,6 +23,11 @@ class EngineConfig:
     max_loras: int = 8
     max_lora_rank: int = 64
     max_cpu_loras: int | None = None
+    lora_pool_pages: int | None = (
+        None  # pages per projection; default: room for 2*max_loras max-rank adapters
+    )
+    lora_page_rank: int = 16
+    lora_backend: str = "auto"  # "torch" (CPU default) or "triton" (CUDA default)
     seed: int = 0
 
     def resolve_device(self) -> torch.device:

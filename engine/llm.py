@@ -67,8 +67,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of `prompts`.
 
-        `sampling_params` and `lora_request` are one for all prompts or one per prompt. All prompts are
-        validated before any is queued, so a bad one leaves the engine untouched.
+        `sampling_params` and `lora_request` are one for all prompts or one per prompt (None = base
+        model). All prompts and adapters are validated before any request is queued, so a bad one leaves
+        the engine untouched. Any number of distinct adapters may be mixed: the scheduler rotates them
+        through the `max_loras` per-step slots and the adapter pool.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt
@@ -80,6 +82,8 @@ class LLM:
             raise ValueError(f"priority has {len(prios)} entries for {len(prompts)} prompts")
         for p in prompts:
             self.engine.tokenize(p)
+        for lr in {lr for lr in loras if lr is not None}:
+            self.engine.add_lora(lr)  # validates every adapter before anything is queued
         ids = []
         try:
             for prompt, sp, lr, pr in zip(prompts, params, loras, prios, strict=True):

@@ -19,6 +19,7 @@ import torch
 from engine.config import ModelConfig, cdiv, resolve_dtype
 from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheManager
+from engine.lora.manager import LoRAInfo, LoRAManager, LoRAPoolStats
 from engine.lora_request import LoRARequest
 from engine.metrics import EngineStats
 from engine.model.loader import load_model
@@ -67,6 +68,23 @@ class LLMEngine:
             self.device,
             config.seed,
         )
+        self.lora: LoRAManager | None = None
+        if config.enable_lora:
+            self.lora = LoRAManager(
+                self.model_config,
+                self.dtype,
+                self.device,
+                max_lora_rank=config.max_lora_rank,
+                max_cpu_loras=config.max_cpu_loras,
+                num_pages=config.lora_pool_pages,
+                page_rank=config.lora_page_rank,
+                max_loras=config.max_loras,
+                backend=config.lora_backend,
+            )
+            lora = self.lora
+            self.lora.in_use = lambda: {r.lora_key for r in self.scheduler.running if r.lora_key}
+            self.scheduler.adapter_ready = lambda req: req.lora_key is None or lora.ready(req.lora_key)
+            self.runner.lora_context = self.lora.step_context
         self._groups: dict[str, _Group] = {}
         self._seq_to_group: dict[str, str] = {}
         self._steps = 0
@@ -163,7 +181,49 @@ class LLMEngine:
     def _lora_key(self, lora_request: LoRARequest | None) -> str | None:
         if lora_request is None:
             return None
-        raise ValueError("this engine build does not serve LoRA adapters yet")
+        if self.lora is None:
+            raise ValueError("a lora_request was given but the engine was created with enable_lora=False")
+        return self.lora.resolve(lora_request)
+
+    # ---- adapters ---------------------------------------------------------------------------------
+    def _require_lora(self) -> LoRAManager:
+        if self.lora is None:
+            raise ValueError("LoRA is disabled (enable_lora=False)")
+        return self.lora
+
+    def add_lora(self, lora_request: LoRARequest) -> str:
+        """Validate and load an adapter into host memory now; returns its content digest."""
+        return self._require_lora().add_lora(lora_request)
+
+    def remove_lora(self, name_or_digest: str) -> bool:
+        return self._require_lora().remove_lora(name_or_digest)
+
+    def pin_lora(self, name_or_digest: str, pinned: bool = True) -> bool:
+        return self._require_lora().pin_lora(name_or_digest, pinned)
+
+    def list_loras(self) -> list[LoRAInfo]:
+        return self._require_lora().list_loras()
+
+    def get_lora_stats(self) -> LoRAPoolStats:
+        return self._require_lora().stats()
+
+    def _fail_adapter_requests(self) -> list[RequestOutput]:
+        """Finish every request waiting on an adapter whose background load failed."""
+        if self.lora is None:
+            return []
+        failed = self.lora.take_failures()
+        if not failed:
+            return []
+        outputs = []
+        for gid, group in list(self._groups.items()):
+            err = failed.get(group.seqs[0].lora_key or "")
+            if err is None:
+                continue
+            self.abort_request(gid)
+            out = self._output(group)
+            out.error = f"adapter {group.seqs[0].lora_request.name!r} could not be loaded: {err}"
+            outputs.append(out)
+        return outputs
 
     def _detokenizer(self) -> IncrementalDetokenizer | None:
         return IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
@@ -188,11 +248,12 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step and return the state of every request that produced a token."""
+        failed = self._fail_adapter_requests()
         plan = self.scheduler.schedule()
         self._steps += 1
         self._last_step_tokens = plan.num_batched_tokens
         if plan.empty:
-            return []
+            return failed
         out = self.runner.run(plan)
         progressed = self.scheduler.update(plan, out)
         self._generation_tokens += len(progressed)
@@ -204,7 +265,7 @@ class LLMEngine:
             group = self._groups[gid]
             self._detokenize(group, seq)
             touched[gid] = group
-        outputs = []
+        outputs = failed
         for gid, group in touched.items():
             ro = self._output(group)
             outputs.append(ro)

@@ -52,7 +52,11 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, plan: SchedulerOutput) -> RunnerOutput:
         """Compute the plan's tokens and return one sampled token (or None) per scheduled item."""
-        order = sorted(range(len(plan.scheduled)), key=lambda i: plan.scheduled[i].num_tokens != 1)
+        # Decodes first (batched attention), each group ordered by adapter so its tokens are contiguous.
+        order = sorted(
+            range(len(plan.scheduled)),
+            key=lambda i: (plan.scheduled[i].num_tokens != 1, plan.scheduled[i].request.lora_key or ""),
+        )
         items = [plan.scheduled[i] for i in order]
         batch = self._prepare(items)
         logits = self.model(batch, self.kv_layers, self.backend)

@@ -42,4 +42,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    error: str | None = None  # set when the request was ended by an error (e.g. its adapter failed to load)
     metrics: dict[str, float] = field(default_factory=dict)

@@ -58,6 +58,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    num_lora_skips: int = 0  # times admission passed over it because max_loras adapters were running
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, Logprob]] | None = None
     text: str = ""

@@ -7,7 +7,10 @@ Each step (`schedule`):
    released and it returns to the front of the queue to be recomputed later.
 2. If nothing was preempted, waiting requests are admitted in policy order while the token budget,
    `max_num_seqs`, `max_loras` and the KV pool allow, each starting after its cached prefix. A long
-   prompt is split across steps (chunked prefill) by the token budget.
+   prompt is split across steps (chunked prefill) by the token budget. A request whose adapter is not
+   in the device pool yet (`adapter_ready` is False: loading in the background) is passed over without
+   holding up the others. A request passed over `lora_starvation_steps` times because `max_loras`
+   adapters are already running stops admission behind it until its adapter gets a slot.
 The scheduler never touches tensors; `update` applies the runner's sampled tokens.
 """
 
@@ -29,6 +32,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     policy: str = "fcfs"
     max_loras: int = 8
+    # After this many steps passed over for lack of an adapter slot, a request blocks admission of
+    # everything behind it, so the running adapters drain and its adapter gets a slot.
+    lora_starvation_steps: int = 16
 
     def __post_init__(self) -> None:
         validate_policy(self.policy)
@@ -148,6 +154,9 @@ class Scheduler:
             key = req.lora_key
             new_adapter = key is not None and key not in running_adapters
             if new_adapter and sum(k is not None for k in running_adapters) >= self.config.max_loras:
+                req.num_lora_skips += 1
+                if req.num_lora_skips >= self.config.lora_starvation_steps:
+                    break
                 continue
             if not self.adapter_ready(req):
                 continue

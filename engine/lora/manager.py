@@ -1,0 +1,297 @@
+"""`LoRAManager`: adapters by content digest across three tiers, and the per-step LoRA context.
+
+Tiers: device pages (`AdapterPool`) <- host cache (`CpuAdapterCache`, LRU, `max_cpu_loras`) <- disk.
+- `resolve` maps a `LoRARequest` to its content digest (re-hashing only when the files changed), so a
+  name re-pointed at new weights gets a new identity and never reuses old weights or KV.
+- `add_lora` loads and validates synchronously (errors raise `AdapterError`); `ready` is the scheduler's
+  admission hook: it never blocks on disk — a missing adapter is loaded by a background thread while
+  the running batch keeps stepping, and the request waits in the queue.
+- Adapters used by a running request, or pinned with `pin_lora`, are never evicted from the pool; other
+  residents are evicted least-recently-used first to make room.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import ModelConfig
+from engine.lora.adapter_checkpoint import AdapterCheckpoint, AdapterError, adapter_digest, inspect_adapter
+from engine.lora.cpu_cache import CpuAdapterCache
+from engine.lora.pool import AdapterPool, ResidentAdapter
+from engine.lora.step_context import TorchLoRAContext, TritonLoRAContext, token_segments
+from engine.lora_request import LoRARequest
+from engine.scheduler.output import ScheduledRequest
+
+
+@dataclass(slots=True)
+class LoRAInfo:
+    """One known adapter as `list_loras` reports it."""
+
+    digest: str
+    names: list[str]
+    tier: str  # "device" | "cpu" | "loading" | "disk"
+    rank: int | None
+    pinned: bool
+    pages: int
+
+
+@dataclass(slots=True)
+class LoRAPoolStats:
+    pages_total: int
+    pages_used: int
+    pages_free: int
+    resident: int
+    cpu_cached: int
+    loads: int
+    device_uploads: int
+    evictions: int
+    load_failures: int
+    load_seconds_total: float
+    last_load_seconds: float
+
+
+class LoRAManager:
+    def __init__(
+        self,
+        model: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_lora_rank: int = 64,
+        max_cpu_loras: int | None = None,
+        num_pages: int | None = None,
+        page_rank: int = 16,
+        max_loras: int = 8,
+        backend: str = "auto",
+    ) -> None:
+        self.model, self.dtype, self.device = model, dtype, device
+        self.max_lora_rank = max_lora_rank
+        pages_per_adapter = -(-max_lora_rank // page_rank)
+        self.pool = AdapterPool(
+            model, num_pages or 2 * max_loras * pages_per_adapter, page_rank, max_lora_rank, dtype, device
+        )
+        self.cpu = CpuAdapterCache(max_cpu_loras or max(64, 4 * max_loras))
+        if backend == "auto":
+            backend = "triton" if device.type == "cuda" else "torch"
+        if backend not in ("torch", "triton"):
+            raise ValueError(f"lora backend must be auto, torch or triton; got {backend!r}")
+        self.backend = backend
+        self.in_use: Callable[[], set[str]] = lambda: set()
+        self._pinned: set[str] = set()
+        self._names: dict[str, str] = {}  # name -> digest last seen for it
+        self._paths: dict[str, str] = {}  # digest -> path to (re)load from
+        self._stat: dict[str, tuple[tuple[int, int, int, int], str]] = {}  # path -> (file stats, digest)
+        self._loading: dict[str, Future] = {}
+        self._failed: dict[str, str] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._clock = 0
+        self._loads = self._uploads = self._evictions = self._failures = 0
+        self._load_seconds = self._last_load = 0.0
+
+    # ---- identity ---------------------------------------------------------------------------------
+    def resolve(self, lr: LoRARequest) -> str:
+        """Content digest of the adapter files behind `lr` (hashing again only if they changed)."""
+        from engine.lora.adapter_checkpoint import adapter_files
+
+        cfg_file, weights = adapter_files(lr.path)
+        key = str(cfg_file.parent.resolve())
+        stats = tuple(v for f in (cfg_file, weights) for v in (os.stat(f).st_mtime_ns, os.stat(f).st_size))
+        cached = self._stat.get(key)
+        if cached is None or cached[0] != stats:
+            cached = (stats, adapter_digest(key))
+            self._stat[key] = cached
+        digest = cached[1]
+        self._names[lr.name] = digest
+        self._paths[digest] = key
+        return digest
+
+    # ---- explicit management ----------------------------------------------------------------------
+    def add_lora(self, lr: LoRARequest) -> str:
+        """Validate and load the adapter into the host cache now; returns its digest."""
+        digest = self.resolve(lr)
+        if digest not in self.cpu and digest not in self.pool.resident:
+            self.cpu.put(self._load(digest), keep=self._protected())
+        self._failed.pop(digest, None)
+        return digest
+
+    def remove_lora(self, name_or_digest: str) -> bool:
+        """Forget an adapter (all tiers) unless a running request uses it. Returns whether it was known."""
+        digest = self._names.get(name_or_digest, name_or_digest)
+        if digest in self.in_use():
+            raise ValueError(f"adapter {name_or_digest!r} is in use by running requests")
+        known = digest in self.cpu or digest in self.pool.resident or digest in self._paths
+        if digest in self.pool.resident:
+            self.pool.evict(digest)
+        self.cpu.drop(digest)
+        self._pinned.discard(digest)
+        self._paths.pop(digest, None)
+        for name in [n for n, d in self._names.items() if d == digest]:
+            del self._names[name]
+        return known
+
+    def pin_lora(self, name_or_digest: str, pinned: bool = True) -> bool:
+        """Keep an adapter in the device pool regardless of LRU (loading it now). False if unknown."""
+        digest = self._names.get(name_or_digest, name_or_digest)
+        if digest not in self._paths:
+            return False
+        if pinned:
+            if not self._make_resident(digest, blocking=True):
+                raise ValueError(f"adapter {name_or_digest!r} does not fit in the adapter pool")
+            self._pinned.add(digest)
+        else:
+            self._pinned.discard(digest)
+        return True
+
+    def list_loras(self) -> list[LoRAInfo]:
+        out = []
+        for digest in self._paths:
+            names = sorted(n for n, d in self._names.items() if d == digest)
+            res = self.pool.resident.get(digest)
+            ckpt = self.cpu.get(digest) if res is None else None
+            if res is not None:
+                tier = "device"
+            elif ckpt is not None:
+                tier = "cpu"
+            elif digest in self._loading:
+                tier = "loading"
+            else:
+                tier = "disk"
+            rank = max((max(r) for r in res.layer_ranks), default=0) if res else (ckpt.rank if ckpt else None)
+            out.append(
+                LoRAInfo(digest, names, tier, rank, digest in self._pinned, res.num_pages if res else 0)
+            )
+        return out
+
+    # ---- scheduler hooks --------------------------------------------------------------------------
+    def ready(self, digest: str) -> bool:
+        """True when the adapter is in the device pool (uploading it from host memory if needed)."""
+        return self._make_resident(digest, blocking=False)
+
+    def take_failures(self) -> dict[str, str]:
+        """Adapters whose background load failed since the last call: digest -> error message."""
+        failed, self._failed = self._failed, {}
+        return failed
+
+    def step_context(self, items: Sequence[ScheduledRequest]):
+        """The LoRA context for a step's scheduled requests (in flat-batch order), or None if none has one."""
+        adapters: list[ResidentAdapter | None] = []
+        any_lora = False
+        for it in items:
+            key = it.request.lora_key
+            res = self.pool.resident.get(key) if key is not None else None
+            assert key is None or res is not None, "scheduled adapter must be resident"
+            if res is not None:
+                self._clock += 1
+                res.last_used = self._clock
+                any_lora = True
+            adapters.append(res)
+        if not any_lora:
+            return None
+        counts = [it.num_tokens for it in items]
+        if self.backend == "torch":
+            return TorchLoRAContext(self.pool, token_segments(counts, adapters))
+        slots = [
+            (-1 if a is None else a.slot) for a, n in zip(adapters, counts, strict=True) for _ in range(n)
+        ]
+        return TritonLoRAContext(self.pool, torch.tensor(slots, dtype=torch.int32, device=self.device))
+
+    # ---- internals --------------------------------------------------------------------------------
+    def _protected(self) -> set[str]:
+        return self.in_use() | self._pinned
+
+    def _load(self, digest: str) -> AdapterCheckpoint:
+        t0 = time.perf_counter()
+        ckpt = inspect_adapter(self._paths[digest], self.model, self.max_lora_rank, load_weights=True)
+        if ckpt.digest != digest:
+            raise AdapterError("adapter files changed while loading; retry")
+        if self.device.type == "cuda":
+            ckpt = _pin_host_memory(ckpt)
+        dt = time.perf_counter() - t0
+        with self._lock:
+            self._loads += 1
+            self._load_seconds += dt
+            self._last_load = dt
+        return ckpt
+
+    def _make_resident(self, digest: str, blocking: bool) -> bool:
+        if digest in self.pool.resident:
+            return True
+        ckpt = self.cpu.get(digest)
+        if ckpt is None:
+            ckpt = self._poll_load(digest, blocking)
+            if ckpt is None:
+                return False
+        if not self._make_room(ckpt):
+            return False
+        self.pool.upload(ckpt)
+        self._uploads += 1
+        return True
+
+    def _poll_load(self, digest: str, blocking: bool) -> AdapterCheckpoint | None:
+        if blocking:
+            ckpt = self._load(digest)
+        else:
+            fut = self._loading.get(digest)
+            if fut is None:
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-load")
+                self._loading[digest] = self._executor.submit(self._load, digest)
+                return None
+            if not fut.done():
+                return None
+            del self._loading[digest]
+            try:
+                ckpt = fut.result()
+            except Exception as exc:  # surfaced to the requests waiting on this adapter
+                self._failures += 1
+                self._failed[digest] = str(exc)
+                return None
+        self.cpu.put(ckpt, keep=self._protected())
+        return ckpt
+
+    def _make_room(self, ckpt: AdapterCheckpoint) -> bool:
+        """Evict unprotected residents, least recently used first, until `ckpt` fits."""
+        protected = self._protected()
+        victims = sorted(
+            (r for d, r in self.pool.resident.items() if d not in protected), key=lambda r: r.last_used
+        )
+        while not self.pool.fits(ckpt):
+            if not victims:
+                return False
+            self.pool.evict(victims.pop(0).digest)
+            self._evictions += 1
+        return True
+
+    def stats(self) -> LoRAPoolStats:
+        used, total = self.pool.pages_used(), self.pool.pages_total()
+        return LoRAPoolStats(
+            pages_total=total,
+            pages_used=used,
+            pages_free=total - used,
+            resident=len(self.pool.resident),
+            cpu_cached=len(self.cpu),
+            loads=self._loads,
+            device_uploads=self._uploads,
+            evictions=self._evictions,
+            load_failures=self._failures,
+            load_seconds_total=self._load_seconds,
+            last_load_seconds=self._last_load,
+        )
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _pin_host_memory(ckpt: AdapterCheckpoint) -> AdapterCheckpoint:
+    from dataclasses import replace
+
+    mods = tuple(replace(m, lora_a=m.lora_a.pin_memory(), lora_b=m.lora_b.pin_memory()) for m in ckpt.modules)
+    return replace(ckpt, modules=mods)

@@ -1,0 +1,149 @@
+"""The paged adapter pool: LoRA weights of resident adapters in fixed-size device pages.
+
+For each projection module m (q, k, v, o, gate, up, down) the pool holds::
+
+    A[m]: [num_pages, num_layers, page_rank, in_m]     rank-rows of lora_A, all layers in one page
+    B[m]: [num_pages, num_layers, out_m, page_rank]    rank-columns of lora_B
+
+An adapter whose largest rank on module m is r takes ceil(r / page_rank) pages of m (none if it does not
+target m), so adapters of mixed ranks share the pool without padding to the largest rank, and how many
+fit depends on their ranks. Each resident adapter has a slot; per slot the pool keeps::
+
+    page_table[m, slot, j]   page holding rank-rows [j*page_rank, (j+1)*page_rank) of module m
+    ranks[layer, m, slot]    true rank at that layer (0 = layer/module not adapted)
+    scalings[layer, m, slot] alpha/r (or alpha/sqrt(r) with rsLoRA)
+
+Rows of a page beyond the adapter's rank are zero, so whole pages may be multiplied safely.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import ModelConfig, cdiv
+from engine.lora.adapter_checkpoint import PROJECTIONS, AdapterCheckpoint, module_features
+
+MODULE_INDEX = {m: i for i, m in enumerate(PROJECTIONS)}
+
+
+@dataclass(slots=True)
+class ResidentAdapter:
+    digest: str
+    slot: int
+    pages: list[list[int]]  # per module: page ids (empty if the module is not targeted)
+    layer_ranks: list[list[int]]  # [layer][module] true rank (0 = not adapted)
+    layer_scalings: list[list[float]]  # [layer][module] scaling
+    num_pages: int = 0
+    last_used: int = 0
+    names: set[str] = field(default_factory=set)
+
+
+class AdapterPool:
+    """Fixed-size paged storage for adapter weights on the engine's device, with slot bookkeeping."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        num_pages: int,
+        page_rank: int,
+        max_lora_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if page_rank < 1:
+            raise ValueError(f"lora page_rank must be >= 1, got {page_rank}")
+        self.max_pages_per_adapter = cdiv(max_lora_rank, page_rank)
+        if num_pages < self.max_pages_per_adapter:
+            raise ValueError(
+                f"lora pool has {num_pages} pages per module; one rank-{max_lora_rank} adapter needs "
+                f"{self.max_pages_per_adapter}"
+            )
+        self.cfg, self.page_rank, self.num_pages = cfg, page_rank, num_pages
+        self.dtype, self.device = dtype, device
+        layers = cfg.num_layers
+        self.a: list[torch.Tensor] = []
+        self.b: list[torch.Tensor] = []
+        for m in PROJECTIONS:
+            fin, fout = module_features(cfg, m)
+            self.a.append(torch.zeros(num_pages, layers, page_rank, fin, dtype=dtype, device=device))
+            self.b.append(torch.zeros(num_pages, layers, fout, page_rank, dtype=dtype, device=device))
+        self.max_slots = num_pages
+        n_mod = len(PROJECTIONS)
+        self.page_table = torch.zeros(
+            n_mod, self.max_slots, self.max_pages_per_adapter, dtype=torch.int32, device=device
+        )
+        self.ranks = torch.zeros(layers, n_mod, self.max_slots, dtype=torch.int32, device=device)
+        self.scalings = torch.zeros(layers, n_mod, self.max_slots, dtype=torch.float32, device=device)
+        self._free_pages = [list(range(num_pages)) for _ in PROJECTIONS]
+        self._free_slots = list(range(self.max_slots))
+        self.resident: dict[str, ResidentAdapter] = {}
+
+    # ---- capacity ---------------------------------------------------------------------------------
+    def pages_needed(self, ckpt: AdapterCheckpoint) -> list[int]:
+        """Pages per module that `ckpt` takes: ceil(max rank on that module / page_rank)."""
+        need = [0] * len(PROJECTIONS)
+        for w in ckpt.modules:
+            i = MODULE_INDEX[w.module]
+            need[i] = max(need[i], cdiv(w.rank, self.page_rank))
+        return need
+
+    def fits(self, ckpt: AdapterCheckpoint) -> bool:
+        return bool(self._free_slots) and all(
+            n <= len(free) for n, free in zip(self.pages_needed(ckpt), self._free_pages, strict=True)
+        )
+
+    def pages_used(self) -> int:
+        return sum(self.num_pages - len(f) for f in self._free_pages)
+
+    def pages_total(self) -> int:
+        return self.num_pages * len(PROJECTIONS)
+
+    # ---- load / evict -----------------------------------------------------------------------------
+    def upload(self, ckpt: AdapterCheckpoint) -> ResidentAdapter:
+        """Copy an adapter's weights into free pages and give it a slot. Caller checks `fits` first."""
+        if ckpt.digest in self.resident:
+            return self.resident[ckpt.digest]
+        if not self.fits(ckpt):
+            raise RuntimeError("adapter pool has no room; evict first")
+        need = self.pages_needed(ckpt)
+        slot = self._free_slots.pop(0)
+        pages = [[self._free_pages[m].pop(0) for _ in range(n)] for m, n in enumerate(need)]
+        layer_ranks = [[0] * len(PROJECTIONS) for _ in range(self.cfg.num_layers)]
+        layer_scalings = [[0.0] * len(PROJECTIONS) for _ in range(self.cfg.num_layers)]
+        pr = self.page_rank
+        with torch.no_grad():
+            for m, plist in enumerate(pages):
+                if plist:
+                    idx = torch.tensor(plist, device=self.device)
+                    self.a[m][idx] = 0
+                    self.b[m][idx] = 0
+                    self.page_table[m, slot, : len(plist)] = idx.to(torch.int32)
+            for w in ckpt.modules:
+                m = MODULE_INDEX[w.module]
+                a = w.lora_a.to(self.device, self.dtype)
+                b = w.lora_b.to(self.device, self.dtype)
+                for j, page in enumerate(pages[m]):
+                    lo, hi = j * pr, min((j + 1) * pr, w.rank)
+                    if lo >= hi:
+                        break
+                    self.a[m][page, w.layer, : hi - lo] = a[lo:hi]
+                    self.b[m][page, w.layer, :, : hi - lo] = b[:, lo:hi]
+                self.ranks[w.layer, m, slot] = w.rank
+                self.scalings[w.layer, m, slot] = w.scaling
+                layer_ranks[w.layer][m] = w.rank
+                layer_scalings[w.layer][m] = w.scaling
+        entry = ResidentAdapter(ckpt.digest, slot, pages, layer_ranks, layer_scalings, num_pages=sum(need))
+        self.resident[ckpt.digest] = entry
+        return entry
+
+    def evict(self, digest: str) -> None:
+        """Return an adapter's pages and slot to the free lists (its weights are no longer served)."""
+        entry = self.resident.pop(digest)
+        self.ranks[:, :, entry.slot] = 0
+        self.scalings[:, :, entry.slot] = 0
+        self.page_table[:, entry.slot] = 0
+        for m, plist in enumerate(entry.pages):
+            self._free_pages[m].extend(plist)
+        self._free_slots.append(entry.slot)

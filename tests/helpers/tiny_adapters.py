@@ -1,0 +1,67 @@
+"""Tiny PEFT LoRA adapters for a tiny base checkpoint, and PEFT itself as the numerics oracle."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Adapters with different ranks, targets and options; every rank fits max_lora_rank=32.
+ADAPTER_SPECS: dict[str, dict[str, Any]] = {
+    "all7-r4": dict(r=4, lora_alpha=8, target_modules="all-linear"),
+    "qv-r8-rslora": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], use_rslora=True),
+    "pattern-r16": dict(
+        r=16,
+        lora_alpha=16,
+        target_modules=["q_proj", "k_proj", "o_proj", "down_proj"],
+        rank_pattern={"o_proj": 4, "k_proj": 2},
+        alpha_pattern={"down_proj": 64},
+    ),
+    "layer1-r32": dict(r=32, lora_alpha=16, target_modules=["v_proj", "up_proj"], layers_to_transform=[1]),
+    "mlp-regex-r1": dict(r=1, lora_alpha=4, target_modules=r".*\.mlp\.(gate|up)_proj"),
+    "gud-r12": dict(r=12, lora_alpha=24, target_modules=["gate_proj", "up_proj", "down_proj"]),
+}
+
+
+def build_adapter(base_dir: Path, out_dir: Path, seed: int = 0, scale: float = 0.3, **lora_kwargs) -> Path:
+    """Wrap the base model with a PEFT LoRA config, give A and B random weights, save it to `out_dir`."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", lora_dropout=0.0, **lora_kwargs))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * scale)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+class PeftGreedyOracle:
+    """Greedy decoding by HF transformers + PEFT, one request at a time (adapter None = base model)."""
+
+    def __init__(self, base_dir: Path) -> None:
+        self.base_dir = base_dir
+        self._models: dict[Path | None, Any] = {}
+
+    def _model(self, adapter_dir: Path | None):
+        if adapter_dir not in self._models:
+            from peft import PeftModel
+            from transformers import AutoModelForCausalLM
+
+            base = AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=torch.float32)
+            model = base if adapter_dir is None else PeftModel.from_pretrained(base, adapter_dir)
+            self._models[adapter_dir] = model.eval()
+        return self._models[adapter_dir]
+
+    @torch.no_grad()
+    def greedy(self, prompt: list[int], max_new_tokens: int, adapter_dir: Path | None) -> list[int]:
+        model = self._model(adapter_dir)
+        ids = list(prompt)
+        for _ in range(max_new_tokens):
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+            ids.append(int(logits.argmax()))
+        return ids[len(prompt) :]
