@@ -1,0 +1,92 @@
+"""API keys: created once (the secret is shown once), stored as sha256, scoped, revocable.
+
+A key looks like `lpx_<id>_<secret>`; `lpx_<id>` is its public prefix, used to find the row, and the
+whole key's sha256 is compared to the stored hash in constant time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from collections.abc import Sequence
+from datetime import UTC, datetime
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from lora_registry import events as ev
+from lora_registry.dbsession import transaction
+from lora_registry.errors import Conflict, NotFound, RegistryError
+from lora_registry.events import EventBus, RegistryEvent
+from lora_registry.models import ApiKey
+from lora_registry.names import validate_name
+from lora_registry.schemas import ApiKeyInfo, CreatedKey
+from lora_registry.views import audit, key_info
+
+KEY_PREFIX = "lpx_"
+SCOPE_ADMIN = "admin"
+
+
+def hash_key(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+class KeyService:
+    def __init__(self, sessions: sessionmaker[Session], bus: EventBus) -> None:
+        self.sessions = sessions
+        self.bus = bus
+
+    def create(
+        self, name: str, *, admin: bool = False, adapters: Sequence[str] = (), actor: str = "local"
+    ) -> CreatedKey:
+        """A new key named `name`, scoped to everything (`admin`) or to the named adapters."""
+        validate_name(name, "key name")
+        if admin == bool(adapters):
+            raise RegistryError("a key is either --admin or scoped to one or more --adapter names (not both)")
+        scopes = [SCOPE_ADMIN] if admin else [f"adapter:{validate_name(a)}" for a in dict.fromkeys(adapters)]
+        public = KEY_PREFIX + secrets.token_hex(6)
+        secret = f"{public}_{secrets.token_urlsafe(32)}"
+        with transaction(self.sessions) as s:
+            if s.scalars(select(ApiKey).where(ApiKey.name == name)).first() is not None:
+                raise Conflict(f"a key named {name!r} already exists")
+            row = ApiKey(name=name, prefix=public, key_hash=hash_key(secret), scopes=scopes)
+            s.add(row)
+            audit(s, actor, ev.KEY_CREATED, name, scopes=scopes)
+            s.flush()
+            info = key_info(row)
+        self.bus.publish(RegistryEvent(type=ev.KEY_CREATED, name=name))
+        return CreatedKey(info, secret)
+
+    def list(self) -> list[ApiKeyInfo]:
+        with transaction(self.sessions) as s:
+            return [key_info(k) for k in s.scalars(select(ApiKey).order_by(ApiKey.name))]
+
+    def revoke(self, name: str, *, actor: str = "local") -> ApiKeyInfo:
+        """Revoke key `name`; it stops authenticating at once (revoking twice is a no-op)."""
+        with transaction(self.sessions) as s:
+            row = s.scalars(select(ApiKey).where(ApiKey.name == name)).first()
+            if row is None:
+                raise NotFound(f"no key named {name!r}")
+            changed = row.revoked_at is None
+            if changed:
+                row.revoked_at = datetime.now(UTC)
+                audit(s, actor, ev.KEY_REVOKED, name)
+                s.flush()
+            info = key_info(row)
+        if changed:
+            self.bus.publish(RegistryEvent(type=ev.KEY_REVOKED, name=name))
+        return info
+
+    def verify(self, secret: str) -> ApiKeyInfo | None:
+        """The key's info if `secret` is a valid, unrevoked key, else None (constant-time hash compare)."""
+        if not secret.startswith(KEY_PREFIX) or secret.count("_") < 2:
+            return None
+        public = "_".join(secret.split("_", 2)[:2])
+        with transaction(self.sessions) as s:
+            row = s.scalars(select(ApiKey).where(ApiKey.prefix == public)).first()
+            expected = row.key_hash if row is not None else hash_key("")
+            ok = hmac.compare_digest(hash_key(secret), expected)
+            if row is None or not ok or row.revoked_at is not None:
+                return None
+            return key_info(row)

@@ -1,0 +1,71 @@
+"""Open a registry from settings: database, blob store, event bus and the two services, wired together."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import Engine
+
+from lora_registry.blobstore import LocalBlobStore
+from lora_registry.db import make_engine, make_session_factory
+from lora_registry.errors import RegistryUnavailable, first_line
+from lora_registry.events import EventBus, InProcessBus
+from lora_registry.keys import KeyService
+from lora_registry.migrate import is_up_to_date, upgrade
+from lora_registry.service import RegistryService
+from lora_registry.settings import RegistrySettings
+
+
+@dataclass(slots=True)
+class Registry:
+    settings: RegistrySettings
+    engine: Engine
+    bus: EventBus
+    adapters: RegistryService
+    keys: KeyService
+
+    def close(self) -> None:
+        self.bus.close()
+        self.engine.dispose()
+
+
+def make_bus(settings: RegistrySettings) -> EventBus:
+    """Redis pub/sub when `LORAPLEX_REDIS_URL` is set, else the in-process bus."""
+    if settings.redis_url:
+        from lora_registry.redis_bus import RedisEventBus
+
+        return RedisEventBus(settings.redis_url, settings.redis_channel)
+    return InProcessBus()
+
+
+def open_registry(
+    settings: RegistrySettings | None = None, *, bus: EventBus | None = None, auto_upgrade: bool | None = None
+) -> Registry:
+    """Connect to the registry described by `settings` (default: from the environment).
+
+    `auto_upgrade` (default: only for the data dir's own SQLite file) migrates the schema to the newest
+    revision; otherwise an out-of-date schema is reported with the command that fixes it.
+    """
+    settings = settings or RegistrySettings.from_env()
+    engine = make_engine(settings.database_url)
+    try:
+        if auto_upgrade if auto_upgrade is not None else settings.uses_default_database:
+            upgrade(settings.database_url)
+        elif not is_up_to_date(engine):
+            raise RegistryUnavailable(
+                "the registry database schema is not up to date: run `loraplex db upgrade`"
+            )
+    except RegistryUnavailable:
+        engine.dispose()
+        raise
+    except Exception as exc:
+        engine.dispose()
+        raise RegistryUnavailable(
+            f"registry database {engine.url.render_as_string()}: {first_line(exc)}"
+        ) from exc
+    bus = bus or make_bus(settings)
+    sessions = make_session_factory(engine)
+    blobs = LocalBlobStore(settings.data_dir / "blobs")
+    return Registry(
+        settings, engine, bus, RegistryService(sessions, blobs, bus, settings), KeyService(sessions, bus)
+    )

@@ -1,0 +1,310 @@
+"""The registry's service layer, shared by the CLI, the HTTP admin API and the admin UI.
+
+Every mutating call runs in one transaction that also writes an audit-log row, and publishes its event
+after the commit. Adapter versions are immutable; a name points at one of its versions
+(`current_version`) and is served while its status is "active".
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, selectinload, sessionmaker
+
+from lora_registry import events as ev
+from lora_registry.blobstore import LocalBlobStore
+from lora_registry.dbsession import transaction
+from lora_registry.errors import Conflict, NotFound, RegistryError
+from lora_registry.events import EventBus, RegistryEvent
+from lora_registry.models import (
+    STATUS_ACTIVE,
+    STATUS_INACTIVE,
+    Adapter,
+    AdapterVersion,
+    AuditEntry,
+    RegistryMeta,
+)
+from lora_registry.names import validate_name
+from lora_registry.progress import ProgressReporter
+from lora_registry.schemas import (
+    ActiveAdapter,
+    AdapterDetail,
+    AdapterInfo,
+    AuditRecord,
+    RegisterResult,
+    VersionInfo,
+)
+from lora_registry.settings import RegistrySettings
+from lora_registry.views import adapter_info, audit, audit_record, version_info
+
+if TYPE_CHECKING:
+    from lora_registry.registration import PreparedUpload
+
+META_BASE_MODEL = "base_model_path"
+
+
+class RegistryService:
+    def __init__(
+        self,
+        sessions: sessionmaker[Session],
+        blobs: LocalBlobStore,
+        bus: EventBus,
+        settings: RegistrySettings,
+    ) -> None:
+        self.sessions = sessions
+        self.blobs = blobs
+        self.bus = bus
+        self.settings = settings
+
+    # ---- reads ------------------------------------------------------------------------------------
+
+    def list(self) -> list[AdapterInfo]:
+        """Every adapter, by name."""
+        with transaction(self.sessions) as s:
+            rows = s.scalars(select(Adapter).options(selectinload(Adapter.versions)).order_by(Adapter.name))
+            return [adapter_info(a) for a in rows]
+
+    def show(self, name: str) -> AdapterDetail:
+        """One adapter with all its versions (oldest first)."""
+        with transaction(self.sessions) as s:
+            a = self._get(s, name)
+            return AdapterDetail(adapter_info(a), tuple(version_info(v) for v in a.versions))
+
+    def active_adapters(self) -> list[ActiveAdapter]:
+        """(name, version, digest) of every active adapter: what a serving engine should hold."""
+        with transaction(self.sessions) as s:
+            q = (
+                select(Adapter.name, AdapterVersion.version, AdapterVersion.digest)
+                .join(AdapterVersion, AdapterVersion.adapter_id == Adapter.id)
+                .where(Adapter.status == STATUS_ACTIVE, AdapterVersion.version == Adapter.current_version)
+                .order_by(Adapter.name)
+            )
+            return [ActiveAdapter(n, v, d) for n, v, d in s.execute(q)]
+
+    def active_adapter(self, name: str) -> ActiveAdapter | None:
+        """The served version of `name`, or None if it is unknown or inactive."""
+        return next((a for a in self.active_adapters() if a.name == name), None)
+
+    def audit_log(self, limit: int = 100) -> list[AuditRecord]:
+        """The newest `limit` audit entries, newest first."""
+        with transaction(self.sessions) as s:
+            rows = s.scalars(select(AuditEntry).order_by(AuditEntry.id.desc()).limit(limit))
+            return [audit_record(e) for e in rows]
+
+    def adapter_path(self, digest: str) -> Path:
+        """A PEFT directory holding the adapter with content `digest`, materialized from verified blobs.
+
+        This is the `path` of the engine's `LoRARequest`; the directory is written to a temp dir and renamed
+        into `<data dir>/adapters/<digest>`, so it is complete or absent.
+        """
+        target = self.settings.data_dir / "adapters" / digest
+        if (target / "adapter_model.safetensors").is_file():
+            return target
+        with transaction(self.sessions) as s:
+            v = s.scalars(select(AdapterVersion).where(AdapterVersion.digest == digest).limit(1)).first()
+            if v is None:
+                raise NotFound(f"no adapter version with digest {digest}")
+            config_blob, weights_blob = v.config_blob, v.weights_blob
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{digest[:12]}-", dir=target.parent))
+        try:
+            self.blobs.fetch(config_blob, tmp / "adapter_config.json")
+            self.blobs.fetch(weights_blob, tmp / "adapter_model.safetensors")
+            try:
+                tmp.rename(target)
+            except OSError:
+                if not target.is_dir():  # a concurrent materialization won the race otherwise
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return target
+
+    # ---- changes ----------------------------------------------------------------------------------
+
+    def register(
+        self,
+        name: str,
+        source: Path,
+        *,
+        description: str | None = None,
+        activate: bool = False,
+        actor: str = "local",
+        progress: ProgressReporter | None = None,
+    ) -> RegisterResult:
+        """Validate the adapter at `source` (PEFT dir or zip) and store it as a new version of `name`.
+
+        The new version becomes the name's current version. The same content as an existing version is a
+        no-op (`created=False`). A refused adapter leaves no row and no blob.
+        """
+        validate_name(name)
+        from lora_registry.registration import prepare  # lazy: imports torch; reads stay light
+
+        model_path = self._base_model_path()
+        with prepare(source, model_path, self.settings, progress) as up:
+            existing = self._existing_version(name, up.checkpoint.digest)
+            if existing is not None:
+                info = self.activate(name, actor=actor) if activate else self.show(name).adapter
+                return RegisterResult(info, existing, created=False)
+            new_blobs = up.store(self.blobs)
+            try:
+                result = self._insert_version(name, up, description, activate, actor)
+            except BaseException:
+                self._drop_unreferenced(new_blobs)
+                raise
+        self._publish(ev.ADAPTER_REGISTERED, result.adapter)
+        if activate and result.adapter.is_active:
+            self._publish(ev.ADAPTER_ACTIVATED, result.adapter)
+        return result
+
+    def _existing_version(self, name: str, digest: str) -> VersionInfo | None:
+        with transaction(self.sessions) as s:
+            q = (
+                select(AdapterVersion)
+                .join(Adapter)
+                .where(Adapter.name == name, AdapterVersion.digest == digest)
+            )
+            v = s.scalars(q).first()
+            return version_info(v) if v is not None else None
+
+    def _insert_version(
+        self, name: str, up: PreparedUpload, description: str | None, activate: bool, actor: str
+    ) -> RegisterResult:
+        ck = up.checkpoint
+        with transaction(self.sessions) as s:
+            a = s.scalars(select(Adapter).where(Adapter.name == name).with_for_update()).first()
+            if a is None:
+                a = Adapter(name=name, description=description or "", status=STATUS_INACTIVE, tags=[])
+                s.add(a)
+                s.flush()
+            elif description is not None:
+                a.description = description
+            if any(v.digest == ck.digest for v in a.versions):
+                raise Conflict(f"adapter {name!r}: the same content was registered concurrently")
+            last = s.scalar(select(func.max(AdapterVersion.version)).where(AdapterVersion.adapter_id == a.id))
+            number = (last or 0) + 1
+            v = AdapterVersion(
+                version=number,
+                digest=ck.digest,
+                config_blob=up.config_digest,
+                weights_blob=up.weights_digest,
+                rank=ck.rank,
+                alpha=ck.alpha,
+                target_modules=list(ck.target_modules),
+                use_rslora=ck.use_rslora,
+                size_bytes=ck.size_bytes,
+                base_model_name=ck.base_model_name,
+                base_model_fingerprint=up.model_fingerprint,
+                source=up.source[:512],
+            )
+            a.versions.append(v)
+            a.current_version = number
+            if activate:
+                a.status = STATUS_ACTIVE
+            audit(s, actor, ev.ADAPTER_REGISTERED, name, version=number, digest=ck.digest, activate=activate)
+            s.flush()
+            return RegisterResult(adapter_info(a), version_info(v), created=True)
+
+    def activate(self, name: str, *, actor: str = "local") -> AdapterInfo:
+        """Serve `name` (its current version)."""
+        return self._set_status(name, STATUS_ACTIVE, ev.ADAPTER_ACTIVATED, actor)
+
+    def deactivate(self, name: str, *, actor: str = "local") -> AdapterInfo:
+        """Stop serving `name`; its versions stay registered."""
+        return self._set_status(name, STATUS_INACTIVE, ev.ADAPTER_DEACTIVATED, actor)
+
+    def _set_status(self, name: str, status: str, event: str, actor: str) -> AdapterInfo:
+        with transaction(self.sessions) as s:
+            a = self._get(s, name, lock=True)
+            changed = a.status != status
+            if changed:
+                a.status = status
+                audit(s, actor, event, name, version=a.current_version)
+                s.flush()
+            info = adapter_info(a)
+        if changed:
+            self._publish(event, info)
+        return info
+
+    def rollback(self, name: str, version: int, *, actor: str = "local") -> AdapterInfo:
+        """Point `name` at its earlier `version` (status unchanged: an active name serves it at once)."""
+        with transaction(self.sessions) as s:
+            a = self._get(s, name, lock=True)
+            if not any(v.version == version for v in a.versions):
+                known = ", ".join(str(v.version) for v in a.versions)
+                raise NotFound(f"adapter {name!r} has no version {version} (versions: {known})")
+            changed = a.current_version != version
+            if changed:
+                audit(
+                    s, actor, ev.ADAPTER_ROLLED_BACK, name, from_version=a.current_version, to_version=version
+                )
+                a.current_version = version
+                s.flush()
+            info = adapter_info(a)
+        if changed:
+            self._publish(ev.ADAPTER_ROLLED_BACK, info)
+        return info
+
+    def delete(self, name: str, *, actor: str = "local") -> None:
+        """Delete `name` and all its versions; blobs no other version uses are removed too."""
+        with transaction(self.sessions) as s:
+            a = self._get(s, name, lock=True)
+            blobs = {b for v in a.versions for b in (v.config_blob, v.weights_blob)}
+            digests = {v.digest for v in a.versions}
+            audit(s, actor, ev.ADAPTER_DELETED, name, versions=len(a.versions))
+            s.delete(a)
+        self._drop_unreferenced(blobs, digests)
+        self._publish(ev.ADAPTER_DELETED, None, name=name)
+
+    # ---- helpers ----------------------------------------------------------------------------------
+
+    def _get(self, s: Session, name: str, lock: bool = False) -> Adapter:
+        q = select(Adapter).where(Adapter.name == name)
+        a = s.scalars(q.with_for_update() if lock else q).first()
+        if a is None:
+            raise NotFound(f"no adapter named {name!r}")
+        return a
+
+    def _base_model_path(self) -> Path:
+        """The base model to validate against: `LORAPLEX_MODEL` (and record it), else the recorded one."""
+        configured = self.settings.model_path
+        with transaction(self.sessions) as s:
+            row = s.get(RegistryMeta, META_BASE_MODEL)
+            if configured is not None:
+                if row is None:
+                    s.add(RegistryMeta(key=META_BASE_MODEL, value=str(configured)))
+                else:
+                    row.value = str(configured)
+                return configured
+            if row is not None:
+                return Path(row.value)
+        raise RegistryError(
+            "no base model to validate adapters against: set LORAPLEX_MODEL to the model's directory"
+        )
+
+    def _drop_unreferenced(self, blobs: Iterable[str], digests: Iterable[str] = ()) -> None:
+        """Delete the given blobs (and materialized dirs) that no remaining version references."""
+        with transaction(self.sessions) as s:
+            used = set(s.scalars(select(AdapterVersion.config_blob)))
+            used |= set(s.scalars(select(AdapterVersion.weights_blob)))
+            live = set(s.scalars(select(AdapterVersion.digest)))
+        for b in set(blobs) - used:
+            self.blobs.delete(b)
+        for d in set(digests) - live:
+            shutil.rmtree(self.settings.data_dir / "adapters" / d, ignore_errors=True)
+
+    def _publish(self, kind: str, info: AdapterInfo | None, name: str | None = None) -> None:
+        cur = info.current if info else None
+        self.bus.publish(
+            RegistryEvent(
+                type=kind,
+                name=info.name if info else str(name),
+                status=info.status if info else None,
+                version=cur.version if cur else None,
+                digest=cur.digest if cur else None,
+            )
+        )

@@ -1,0 +1,63 @@
+"""Registry settings, read from the environment by a factory (never at import time)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(slots=True, frozen=True)
+class RegistrySettings:
+    """Where the registry keeps its data and which services it talks to.
+
+    `database_url` defaults to a SQLite file in `data_dir`; `redis_url` unset means the in-process event
+    bus; `model_path` is the base model that registrations are validated against.
+    """
+
+    data_dir: Path
+    database_url: str
+    model_path: Path | None = None
+    redis_url: str | None = None
+    redis_channel: str = "loraplex:events"
+    max_lora_rank: int = 64
+    max_upload_bytes: int = 2 * 1024**3
+    max_unpacked_bytes: int = 4 * 1024**3
+    max_zip_entries: int = 64
+
+    @property
+    def uses_default_database(self) -> bool:
+        """True when the database is the data dir's own SQLite file (safe to upgrade automatically)."""
+        return self.database_url == default_database_url(self.data_dir)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> RegistrySettings:
+        """Settings from `LORAPLEX_DATA_DIR`, `LORAPLEX_DATABASE_URL`, `LORAPLEX_MODEL`, `LORAPLEX_REDIS_URL`,
+        `LORAPLEX_MAX_LORA_RANK` and `LORAPLEX_MAX_UPLOAD_BYTES`."""
+        env = os.environ if env is None else env
+        data_dir = Path(env.get("LORAPLEX_DATA_DIR") or "./data").expanduser().absolute()
+        model = env.get("LORAPLEX_MODEL")
+        kwargs: dict[str, int] = {}
+        ints = (
+            ("LORAPLEX_MAX_LORA_RANK", "max_lora_rank"),
+            ("LORAPLEX_MAX_UPLOAD_BYTES", "max_upload_bytes"),
+        )
+        for key, field in ints:
+            if env.get(key):
+                try:
+                    kwargs[field] = int(env[key])
+                except ValueError as exc:
+                    raise ValueError(f"{key}: expected an integer, got {env[key]!r}") from exc
+        return cls(
+            data_dir=data_dir,
+            database_url=env.get("LORAPLEX_DATABASE_URL") or default_database_url(data_dir),
+            model_path=Path(model).expanduser().absolute() if model else None,
+            redis_url=env.get("LORAPLEX_REDIS_URL") or None,
+            **kwargs,
+        )
+
+
+def default_database_url(data_dir: Path) -> str:
+    """The SQLite file `data_dir/registry.db` as an SQLAlchemy URL."""
+    return f"sqlite:///{data_dir / 'registry.db'}"
