@@ -28,6 +28,7 @@ class EngineConfig:
     )
     lora_page_rank: int = 16
     lora_backend: str = "auto"  # "torch" (CPU default) or "triton" (CUDA default)
+    attention_backend: str = "auto"  # likewise
     seed: int = 0
 
     def resolve_device(self) -> torch.device:

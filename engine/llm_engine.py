@@ -67,6 +67,7 @@ class LLMEngine:
             self.dtype,
             self.device,
             config.seed,
+            config.attention_backend,
         )
         self.lora: LoRAManager | None = None
         if config.enable_lora:

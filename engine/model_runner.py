@@ -40,12 +40,13 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         seed: int = 0,
+        attention_backend: str = "auto",
     ) -> None:
         self.model, self.cfg, self.device, self.block_size = model, cfg, device, block_size
         shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.kv_layers = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
-        self.backend = select_backend(device)
+        self.backend = select_backend(device, attention_backend)
         self.sampler = Sampler(device, seed)
         self.lora_context: LoRAContextBuilder | None = None
 

@@ -57,15 +57,16 @@ class AttentionBackend(ABC):
         ...
 
 
-def select_backend(device: torch.device) -> AttentionBackend:
-    """Triton paged attention on CUDA when available, the torch implementation otherwise."""
-    if device.type == "cuda":
-        try:
-            from engine.attention.triton_backend import TritonAttentionBackend
-        except ImportError:  # pragma: no cover - kernels missing
-            pass
-        else:
-            return TritonAttentionBackend()
-    from engine.attention.torch_backend import TorchAttentionBackend
+def select_backend(device: torch.device, name: str = "auto") -> AttentionBackend:
+    """`auto`: the Triton kernels on CUDA, the torch implementation elsewhere; or force one by name."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "triton":
+        from engine.attention.triton_backend import TritonAttentionBackend
 
-    return TorchAttentionBackend()
+        return TritonAttentionBackend()
+    if name == "torch":
+        from engine.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    raise ValueError(f"attention_backend must be auto, torch or triton; got {name!r}")

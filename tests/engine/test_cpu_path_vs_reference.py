@@ -1,0 +1,126 @@
+"""The engine's CPU implementations agree with `kernels.reference`, the single definition of each op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.config import ModelConfig
+from engine.lora.adapter_checkpoint import PROJECTIONS, AdapterCheckpoint, LoRAModuleWeights, module_features
+from engine.lora.pool import AdapterPool
+from engine.lora.step_context import TorchLoRAContext, token_segments
+from kernels.lora_meta import build_lora_batch_meta
+from kernels.reference import (
+    lora_expand_ref,
+    lora_shrink_ref,
+    paged_attention_decode_ref,
+    paged_attention_prefill_ref,
+)
+
+CFG = ModelConfig.from_dict(
+    {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 50,
+    }
+)
+
+
+def _adapter(digest: str, ranks: dict[str, int], gen: torch.Generator) -> AdapterCheckpoint:
+    mods = []
+    for layer in range(CFG.num_layers):
+        for m, r in ranks.items():
+            fin, fout = module_features(CFG, m)
+            a, b = torch.randn(r, fin, generator=gen), torch.randn(fout, r, generator=gen)
+            mods.append(LoRAModuleWeights(layer, m, r, 2.0 * r, 2.0 + layer, a, b))
+    return AdapterCheckpoint(digest, max(ranks.values()), 1.0, tuple(ranks), False, 0, None, tuple(mods))
+
+
+@pytest.mark.parametrize("group", [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("down_proj",)])
+def test_torch_lora_context_matches_reference(group):
+    gen = torch.Generator().manual_seed(0)
+    pool = AdapterPool(CFG, num_pages=12, page_rank=4, max_lora_rank=12, dtype=torch.float32, device="cpu")
+    ads = [
+        pool.upload(_adapter("a", {"q_proj": 3, "v_proj": 12, "gate_proj": 5, "down_proj": 1}, gen)),
+        pool.upload(_adapter("b", {m: 8 for m in PROJECTIONS}, gen)),
+        pool.upload(_adapter("c", {"k_proj": 4, "up_proj": 9}, gen)),
+    ]
+    # requests in flat-batch order: token counts and their adapters (None = base model)
+    counts = [1, 1, 1, 1, 5, 3]
+    adapters = [ads[0], ads[0], None, ads[2], ads[1], ads[0]]
+    x = torch.randn(sum(counts), module_features(CFG, group[0])[0], generator=gen)
+    width = sum(module_features(CFG, m)[1] for m in group)
+    y0 = torch.randn(x.shape[0], width, generator=gen)
+    layer = 1
+    y = y0.clone()
+    TorchLoRAContext(pool, token_segments(counts, adapters)).apply(layer, group, x, y)
+
+    pairs = zip(adapters, counts, strict=True)
+    slots = torch.tensor([-1 if a is None else a.slot for a, n in pairs for _ in range(n)])
+    meta = build_lora_batch_meta(slots.to(torch.int32))
+    first = PROJECTIONS.index(group[0])
+    sl = slice(first, first + len(group))
+    v = torch.zeros(len(group), x.shape[0], 12)
+    lora_shrink_ref(
+        x,
+        [pool.a[m][:, layer] for m in range(sl.start, sl.stop)],
+        pool.page_table[sl],
+        pool.ranks[layer, sl],
+        meta,
+        v,
+    )
+    y_ref = y0.clone()
+    lora_expand_ref(
+        v,
+        [pool.b[m][:, layer] for m in range(sl.start, sl.stop)],
+        pool.page_table[sl],
+        pool.ranks[layer, sl],
+        pool.scalings[layer, sl],
+        meta,
+        y_ref,
+    )
+    torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4)
+    assert torch.equal(y[2], y0[2])  # the base-model token is untouched
+    assert not torch.allclose(y, y0)
+
+
+def test_torch_attention_matches_reference():
+    gen = torch.Generator().manual_seed(1)
+    nb, bs, hkv, hq, d = 20, 4, 2, 6, 8
+    k_cache, v_cache = torch.randn(nb, bs, hkv, d, generator=gen), torch.randn(nb, bs, hkv, d, generator=gen)
+    perm = torch.randperm(nb, generator=gen).to(torch.int32)
+    seq_lens = [5, 9, 13, 7]  # two decodes, then prefill chunks of 6 and 7 tokens
+    q_lens = [1, 1, 6, 7]
+    tables = torch.zeros(4, 4, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(seq_lens):
+        k = -(-n // bs)
+        tables[b, :k] = perm[used : used + k]
+        used += k
+    qs = [0]
+    for n in q_lens:
+        qs.append(qs[-1] + n)
+    q = torch.randn(qs[-1], hq, d, generator=gen)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.int64),
+        block_tables=tables,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=torch.tensor(qs, dtype=torch.int32),
+        seq_lens_list=seq_lens,
+        query_start_list=qs,
+        num_decodes=2,
+        max_seq_len=max(seq_lens),
+        max_query_len=max(q_lens),
+    )
+    out = TorchAttentionBackend().attend(q, k_cache, v_cache, meta, 0.3)
+    ref_dec = paged_attention_decode_ref(q[:2], k_cache, v_cache, tables[:2], meta.seq_lens[:2], 0.3)
+    starts = meta.query_start_loc[2:] - 2
+    ref_pre = paged_attention_prefill_ref(q[2:], k_cache, v_cache, tables[2:], starts, meta.seq_lens[2:], 0.3)
+    torch.testing.assert_close(out[:2], ref_dec, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[2:], ref_pre, rtol=1e-5, atol=1e-5)
