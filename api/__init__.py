@@ -1,0 +1,1 @@
+"""The HTTP server, its engine client, auth and metrics, and the `loraplex` CLI (`api.cli`)."""

@@ -1,0 +1,89 @@
+"""What the CLI commands talk to: the local registry (data dir), or — later — a running server.
+
+`Backend` is the seam: `LocalBackend` drives `lora_registry` directly; a remote backend for
+`--server URL --token T` will implement the same methods over the HTTP admin API once it exists.
+"""
+
+from __future__ import annotations
+
+import getpass
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+from api.cli.output import CliError
+from lora_registry.progress import ProgressReporter
+from lora_registry.registry import Registry
+from lora_registry.schemas import AdapterDetail, AdapterInfo, ApiKeyInfo, CreatedKey, RegisterResult
+
+
+class Backend(Protocol):
+    def register(
+        self, name: str, path: Path, description: str | None, activate: bool, progress: ProgressReporter
+    ) -> RegisterResult: ...
+    def list(self) -> list[AdapterInfo]: ...
+    def show(self, name: str) -> AdapterDetail: ...
+    def activate(self, name: str) -> AdapterInfo: ...
+    def deactivate(self, name: str) -> AdapterInfo: ...
+    def delete(self, name: str) -> None: ...
+    def rollback(self, name: str, version: int) -> AdapterInfo: ...
+    def create_key(self, name: str, admin: bool, adapters: Sequence[str]) -> CreatedKey: ...
+    def list_keys(self) -> list[ApiKeyInfo]: ...
+    def revoke_key(self, name: str) -> ApiKeyInfo: ...
+    def close(self) -> None: ...
+
+
+class LocalBackend:
+    """Works on the data dir's registry (`LORAPLEX_DATA_DIR`, `LORAPLEX_DATABASE_URL`)."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+        try:
+            self.actor = f"cli:{getpass.getuser()}"
+        except (KeyError, OSError):
+            self.actor = "cli"
+
+    def register(
+        self, name: str, path: Path, description: str | None, activate: bool, progress: ProgressReporter
+    ) -> RegisterResult:
+        return self.registry.adapters.register(
+            name, path, description=description, activate=activate, actor=self.actor, progress=progress
+        )
+
+    def list(self) -> list[AdapterInfo]:
+        return self.registry.adapters.list()
+
+    def show(self, name: str) -> AdapterDetail:
+        return self.registry.adapters.show(name)
+
+    def activate(self, name: str) -> AdapterInfo:
+        return self.registry.adapters.activate(name, actor=self.actor)
+
+    def deactivate(self, name: str) -> AdapterInfo:
+        return self.registry.adapters.deactivate(name, actor=self.actor)
+
+    def delete(self, name: str) -> None:
+        self.registry.adapters.delete(name, actor=self.actor)
+
+    def rollback(self, name: str, version: int) -> AdapterInfo:
+        return self.registry.adapters.rollback(name, version, actor=self.actor)
+
+    def create_key(self, name: str, admin: bool, adapters: Sequence[str]) -> CreatedKey:
+        return self.registry.keys.create(name, admin=admin, adapters=adapters, actor=self.actor)
+
+    def list_keys(self) -> list[ApiKeyInfo]:
+        return self.registry.keys.list()
+
+    def revoke_key(self, name: str) -> ApiKeyInfo:
+        return self.registry.keys.revoke(name, actor=self.actor)
+
+    def close(self) -> None:
+        self.registry.close()
+
+
+def remote_backend(server: str, token: str | None) -> Backend:
+    """The `--server` backend. Not available yet: it needs the HTTP admin API (`/admin/api/adapters`)."""
+    raise CliError(
+        f"--server {server}: remote mode needs the server's HTTP admin API, which this version does not "
+        "have yet; run the command on the server's data dir instead (unset LORAPLEX_SERVER)"
+    )

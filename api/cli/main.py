@@ -1,0 +1,45 @@
+"""The root `loraplex` command: global options and the sub-command groups.
+
+`serve` and `bench` join this app when the HTTP server and the benchmarks land.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from api.cli import adapters, db, keys
+from api.cli.state import CliState
+
+app = typer.Typer(
+    name="loraplex",
+    help="Serve many LoRA fine-tunes from one base model. Registry commands work on the local data dir.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.add_typer(adapters.app, name="adapters")
+app.add_typer(keys.app, name="keys")
+app.add_typer(db.app, name="db")
+
+
+@app.callback()
+def main(
+    ctx: typer.Context,
+    data_dir: Annotated[
+        Path | None, typer.Option("--data-dir", envvar="LORAPLEX_DATA_DIR", help="Registry data directory.")
+    ] = None,
+    server: Annotated[
+        str | None,
+        typer.Option("--server", envvar="LORAPLEX_SERVER", help="URL of a running server to drive."),
+    ] = None,
+    token: Annotated[
+        str | None, typer.Option("--token", envvar="LORAPLEX_TOKEN", help="Admin token for --server.")
+    ] = None,
+) -> None:
+    """loraplex: many LoRA fine-tunes, one resident base model."""
+    state = CliState(data_dir, server, token)
+    ctx.obj = state
+    ctx.call_on_close(state.close)
