@@ -29,6 +29,7 @@ class EngineConfig:
     lora_page_rank: int = 16
     lora_backend: str = "auto"  # "torch" (CPU default) or "triton" (CUDA default)
     attention_backend: str = "auto"  # likewise
+    detokenize: bool = True  # False: outputs carry token ids only (a server detokenizes elsewhere)
     seed: int = 0
 
     def resolve_device(self) -> torch.device:

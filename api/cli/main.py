@@ -1,6 +1,6 @@
 """The root `loraplex` command: global options and the sub-command groups.
 
-`serve` and `bench` join this app when the HTTP server and the benchmarks land.
+`bench` joins this app when the benchmarks land.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from api.cli import adapters, db, keys
+from api.cli.serve import serve
 from api.cli.state import CliState
 
 app = typer.Typer(
@@ -23,6 +24,7 @@ app = typer.Typer(
 app.add_typer(adapters.app, name="adapters")
 app.add_typer(keys.app, name="keys")
 app.add_typer(db.app, name="db")
+app.command("serve")(serve)
 
 
 @app.callback()

@@ -1,0 +1,128 @@
+"""`create_app(settings)`: the FastAPI application, with the engine process and registry in its lifespan.
+
+Start-up: open the registry (upgrading the default SQLite schema), start the engine process and wait for
+it, follow the registry's events (an activated adapter is preloaded into the engine, a deactivated or
+deleted one dropped), then serve. Shutdown (SIGTERM via uvicorn): stop accepting, let in-flight requests
+finish within uvicorn's grace period, then stop the engine and close the registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI
+
+from api.auth import AdminAuth, ensure_admin_token
+from api.engine_client import EngineClient
+from api.engine_protocol import Ready
+from api.errors import install_error_handlers
+from api.metrics import Metrics
+from api.settings import ServerSettings
+from api.traffic import TrafficLog
+from engine.tokenizer import load_tokenizer
+from lora_registry import open_registry
+from lora_registry.follower import RegistryFollower
+from lora_registry.registry import Registry
+from lora_registry.schemas import ActiveAdapter
+
+log = logging.getLogger("loraplex.server")
+
+
+@dataclass(slots=True)
+class AppState:
+    settings: ServerSettings
+    client: EngineClient
+    tokenizer: Any
+    registry: Registry
+    follower: RegistryFollower
+    admin_auth: AdminAuth
+    metrics: Metrics = field(default_factory=Metrics)
+    traffic: TrafficLog = field(default_factory=TrafficLog)
+    started_at: float = field(default_factory=time.time)
+
+    def engine_info(self) -> Ready:
+        assert self.client.info is not None
+        return self.client.info
+
+
+def create_app(settings: ServerSettings) -> FastAPI:
+    """The server's ASGI app; nothing starts until the lifespan runs."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state = await _start(settings)
+        app.state.loraplex = state
+        try:
+            yield
+        finally:
+            state.follower.close()
+            await state.client.shutdown()
+            state.registry.close()
+
+    app = FastAPI(title="loraplex", version="0.1.0", lifespan=lifespan)
+    install_error_handlers(app)
+    from api.routes import admin_api, chat, completions, models, system
+
+    for r in (
+        completions.router,
+        chat.router,
+        models.router,
+        admin_api.router,
+        admin_api.compat,
+        system.router,
+    ):
+        app.include_router(r)
+    _mount_admin_ui(app)
+    return app
+
+
+def _mount_admin_ui(app: FastAPI) -> None:
+    try:
+        from admin_ui import mount
+    except ImportError:
+        return
+    mount(app)
+
+
+async def _start(settings: ServerSettings) -> AppState:
+    reg_settings = settings.registry
+    assert reg_settings is not None
+    registry = await asyncio.to_thread(open_registry, reg_settings)
+    admin_auth, _ = ensure_admin_token(reg_settings.data_dir, settings.admin_token)
+    tokenizer = await asyncio.to_thread(load_tokenizer, settings.model)
+    client = EngineClient(settings.engine)
+    try:
+        await client.start()
+    except BaseException:
+        registry.close()
+        raise
+    loop = asyncio.get_running_loop()
+
+    def on_change(name: str, adapter: ActiveAdapter | None) -> None:
+        # Called from the registry's thread (or a request's worker thread): hop onto the loop.
+        loop.call_soon_threadsafe(lambda: asyncio.ensure_future(_sync_engine(state, name, adapter)))
+
+    follower = RegistryFollower(registry.adapters, registry.bus, on_change)
+    state = AppState(settings, client, tokenizer, registry, follower, admin_auth)
+    await asyncio.to_thread(follower.start)
+    if follower.resyncs == 0:
+        await asyncio.to_thread(follower.resync)
+    return state
+
+
+async def _sync_engine(state: AppState, name: str, adapter: ActiveAdapter | None) -> None:
+    """Preload a newly active adapter into the engine's host cache; forget one that stopped being served."""
+    try:
+        if adapter is not None:
+            path = await asyncio.to_thread(state.registry.adapters.adapter_path, adapter.digest)
+            await state.client.adapter_call("add", name, str(path))
+        else:
+            await state.client.adapter_call("remove", name)
+    except Exception as exc:  # best effort: requests load adapters on demand anyway
+        log.warning("engine adapter sync for %r failed: %s", name, exc)

@@ -1,0 +1,93 @@
+"""Admin-token and API-key checks (constant-time), as FastAPI dependencies.
+
+The admin token comes from `LORAPLEX_ADMIN_TOKEN`; when it is unset, `ensure_admin_token` generates one
+at first start, prints it once, and keeps only its sha256 in `<data dir>/admin_token.sha256`. The admin
+API is never open.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import Request
+
+from api.errors import APIError
+
+TOKEN_FILE = "admin_token.sha256"
+
+
+def _sha256(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+@dataclass(slots=True)
+class AdminAuth:
+    token_sha256: str
+
+    def check(self, presented: str | None) -> bool:
+        """True when `presented` is the admin token (compared in constant time on the hashes)."""
+        if not presented:
+            return False
+        return hmac.compare_digest(_sha256(presented), self.token_sha256)
+
+
+def ensure_admin_token(data_dir: Path, configured: str | None) -> tuple[AdminAuth, str | None]:
+    """The admin check, and the token in clear text if it was generated just now (to print once)."""
+    if configured:
+        return AdminAuth(_sha256(configured)), None
+    path = data_dir / TOKEN_FILE
+    if path.is_file():
+        return AdminAuth(path.read_text().strip()), None
+    token = secrets.token_urlsafe(32)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(_sha256(token))
+    tmp.chmod(0o600)
+    tmp.replace(path)
+    return AdminAuth(_sha256(token)), token
+
+
+def bearer(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, value = header.partition(" ")
+    return value.strip() if scheme.lower() == "bearer" and value.strip() else None
+
+
+def require_admin(request: Request) -> str:
+    """Dependency: 401 without a bearer token, 403 with a wrong one. Returns the actor name."""
+    token = bearer(request)
+    if token is None:
+        raise APIError(401, "admin token required: send 'Authorization: Bearer <token>'")
+    if not request.app.state.loraplex.admin_auth.check(token):
+        raise APIError(403, "invalid admin token")
+    return "admin"
+
+
+async def check_api_key(request: Request, adapter: str | None, any_scope: bool = False) -> None:
+    """When the server requires API keys: 401 without a valid key, 403 if its scope excludes `adapter`.
+
+    An "admin"-scoped key may use everything; a key scoped to named adapters may use only those (not the
+    base model); `any_scope` accepts every valid key (e.g. for listing models). The admin token is
+    accepted too.
+    """
+    state = request.app.state.loraplex
+    if not state.settings.require_api_key:
+        return
+    secret = bearer(request)
+    if secret is None:
+        raise APIError(401, "API key required: send 'Authorization: Bearer <key>'")
+    if state.admin_auth.check(secret):
+        return
+    from starlette.concurrency import run_in_threadpool
+
+    key = await run_in_threadpool(state.registry.keys.verify, secret)
+    if key is None:
+        raise APIError(401, "invalid API key")
+    if any_scope or key.is_admin or (adapter is not None and key.allows_adapter(adapter)):
+        return
+    target = f"adapter {adapter!r}" if adapter else "the base model"
+    raise APIError(403, f"this API key is not allowed to use {target}")

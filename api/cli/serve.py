@@ -1,0 +1,71 @@
+"""`loraplex serve --model PATH`: the OpenAI-compatible server, admin API and admin UI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from api.cli.output import fail, stderr
+
+
+def serve(
+    model: Annotated[
+        Path | None,
+        typer.Option("--model", envvar="LORAPLEX_MODEL", help="Base model: a local HF directory."),
+    ] = None,
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
+    served_model_name: Annotated[str | None, typer.Option(help="Model id of the base model.")] = None,
+    require_api_key: Annotated[bool, typer.Option(help="Require an API key for inference.")] = False,
+    max_loras: Annotated[int, typer.Option(help="Distinct adapters in one step.")] = 8,
+    max_lora_rank: Annotated[int, typer.Option(help="Largest adapter rank accepted.")] = 64,
+    max_num_seqs: Annotated[int, typer.Option(help="Sequences in the running batch.")] = 256,
+    num_kv_blocks: Annotated[
+        int | None, typer.Option(help="KV cache blocks (default: sized by memory).")
+    ] = None,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+) -> None:
+    """Start the server: one resident base model, every active adapter of the registry."""
+    from api.auth import ensure_admin_token
+    from api.server import serve as run
+    from api.settings import ServerSettings
+
+    if model is None:
+        fail("no base model: pass --model PATH or set LORAPLEX_MODEL")
+    if not (model / "config.json").is_file():
+        fail(f"{model}: not a Hugging Face checkpoint directory (no config.json)")
+    try:
+        settings = ServerSettings.build(
+            str(model),
+            host=host,
+            port=port,
+            served_model_name=served_model_name,
+            require_api_key=require_api_key,
+            engine_kwargs=dict(
+                device=device,
+                dtype=dtype,
+                max_loras=max_loras,
+                max_lora_rank=max_lora_rank,
+                max_num_seqs=max_num_seqs,
+                num_kv_blocks=num_kv_blocks,
+            ),
+        )
+    except ValueError as exc:
+        fail(str(exc))
+    assert settings.registry is not None
+    _, generated = ensure_admin_token(settings.registry.data_dir, settings.admin_token)
+    err = stderr()
+    base = f"http://{host}:{port}"
+    err.print(f"[bold]loraplex[/] serving [cyan]{settings.served_model_name}[/] from {model}")
+    err.print(f"  OpenAI API   {base}/v1   (per adapter: {base}/v1/adapters/<name>)")
+    err.print(f"  Admin UI     {base}/admin")
+    err.print(f"  Metrics      {base}/metrics")
+    if generated:
+        err.print(f"  Admin token  [bold yellow]{generated}[/]  (shown once; stored hashed)")
+    elif settings.admin_token is None:
+        err.print("  Admin token  set earlier (stored hashed); set LORAPLEX_ADMIN_TOKEN to choose one")
+    run(settings, log_level=log_level)

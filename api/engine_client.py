@@ -1,0 +1,221 @@
+"""The API process's handle on the engine-core process: submit, stream, abort, restart on death.
+
+Each engine generation gets fresh ZeroMQ sockets (ipc paths in a private temp dir), so nothing queued
+for a dead engine reaches its successor. A monitor task notices a dead engine, ends every in-flight
+request with `EngineDeadError` (the routes answer 503), marks the client unhealthy, starts a new engine
+process and becomes healthy again once it reports `Ready`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import multiprocessing as mp
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from api.engine_core import run_engine_core
+from api.engine_protocol import (
+    AbortRequests,
+    AdapterCall,
+    AddRequest,
+    CallResult,
+    EngineStatsMsg,
+    Ready,
+    RequestDelta,
+    Shutdown,
+    decode_from_engine,
+    encode,
+)
+from engine.engine_config import EngineConfig
+
+log = logging.getLogger("loraplex.engine_client")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process died while the request was in flight."""
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine is (re)starting and cannot take requests right now."""
+
+
+_DEAD = object()
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig, startup_timeout: float = 600.0) -> None:
+        self.config = config
+        self.startup_timeout = startup_timeout
+        self.info: Ready | None = None
+        self.stats: EngineStatsMsg | None = None
+        self.healthy = False
+        self.restarts = 0
+        self._ctx = zmq.asyncio.Context()
+        self._tmp = tempfile.TemporaryDirectory(prefix="loraplex-ipc-")
+        self._generation = itertools.count()
+        self._call_ids = itertools.count(1)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._proc: mp.process.BaseProcess | None = None
+        self._push: zmq.asyncio.Socket | None = None
+        self._pull: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._closing = False
+
+    # ---- life cycle -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start the engine process and wait until it has loaded the model."""
+        await self._spawn()
+        self._tasks.append(asyncio.create_task(self._monitor(), name="engine-monitor"))
+
+    async def _spawn(self) -> None:
+        gen = next(self._generation)
+        base = Path(self._tmp.name)
+        in_addr, out_addr = f"ipc://{base}/in-{gen}", f"ipc://{base}/out-{gen}"
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.bind(in_addr)
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.bind(out_addr)
+        proc = mp.get_context("spawn").Process(
+            target=run_engine_core, args=(self.config, in_addr, out_addr), name="loraplex-engine", daemon=True
+        )
+        proc.start()
+        self._proc = proc
+        try:
+            ready = await asyncio.wait_for(self._wait_ready(proc), self.startup_timeout)
+        except (TimeoutError, EngineDeadError) as exc:
+            raise RuntimeError(f"engine process failed to start (exit code {proc.exitcode})") from exc
+        self.info = ready
+        self.healthy = True
+        self._tasks = [t for t in self._tasks if not t.done()]
+        self._tasks.append(asyncio.create_task(self._reader(self._pull), name=f"engine-reader-{gen}"))
+
+    async def _wait_ready(self, proc) -> Ready:
+        while True:
+            if await self._pull.poll(200):
+                msg = decode_from_engine(await self._pull.recv())
+                if isinstance(msg, Ready):
+                    return msg
+            elif not proc.is_alive():
+                raise EngineDeadError("engine exited during start-up")
+
+    async def _reader(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            try:
+                msg = decode_from_engine(await sock.recv())
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            if isinstance(msg, RequestDelta):
+                q = self._queues.get(msg.request_id)
+                if q is not None:
+                    q.put_nowait(msg)
+            elif isinstance(msg, CallResult):
+                fut = self._calls.pop(msg.call_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+            elif isinstance(msg, EngineStatsMsg):
+                self.stats = msg
+
+    async def _monitor(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(0.2)
+            if self._closing or self._proc is None or self._proc.is_alive():
+                continue
+            log.error("engine process died (exit code %s); restarting", self._proc.exitcode)
+            self.healthy = False
+            self._fail_in_flight()
+            for sock in (self._push, self._pull):
+                sock.close(linger=0)
+            while not self._closing:
+                try:
+                    await self._spawn()
+                    self.restarts += 1
+                    break
+                except RuntimeError:
+                    log.exception("engine restart failed; retrying")
+                    await asyncio.sleep(1.0)
+
+    def _fail_in_flight(self) -> None:
+        for q in self._queues.values():
+            q.put_nowait(_DEAD)
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError("engine process died"))
+        self._calls.clear()
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Ask the engine to stop, wait for it, then release sockets."""
+        self._closing = True
+        for t in self._tasks:
+            t.cancel()
+        proc = self._proc
+        if proc is not None and proc.is_alive():
+            with contextlib.suppress(zmq.ZMQError):
+                await self._push.send(encode(Shutdown()))
+            for _ in range(int(timeout / 0.1)):
+                if not proc.is_alive():
+                    break
+                await asyncio.sleep(0.1)
+            if proc.is_alive():
+                proc.kill()
+        self._fail_in_flight()
+        for sock in (self._push, self._pull):
+            if sock is not None:
+                sock.close(linger=0)
+        self._ctx.term()
+        self._tmp.cleanup()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    # ---- requests ---------------------------------------------------------------------------------
+    async def generate(self, req: AddRequest) -> AsyncIterator[RequestDelta]:
+        """Submit `req` and yield its deltas until it finishes. Leaving early aborts it in the engine."""
+        if not self.healthy:
+            raise EngineUnavailableError("the engine is restarting")
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[req.request_id] = q
+        finished = False
+        try:
+            await self._push.send(encode(req))
+            while True:
+                delta = await q.get()
+                if delta is _DEAD:
+                    raise EngineDeadError("engine process died")
+                finished = delta.finish_reason is not None
+                yield delta
+                if finished:
+                    return
+        finally:
+            self._queues.pop(req.request_id, None)
+            if not finished and self.healthy:
+                with contextlib.suppress(zmq.ZMQError):
+                    await self.abort([req.request_id])
+
+    async def abort(self, request_ids: list[str]) -> None:
+        await self._push.send(encode(AbortRequests(request_ids)))
+
+    async def adapter_call(self, op: str, name: str, path: str | None = None, timeout: float = 120.0) -> Any:
+        """Run an adapter operation in the engine ("add", "remove", "pin", "unpin"); raises on failure."""
+        if not self.healthy:
+            raise EngineUnavailableError("the engine is restarting")
+        call_id = next(self._call_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        await self._push.send(encode(AdapterCall(call_id, op, name, path)))
+        result: CallResult = await asyncio.wait_for(fut, timeout)
+        if not result.ok:
+            raise ValueError(result.error)
+        return result.value
+
+    def num_in_flight(self) -> int:
+        return len(self._queues)

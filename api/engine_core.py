@@ -1,0 +1,157 @@
+"""The engine-core process: owns the `LLMEngine` and runs its step loop, fed over ZeroMQ.
+
+Loop: drain incoming messages (without waiting while there is work), `engine.step()`, send each
+request's new tokens as a `RequestDelta`, and every `stats_interval` seconds an `EngineStatsMsg`.
+Detokenization and stop strings are the API process's job; the engine returns token ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import zmq
+
+from api.engine_protocol import (
+    AbortRequests,
+    AdapterCall,
+    AddRequest,
+    CallResult,
+    EngineStatsMsg,
+    Ready,
+    RequestDelta,
+    Shutdown,
+    decode_to_engine,
+    encode,
+)
+from engine import LLMEngine, LoRARequest, SamplingParams
+from engine.engine_config import EngineConfig
+from engine.outputs import RequestOutput
+
+
+def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, stats_interval: float = 0.5) -> None:
+    """Process entry point: load the model, announce `Ready`, then serve until `Shutdown`."""
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.connect(in_addr)
+    push = ctx.socket(zmq.PUSH)
+    push.connect(out_addr)
+    try:
+        engine = LLMEngine(dataclasses.replace(config, detokenize=False))
+        push.send(
+            encode(
+                Ready(
+                    max_model_len=engine.model_config.max_model_len,
+                    num_kv_blocks=engine.num_kv_blocks,
+                    block_size=config.block_size,
+                    vocab_size=engine.model_config.vocab_size,
+                    device=str(engine.device),
+                    dtype=str(engine.dtype).removeprefix("torch."),
+                )
+            )
+        )
+        _EngineLoop(engine, pull, push, stats_interval).run()
+    finally:
+        pull.close(linger=0)
+        push.close(linger=0)
+        ctx.term()
+
+
+class _EngineLoop:
+    def __init__(self, engine: LLMEngine, pull, push, stats_interval: float) -> None:
+        self.engine, self.pull, self.push = engine, pull, push
+        self.stats_interval = stats_interval
+        self.sent: dict[str, int] = {}  # request id -> tokens already sent
+        self.running = True
+
+    def run(self) -> None:
+        next_stats = 0.0
+        while self.running:
+            busy = self.engine.has_unfinished_requests()
+            timeout = 0 if busy else 20
+            while self.pull.poll(timeout):
+                self._handle(decode_to_engine(self.pull.recv()))
+                timeout = 0
+            if not self.running:
+                break
+            if self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    self._send_delta(out)
+            now = time.monotonic()
+            if now >= next_stats:
+                self._send_stats()
+                next_stats = now + self.stats_interval
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, AddRequest):
+            self._add(msg)
+        elif isinstance(msg, AbortRequests):
+            self.engine.abort_request(msg.request_ids)
+            for rid in msg.request_ids:
+                self.sent.pop(rid, None)
+        elif isinstance(msg, AdapterCall):
+            self._adapter_call(msg)
+        elif isinstance(msg, Shutdown):
+            self.running = False
+
+    def _add(self, msg: AddRequest) -> None:
+        try:
+            params = SamplingParams(
+                max_tokens=msg.max_tokens,
+                temperature=msg.temperature,
+                top_p=msg.top_p,
+                top_k=msg.top_k,
+                seed=msg.seed,
+                stop_token_ids=msg.stop_token_ids,
+                ignore_eos=msg.ignore_eos,
+                logprobs=msg.logprobs,
+            )
+            lora = LoRARequest(msg.lora_name, msg.lora_path) if msg.lora_path else None
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, lora, msg.priority)
+            self.sent[msg.request_id] = 0
+        except ValueError as exc:
+            self.push.send(encode(RequestDelta(msg.request_id, [], finish_reason="error", error=str(exc))))
+
+    def _send_delta(self, out: RequestOutput) -> None:
+        comp = out.outputs[0]
+        start = self.sent.get(out.request_id, 0)
+        new = comp.token_ids[start:]
+        lps = None
+        if comp.logprobs is not None:
+            lps = [
+                sorted(((t, lp.logprob, lp.rank) for t, lp in entry.items()), key=lambda e: e[0] != tok)
+                for tok, entry in zip(new, comp.logprobs[start:], strict=True)
+            ]
+        finish = comp.finish_reason if out.finished else None
+        if out.error:
+            finish = "error"
+        self.push.send(
+            encode(RequestDelta(out.request_id, new, lps, finish, out.num_cached_tokens, out.error))
+        )
+        if out.finished:
+            self.sent.pop(out.request_id, None)
+        else:
+            self.sent[out.request_id] = len(comp.token_ids)
+
+    def _adapter_call(self, msg: AdapterCall) -> None:
+        eng = self.engine
+        try:
+            value: Any = None
+            if msg.op == "add":
+                value = eng.add_lora(LoRARequest(msg.name, msg.path or ""))
+            elif msg.op == "remove":
+                value = eng.remove_lora(msg.name)
+            elif msg.op in ("pin", "unpin"):
+                value = eng.pin_lora(msg.name, msg.op == "pin")
+            else:
+                raise ValueError(f"unknown adapter op {msg.op!r}")
+            self.push.send(encode(CallResult(msg.call_id, True, value)))
+        except Exception as exc:  # reported to the caller, never fatal to the loop
+            self.push.send(encode(CallResult(msg.call_id, False, error=str(exc))))
+
+    def _send_stats(self) -> None:
+        eng = self.engine
+        lora = dataclasses.asdict(eng.get_lora_stats()) if eng.lora is not None else None
+        adapters = [dataclasses.asdict(a) for a in eng.list_loras()] if eng.lora is not None else []
+        self.push.send(encode(EngineStatsMsg(dataclasses.asdict(eng.get_stats()), lora, adapters)))

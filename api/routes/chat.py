@@ -1,0 +1,149 @@
+"""`POST /v1/chat/completions` and `POST /v1/adapters/{name}/chat/completions` (OpenAI chat)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from api.chat_template import render_chat
+from api.errors import APIError, error_body
+from api.generation import TokenLogprob
+from api.openai_protocol import ChatCompletionRequest
+from api.routes.completions import _sse
+from api.serving import RequestRun, finish_reason, resolve_target, sampling_spec, usage
+
+router = APIRouter(tags=["openai"])
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    return await _chat(body, request, None)
+
+
+@router.post("/v1/adapters/{name}/chat/completions")
+async def adapter_chat_completions(name: str, body: ChatCompletionRequest, request: Request):
+    return await _chat(body, request, name)
+
+
+async def _chat(body: ChatCompletionRequest, request: Request, adapter: str | None):
+    from api.generation import Generation
+
+    state = request.app.state.loraplex
+    target = await resolve_target(request, body.model, adapter)
+    if state.tokenizer is None:
+        raise APIError(
+            400,
+            "chat needs a tokenizer, and this model has none; use /v1/completions with token ids",
+            param="messages",
+        )
+    text = render_chat(state.tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages])
+    ids = state.tokenizer.encode(text, add_special_tokens=False)
+    if not ids:
+        raise APIError(400, "messages render to an empty prompt", param="messages")
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    spec = sampling_spec(state, body, [ids], body.token_limit(), top)
+    gen = Generation(state.client, state.tokenizer, [ids], spec, body.n, target.lora)
+    run = RequestRun(request, target, gen, len(ids))
+    head = {"id": f"chatcmpl-{gen.id}", "created": int(time.time()), "model": target.model_name}
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await _stream(run, head, include_usage, len(ids), top is not None)
+    await run.collect()
+    choices = [
+        {
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": {"content": _content_logprobs(c.logprobs)} if top is not None else None,
+            "finish_reason": finish_reason(c.finish_reason),
+        }
+        for c in gen.choices
+    ]
+    return JSONResponse(
+        head | {"object": "chat.completion", "choices": choices, "usage": usage(gen, len(ids))}
+    )
+
+
+def _content_logprobs(lps: list[TokenLogprob]) -> list[dict]:
+    def entry(token: str, lp: float) -> dict:
+        return {"token": token, "logprob": lp, "bytes": list(token.encode())}
+
+    return [entry(lp.token, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
+
+
+async def _stream(run: RequestRun, head: dict, include_usage: bool, n_prompt: int, logprobs: bool):
+    updates = run.updates()
+    chunk = head | {"object": "chat.completion.chunk"}
+    try:
+        first = await anext(updates)
+    except StopAsyncIteration:
+        first = None
+
+    async def events() -> AsyncIterator[str]:
+        started: set[int] = set()
+        try:
+            pending = [first] if first is not None else []
+            while True:
+                if pending:
+                    up = pending.pop()
+                else:
+                    try:
+                        up = await anext(updates)
+                    except StopAsyncIteration:
+                        break
+                c = up.choice
+                if c.index not in started:
+                    started.add(c.index)
+                    yield _sse(
+                        chunk
+                        | {
+                            "choices": [
+                                {
+                                    "index": c.index,
+                                    "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                            ]
+                        }
+                    )
+                if up.text or up.logprobs:
+                    lp = {"content": _content_logprobs(up.logprobs)} if logprobs else None
+                    yield _sse(
+                        chunk
+                        | {
+                            "choices": [
+                                {
+                                    "index": c.index,
+                                    "delta": {"content": up.text},
+                                    "logprobs": lp,
+                                    "finish_reason": None,
+                                }
+                            ]
+                        }
+                    )
+                if up.finished:
+                    yield _sse(
+                        chunk
+                        | {
+                            "choices": [
+                                {
+                                    "index": c.index,
+                                    "delta": {},
+                                    "logprobs": None,
+                                    "finish_reason": finish_reason(c.finish_reason),
+                                }
+                            ]
+                        }
+                    )
+            if include_usage:
+                yield _sse(chunk | {"choices": [], "usage": usage(run.gen, n_prompt)})
+        except APIError as exc:
+            yield _sse(error_body(exc.status, exc.message))
+        finally:
+            await updates.aclose()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
