@@ -227,7 +227,9 @@ class LLMEngine:
         return outputs
 
     def _detokenizer(self) -> IncrementalDetokenizer | None:
-        return IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+        if self.tokenizer is None or not self.config.detokenize:
+            return None
+        return IncrementalDetokenizer(self.tokenizer)
 
     def abort_request(self, request_id: str | Sequence[str]) -> None:
         """Stop the request(s) now, freeing their KV blocks; unknown or finished ids are ignored."""
