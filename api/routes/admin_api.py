@@ -5,12 +5,12 @@ Every change goes through the registry service; the engine follows through the r
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Annotated
 
+import msgspec
 from fastapi import APIRouter, Depends, File, Form, Request, UploadFile
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
@@ -147,7 +147,7 @@ async def pool_status(request: Request, _: Admin) -> dict:
         "lora": stats.lora,
         "adapters": adapters,
         "healthy": state.client.healthy,
-        "info": dataclasses.asdict(state.engine_info()),
+        "info": msgspec.structs.asdict(state.engine_info()),
     }
 
 
