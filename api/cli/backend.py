@@ -1,7 +1,8 @@
-"""What the CLI commands talk to: the local registry (data dir), or — later — a running server.
+"""What the CLI commands talk to: the local registry (data dir), or a running server.
 
-`Backend` is the seam: `LocalBackend` drives `lora_registry` directly; a remote backend for
-`--server URL --token T` will implement the same methods over the HTTP admin API once it exists.
+`Backend` is the seam: `LocalBackend` drives `lora_registry` directly; `RemoteBackend`
+(`api/cli/remote.py`, made by `remote_backend`) implements the same methods over the server's HTTP
+admin API for `--server URL --token T`.
 """
 
 from __future__ import annotations
@@ -82,8 +83,11 @@ class LocalBackend:
 
 
 def remote_backend(server: str, token: str | None) -> Backend:
-    """The `--server` backend. Not available yet: it needs the HTTP admin API (`/admin/api/adapters`)."""
-    raise CliError(
-        f"--server {server}: remote mode needs the server's HTTP admin API, which this version does not "
-        "have yet; run the command on the server's data dir instead (unset LORAPLEX_SERVER)"
-    )
+    """The `--server URL --token T` backend (`LORAPLEX_SERVER`, `LORAPLEX_TOKEN`)."""
+    from api.cli.remote import RemoteBackend, normalize_url  # lazy: local mode does not need httpx
+
+    url = normalize_url(server)
+    token = (token or "").strip()
+    if not token:
+        raise CliError(f"--server {url} needs the server's admin token: pass --token or set LORAPLEX_TOKEN")
+    return RemoteBackend(url, token)

@@ -16,7 +16,10 @@ from api.cli.state import CliState
 
 app = typer.Typer(
     name="loraplex",
-    help="Serve many LoRA fine-tunes from one base model. Registry commands work on the local data dir.",
+    help=(
+        "Serve many LoRA fine-tunes from one base model. Registry commands work on the local data dir, "
+        "or on a running server with --server URL --token T."
+    ),
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
