@@ -67,27 +67,34 @@ def require_admin(request: Request) -> str:
     return "admin"
 
 
-async def check_api_key(request: Request, adapter: str | None, any_scope: bool = False) -> None:
-    """When the server requires API keys: 401 without a valid key, 403 if its scope excludes `adapter`.
+async def authenticate(request: Request):
+    """The caller's API key (or "admin" for the admin token); None when keys are not required.
 
-    An "admin"-scoped key may use everything; a key scoped to named adapters may use only those (not the
-    base model); `any_scope` accepts every valid key (e.g. for listing models). The admin token is
-    accepted too.
+    401 without a valid key when the server requires API keys.
     """
     state = request.app.state.loraplex
     if not state.settings.require_api_key:
-        return
+        return None
     secret = bearer(request)
     if secret is None:
         raise APIError(401, "API key required: send 'Authorization: Bearer <key>'")
     if state.admin_auth.check(secret):
-        return
+        return "admin"
     from starlette.concurrency import run_in_threadpool
 
     key = await run_in_threadpool(state.registry.keys.verify, secret)
     if key is None:
         raise APIError(401, "invalid API key")
-    if any_scope or key.is_admin or (adapter is not None and key.allows_adapter(adapter)):
+    return key
+
+
+def authorize(key, adapter: str | None) -> None:
+    """403 unless `key` may use `adapter` (None = the base model).
+
+    An "admin"-scoped key may use everything; a key scoped to named adapters may use only those (not the
+    base model).
+    """
+    if key is None or key == "admin" or key.is_admin or (adapter is not None and key.allows_adapter(adapter)):
         return
     target = f"adapter {adapter!r}" if adapter else "the base model"
     raise APIError(403, f"this API key is not allowed to use {target}")

@@ -8,6 +8,8 @@ Detokenization and stop strings are the API process's job; the engine returns to
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 import time
 from typing import Any
 
@@ -31,7 +33,13 @@ from engine.outputs import RequestOutput
 
 
 def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, stats_interval: float = 0.5) -> None:
-    """Process entry point: load the model, announce `Ready`, then serve until `Shutdown`."""
+    """Process entry point: load the model, announce `Ready`, then serve until `Shutdown`.
+
+    Terminal signals sent to the whole process group (Ctrl-C, `timeout`) are ignored: the API process
+    decides when the engine stops. If the API process dies, the engine notices and exits.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.connect(in_addr)
@@ -64,10 +72,13 @@ class _EngineLoop:
         self.stats_interval = stats_interval
         self.sent: dict[str, int] = {}  # request id -> tokens already sent
         self.running = True
+        self.parent = os.getppid()
 
     def run(self) -> None:
         next_stats = 0.0
         while self.running:
+            if os.getppid() != self.parent:  # orphaned: the API process is gone
+                return
             busy = self.engine.has_unfinished_requests()
             timeout = 0 if busy else 20
             while self.pull.poll(timeout):

@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import uvicorn
 
 from api.app import create_app
 from api.settings import ServerSettings
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, except that a SIGTERM/SIGINT that led to a clean, graceful shutdown ends the
+    process with status 0 instead of being re-raised (which would kill it before stdio is flushed)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()
 
 
 def serve(settings: ServerSettings, log_level: str = "info") -> None:
@@ -18,4 +32,4 @@ def serve(settings: ServerSettings, log_level: str = "info") -> None:
         timeout_graceful_shutdown=30,
         lifespan="on",
     )
-    uvicorn.Server(config).run()
+    _Server(config).run()

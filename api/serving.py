@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from api.auth import check_api_key
+from api.auth import authenticate, authorize
 from api.engine_client import EngineDeadError, EngineUnavailableError
 from api.errors import APIError
 from api.generation import ChoiceUpdate, Generation, SamplingSpec
@@ -31,11 +31,13 @@ class Target:
 
 
 async def resolve_target(request: Request, model: str | None, forced_adapter: str | None = None) -> Target:
-    """404 unless `model` is the served base model or an active adapter; checks API-key scope too."""
+    """The base model or an active adapter named by the request: 401 without a valid API key (when keys
+    are required), 404 for an unknown or inactive adapter, 403 when the key's scope excludes it."""
     state = request.app.state.loraplex
+    key = await authenticate(request)
     name = forced_adapter or model or state.settings.served_model_name
     if forced_adapter is None and name == state.settings.served_model_name:
-        await check_api_key(request, None)
+        authorize(key, None)
         return Target(name, None)
     active = state.follower.snapshot().get(name)
     if active is None:
@@ -44,7 +46,7 @@ async def resolve_target(request: Request, model: str | None, forced_adapter: st
         raise APIError(
             404, f"The model '{name}' does not exist or is not active", param="model", code="model_not_found"
         )
-    await check_api_key(request, name)
+    authorize(key, name)
     path = await run_in_threadpool(state.registry.adapters.adapter_path, active.digest)
     return Target(name, (name, str(path)))
 

@@ -69,3 +69,4 @@ def serve(
     elif settings.admin_token is None:
         err.print("  Admin token  set earlier (stored hashed); set LORAPLEX_ADMIN_TOKEN to choose one")
     run(settings, log_level=log_level)
+    err.print("loraplex stopped")

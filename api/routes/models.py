@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from api.auth import check_api_key
+from api.auth import authenticate, authorize
 from api.errors import APIError
 
 router = APIRouter(tags=["openai"])
@@ -24,7 +24,7 @@ def _model(id_: str, created: int, parent: str | None = None) -> dict:
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict:
     state = request.app.state.loraplex
-    await check_api_key(request, None, any_scope=True)
+    await authenticate(request)
     base = state.settings.served_model_name
     created = int(state.started_at)
     data = [_model(base, created)]
@@ -35,7 +35,7 @@ async def list_models(request: Request) -> dict:
 @router.get("/v1/adapters/{name}/models")
 async def adapter_models(name: str, request: Request) -> dict:
     state = request.app.state.loraplex
-    await check_api_key(request, name)
+    authorize(await authenticate(request), name)
     if name not in state.follower.snapshot():
         raise APIError(404, f"The model '{name}' does not exist or is not active", code="model_not_found")
     return {"object": "list", "data": [_model(name, int(state.started_at), state.settings.served_model_name)]}

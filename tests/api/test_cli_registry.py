@@ -134,11 +134,6 @@ def test_keys(env: dict[str, str]) -> None:
     assert json.loads(invoke(env, "keys", "list", "--json").stdout)[1]["revoked_at"] is not None
 
 
-def test_remote_mode_is_not_available_yet(env: dict[str, str]) -> None:
-    result = invoke(env, "--server", "http://127.0.0.1:9", "adapters", "list", code=1)
-    assert "remote mode needs the server's HTTP admin API" in result.stderr
-
-
 def test_register_without_a_base_model(env: dict[str, str], assets) -> None:
     bare = {k: v for k, v in env.items() if k != "LORAPLEX_MODEL"}
     result = invoke(bare, "adapters", "register", "bot", str(assets["a"]), code=1)
