@@ -1,0 +1,1 @@
+"""The admin UI's routers, one per page (or group of forms)."""

@@ -1,0 +1,101 @@
+"""`/admin/adapters/{name}`: versions, activate / deactivate / roll back / delete, endpoint snippets,
+recent traffic. Every action is a CSRF-checked POST that redirects back with a flash message."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import RedirectResponse, Response
+
+from admin_ui.charts import traffic_chart
+from admin_ui.session import CsrfSession, Session
+from admin_ui.snippets import endpoint_snippets
+from admin_ui.templating import flash, render
+from admin_ui.views import adapter_series, engine_tiers
+from api.errors import APIError
+from api.routes.admin_api import call_registry
+
+router = APIRouter(prefix="/admin/adapters", include_in_schema=False)
+
+
+@router.get("/{name}")
+async def detail_page(name: str, request: Request, session: Session) -> Response:
+    """One adapter: its versions, state, engine residency, endpoint and traffic."""
+    state = request.app.state.loraplex
+    try:
+        detail = await call_registry(state.registry.adapters.show, name)
+    except APIError as exc:
+        ctx = {"title": "Not found", "message": exc.message}
+        return render(request, "error.html", ctx, session, active="adapters", status_code=exc.status)
+    a = detail.adapter
+    base = str(request.base_url).rstrip("/")
+    total = state.traffic.totals.get(name)
+    context = {
+        "title": name,
+        "a": a,
+        "versions": list(reversed(detail.versions)),
+        "tiers": engine_tiers(state),
+        "snippets": endpoint_snippets(base, name),
+        "endpoint": f"{base}/v1/adapters/{name}",
+        "chart": traffic_chart(
+            *adapter_series(state, name), chart_id="adapter-traffic", width=380, height=170
+        ),
+        "requests": total.requests if total else 0,
+        "tokens": total.tokens if total else 0,
+        "last_used": state.traffic.last_used.get(name),
+    }
+    return render(request, "adapter_detail.html", context, session, active="adapters")
+
+
+def _back(request: Request, name: str, text: str, kind: str = "ok") -> Response:
+    response = RedirectResponse(f"/admin/adapters/{name}", status_code=303)
+    flash(request, response, text, kind)
+    return response
+
+
+@router.post("/{name}/activate")
+async def activate(name: str, request: Request, _: CsrfSession) -> Response:
+    svc = request.app.state.loraplex.registry.adapters
+    try:
+        info = await call_registry(svc.activate, name, actor="admin-ui")
+    except APIError as exc:
+        return _back(request, name, exc.message, "error")
+    version = info.current.version if info.current else "?"
+    return _back(request, name, f"{name} is active: version {version} is being served.")
+
+
+@router.post("/{name}/deactivate")
+async def deactivate(name: str, request: Request, _: CsrfSession) -> Response:
+    svc = request.app.state.loraplex.registry.adapters
+    try:
+        await call_registry(svc.deactivate, name, actor="admin-ui")
+    except APIError as exc:
+        return _back(request, name, exc.message, "error")
+    return _back(request, name, f"{name} is inactive: its endpoint answers 404 until it is activated.")
+
+
+@router.post("/{name}/rollback")
+async def rollback(name: str, request: Request, _: CsrfSession) -> Response:
+    svc = request.app.state.loraplex.registry.adapters
+    raw = str((await request.form()).get("version") or "")
+    if not raw.isdigit() or int(raw) < 1:
+        return _back(request, name, "choose a version to roll back to", "error")
+    try:
+        await call_registry(svc.rollback, name, int(raw), actor="admin-ui")
+    except APIError as exc:
+        return _back(request, name, exc.message, "error")
+    return _back(request, name, f"{name} now points at version {raw}.")
+
+
+@router.post("/{name}/delete")
+async def delete(name: str, request: Request, _: CsrfSession) -> Response:
+    """Delete the adapter and all its versions, once its name has been typed to confirm."""
+    svc = request.app.state.loraplex.registry.adapters
+    if str((await request.form()).get("confirm") or "").strip() != name:
+        return _back(request, name, f"type {name} in the confirmation box to delete it", "error")
+    try:
+        await call_registry(svc.delete, name, actor="admin-ui")
+    except APIError as exc:
+        return _back(request, name, exc.message, "error")
+    response = RedirectResponse("/admin/adapters", status_code=303)
+    flash(request, response, f"Deleted {name} and all its versions.")
+    return response

@@ -1,0 +1,121 @@
+"""`/admin/adapters`: the adapters table with search and filter, and the upload form's endpoint.
+
+The upload works as a plain multipart form (303 to the new adapter, or the page again with the
+validator's messages) and, driven by `upload.js`, as XMLHttpRequest with progress (JSON answers).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, RedirectResponse, Response
+from starlette.datastructures import UploadFile
+
+from admin_ui.session import AdminSession, CsrfSession, Session
+from admin_ui.templating import flash, render
+from admin_ui.views import adapter_rows, filter_rows
+from api.errors import APIError
+from api.routes.admin_api import call_registry, save_upload
+
+router = APIRouter(prefix="/admin", include_in_schema=False)
+STATUSES = ("active", "inactive")
+
+
+async def _page(
+    request: Request,
+    session: AdminSession,
+    *,
+    errors: list[str] | None = None,
+    form: dict[str, str] | None = None,
+    status_code: int = 200,
+) -> Response:
+    state = request.app.state.loraplex
+    infos = await call_registry(state.registry.adapters.list)
+    rows = adapter_rows(state, infos)
+    query = request.query_params.get("q", "")
+    status = request.query_params.get("status", "")
+    status = status if status in STATUSES else ""
+    context = {
+        "title": "Adapters",
+        "rows": filter_rows(rows, query, status),
+        "total": len(rows),
+        "q": query,
+        "status": status,
+        "statuses": STATUSES,
+        "errors": errors or [],
+        "form": form or {},
+        "max_upload": state.settings.max_upload_bytes,
+    }
+    return render(request, "adapters.html", context, session, active="adapters", status_code=status_code)
+
+
+@router.get("/adapters")
+async def adapters_page(request: Request, session: Session) -> Response:
+    """Every adapter with status, version, rank, targets, size, last use and request count."""
+    return await _page(request, session)
+
+
+def _messages(exc: APIError, tmp: Path) -> list[str]:
+    """The registry's refusal as lines, without the server's temporary upload paths."""
+    text = exc.message
+    for prefix in (f"{tmp}/adapter/", f"{tmp}/", str(tmp)):
+        text = text.replace(prefix, "")
+    return [line.strip() for line in text.splitlines() if line.strip()] or ["the upload was refused"]
+
+
+def _wants_json(request: Request) -> bool:
+    return "application/json" in request.headers.get("accept", "")
+
+
+@router.post("/adapters")
+async def upload(request: Request, session: CsrfSession) -> Response:
+    """Register an uploaded zip (or the two PEFT files) as a new version of `name`; maybe activate it."""
+    state = request.app.state.loraplex
+    form = await request.form()
+    name = str(form.get("name") or "").strip()
+    description = str(form.get("description") or "").strip() or None
+    activate = str(form.get("activate") or "") in ("1", "on", "true", "yes")
+    files = [f for f in form.getlist("file") if isinstance(f, UploadFile) and f.filename]
+    echo = {"name": name, "description": description or "", "activate": "on" if activate else ""}
+    tmp_root = state.registry.settings.data_dir / "tmp"
+    tmp_root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="ui-upload-", dir=tmp_root))
+    try:
+        if not name:
+            raise APIError(400, "enter a name for the adapter", param="name")
+        source = await save_upload(files, tmp, state.settings.max_upload_bytes)
+        result = await call_registry(
+            state.registry.adapters.register,
+            name,
+            source,
+            description=description,
+            activate=activate,
+            actor="admin-ui",
+        )
+    except APIError as exc:
+        messages = _messages(exc, tmp)
+        if _wants_json(request):
+            return JSONResponse({"ok": False, "messages": messages, "field": exc.param}, exc.status)
+        return await _page(request, session, errors=messages, form=echo, status_code=exc.status)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    v = result.version
+    if result.created:
+        text = f"Registered {name} version {v.version} (rank {v.rank}, digest {v.digest[:12]})"
+    else:
+        text = f"{name} already has this content as version {v.version}; nothing new was stored"
+    if activate:
+        text += " and activated it"
+    target = f"/admin/adapters/{name}"
+    if _wants_json(request):
+        response: Response = JSONResponse(
+            {"ok": True, "redirect": target, "message": text + ".", "created": result.created},
+            201 if result.created else 200,
+        )
+    else:
+        response = RedirectResponse(target, status_code=303)
+    flash(request, response, text + ".")
+    return response

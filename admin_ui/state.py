@@ -1,0 +1,74 @@
+"""Per-app state of the admin UI (session signer, revoked sessions, rate meter), created on first use.
+
+The session-signing secret is HMAC(random per-data-dir secret, admin token hash): a stolen data dir file
+alone does not forge sessions for a different token, and changing the admin token logs everyone out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import Request
+from itsdangerous import URLSafeTimedSerializer
+
+from admin_ui.rates import RateMeter
+
+SECRET_FILE = "admin_ui_secret"
+SESSION_SALT = "loraplex-admin-session"
+_create_lock = threading.Lock()
+
+
+@dataclass(slots=True)
+class UiState:
+    signer: URLSafeTimedSerializer
+    revoked: dict[str, float] = field(default_factory=dict)  # session id -> when it would have expired
+    rates: RateMeter = field(default_factory=RateMeter)
+    login_failures: dict[str, list[float]] = field(default_factory=dict)  # client -> failure times
+
+    def revoke(self, sid: str, until: float) -> None:
+        """Refuse session `sid` from now on (logout); forgets entries past their expiry."""
+        now = time.time()
+        for old in [k for k, t in self.revoked.items() if t < now]:
+            del self.revoked[old]
+        self.revoked[sid] = until
+
+    def is_revoked(self, sid: str) -> bool:
+        return sid in self.revoked
+
+
+def read_or_create_secret(data_dir: Path) -> bytes:
+    """The random secret in `<data_dir>/admin_ui_secret`, written (mode 0600, atomically) if absent."""
+    path = data_dir / SECRET_FILE
+    if path.is_file():
+        return bytes.fromhex(path.read_text().strip())
+    data_dir.mkdir(parents=True, exist_ok=True)
+    value = secrets.token_bytes(32)
+    tmp = path.with_name(f".{SECRET_FILE}.{secrets.token_hex(4)}")
+    tmp.write_text(value.hex())
+    tmp.chmod(0o600)
+    tmp.replace(path)
+    return bytes.fromhex(path.read_text().strip())
+
+
+def ui_state(request: Request) -> UiState:
+    """The admin UI's state for this app, created on the first request (after the server's lifespan)."""
+    app_state = request.app.state
+    existing = getattr(app_state, "admin_ui", None)
+    if existing is not None:
+        return existing
+    with _create_lock:
+        existing = getattr(app_state, "admin_ui", None)
+        if existing is None:
+            core = app_state.loraplex
+            file_secret = read_or_create_secret(core.registry.settings.data_dir)
+            token_hash = core.admin_auth.token_sha256.encode()
+            key = hmac.new(file_secret, token_hash, hashlib.sha256).hexdigest()
+            existing = UiState(URLSafeTimedSerializer(key, salt=SESSION_SALT))
+            app_state.admin_ui = existing
+    return existing
