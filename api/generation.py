@@ -67,6 +67,7 @@ class Choice:
 class ChoiceUpdate:
     choice: Choice
     text: str
+    token_ids: list[int]
     logprobs: list[TokenLogprob]
     finished: bool
 
@@ -170,6 +171,7 @@ class Generation:
 
     def _apply(self, choice: Choice, delta: RequestDelta) -> ChoiceUpdate:
         new_lps: list[TokenLogprob] = []
+        first_new = len(choice.token_ids)
         choice.num_cached_tokens = max(choice.num_cached_tokens, delta.num_cached_tokens)
         for i, tok in enumerate(delta.token_ids):
             choice.token_ids.append(tok)
@@ -192,7 +194,8 @@ class Generation:
         if choice.finish_reason is None and delta.finish_reason is not None:
             choice.finish_reason = delta.finish_reason
             choice.error = delta.error
-        return ChoiceUpdate(choice, choice.releasable(), new_lps, choice.finish_reason is not None)
+        finished = choice.finish_reason is not None
+        return ChoiceUpdate(choice, choice.releasable(), choice.token_ids[first_new:], new_lps, finished)
 
     def token_text(self, token_id: int) -> str:
         if self.tokenizer is None:

@@ -111,13 +111,14 @@ async def _stream(run: RequestRun, head: dict, echo: list[str] | None, include_u
                 if echo is not None and c.index not in echoed:
                     echoed.add(c.index)
                     text = echo[c.prompt_index] + text
-                if not text and not up.finished and not up.logprobs:
+                if not text and not up.finished and not up.token_ids:
                     continue
                 choice = {
                     "index": c.index,
                     "text": text,
                     "logprobs": None,
                     "finish_reason": finish_reason(c.finish_reason) if up.finished else None,
+                    "token_ids": up.token_ids,
                 }
                 if run.gen.spec.logprobs is not None:
                     choice["logprobs"] = _logprobs_json(up.logprobs)

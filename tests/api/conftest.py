@@ -1,33 +1,7 @@
+"""Server-test helpers re-exported for `from tests.api.conftest import ...` (fixtures: tests/conftest.py)."""
+
 from __future__ import annotations
 
-import pytest
+from tests.helpers.served import SERVED_ADAPTERS, register
 
-from tests.helpers.tiny_adapters import ADAPTER_SPECS, PeftGreedyOracle, build_adapter
-from tests.helpers.tiny_models import build_checkpoint, save_char_tokenizer
-
-SERVED_ADAPTERS = ("all7-r4", "qv-r8-rslora", "gud-r12")
-
-
-@pytest.fixture(scope="session")
-def text_model(tmp_path_factory):
-    """A tiny llama with a character tokenizer, three PEFT adapters for it, and the PEFT oracle."""
-    root = tmp_path_factory.mktemp("served")
-    base = build_checkpoint(root / "model", "llama", vocab_size=100)
-    save_char_tokenizer(base)
-    adapters = {
-        n: build_adapter(base, root / "adapters" / n, seed=i, **ADAPTER_SPECS[n])
-        for i, n in enumerate(SERVED_ADAPTERS)
-    }
-    return base, adapters, PeftGreedyOracle(base)
-
-
-def register(data_dir, model, name, path, activate=True):
-    """Register an adapter straight into the registry in `data_dir` (as `loraplex adapters register`)."""
-    from lora_registry import RegistrySettings, open_registry
-
-    env = {"LORAPLEX_DATA_DIR": str(data_dir), "LORAPLEX_MODEL": str(model)}
-    reg = open_registry(RegistrySettings.from_env(env))
-    try:
-        return reg.adapters.register(name, path, activate=activate)
-    finally:
-        reg.close()
+__all__ = ["SERVED_ADAPTERS", "register"]

@@ -1,0 +1,1 @@
+"""Benchmarks (not tests): offline throughput, adapter scaling, cold loads, online serving."""
