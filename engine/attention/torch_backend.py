@@ -1,8 +1,9 @@
 """Paged attention in plain torch: the CPU path (and CUDA fallback).
 
-Decodes are batched: gather each sequence's blocks into `[B, max_blocks*block_size, Hkv, D]`, mask
-positions past `seq_len`, and attend. Prefill chunks go one sequence at a time through SDPA with a mask
-that lets query i (at absolute position ctx_start + i) see keys 0..ctx_start+i. Semantics match
+Decodes are batched: gather each sequence's blocks into `[B, Hkv, max_blocks*block_size, D]`, mask
+positions past `seq_len`, and attend with one SDPA call. Prefill chunks go one sequence at a time
+through SDPA with a mask that lets query i (at absolute position ctx_start + i) see keys
+0..ctx_start+i. Semantics match
 `kernels.reference.paged_attention_decode_ref` / `paged_attention_prefill_ref`.
 """
 
@@ -24,8 +25,10 @@ class TorchAttentionBackend(AttentionBackend):
         flat_v.index_copy_(0, meta.slot_mapping, value.to(v_cache.dtype))
 
     def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        out = torch.empty_like(query)
         nd = meta.num_decodes
+        if nd == meta.num_seqs:
+            return self._decode(query, k_cache, v_cache, meta, scale)
+        out = torch.empty_like(query)
         if nd:
             out[:nd] = self._decode(query[:nd], k_cache, v_cache, meta, scale)
         qs, sl = meta.query_start_list, meta.seq_lens_list
@@ -34,29 +37,31 @@ class TorchAttentionBackend(AttentionBackend):
             q = query[qs[b] : qs[b + 1]]
             n_blocks = -(-sl[b] // block_size)
             blocks = meta.block_tables[b, :n_blocks].long()
-            k = k_cache[blocks].flatten(0, 1)[: sl[b]]
-            v = v_cache[blocks].flatten(0, 1)[: sl[b]]
+            k = k_cache.index_select(0, blocks).flatten(0, 1)[: sl[b]]
+            v = v_cache.index_select(0, blocks).flatten(0, 1)[: sl[b]]
             out[qs[b] : qs[b + 1]] = _causal_attention(q, k, v, sl[b] - q.shape[0], scale)
         return out
 
     @staticmethod
     def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        nd = q.shape[0]
-        block_size = k_cache.shape[1]
+        """One query per sequence: gather each sequence's blocks, then one masked SDPA call for all.
+
+        The `group = Hq / Hkv` query heads sharing a KV head are laid out as `group` query rows of that
+        head, so SDPA sees `[B, Hkv, group, D]` queries against `[B, Hkv, L, D]` keys (no K/V repeat).
+        """
+        nd, hq, d = q.shape
+        block_size, hkv = k_cache.shape[1], k_cache.shape[2]
         max_blocks = -(-max(meta.seq_lens_list[:nd]) // block_size)
-        tables = meta.block_tables[:nd, :max_blocks].long()
-        k = k_cache[tables].flatten(1, 2)  # [B, L, Hkv, D]
-        v = v_cache[tables].flatten(1, 2)
-        hkv, hq = k.shape[2], q.shape[1]
-        group = hq // hkv
-        qg = q.view(nd, hkv, group, -1).float()
-        scores = torch.einsum("bhgd,blhd->bhgl", qg, k.float()) * scale
-        pos = torch.arange(k.shape[1], device=q.device)
-        valid = pos[None, :] < meta.seq_lens[:nd, None]
-        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1)
-        out = torch.einsum("bhgl,blhd->bhgd", probs, v.float())
-        return out.reshape(nd, hq, -1).to(q.dtype)
+        length = max_blocks * block_size
+        tables = meta.block_tables[:nd, :max_blocks].reshape(-1).long()
+        k = k_cache.index_select(0, tables).view(nd, length, hkv, d).transpose(1, 2)  # [B, Hkv, L, D]
+        v = v_cache.index_select(0, tables).view(nd, length, hkv, d).transpose(1, 2)
+        pos = torch.arange(length, device=q.device)
+        valid = (pos[None, :] < meta.seq_lens[:nd, None]).view(nd, 1, 1, length)
+        o = F.scaled_dot_product_attention(
+            q.view(nd, hkv, hq // hkv, d), k.to(q.dtype), v.to(q.dtype), attn_mask=valid, scale=scale
+        )
+        return o.reshape(nd, hq, d)
 
 
 def _causal_attention(q, k, v, ctx_start: int, scale: float) -> torch.Tensor:
