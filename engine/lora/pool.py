@@ -79,6 +79,9 @@ class AdapterPool:
         self._free_pages = [list(range(num_pages)) for _ in PROJECTIONS]
         self._free_slots = list(range(self.max_slots))
         self.resident: dict[str, ResidentAdapter] = {}
+        # Data the compute paths derive from the current residents (e.g. the CPU path's gather indices),
+        # keyed by what it depends on; cleared on every upload and eviction so it never goes stale.
+        self.step_cache: dict[str, object] = {}
 
     # ---- capacity ---------------------------------------------------------------------------------
     def pages_needed(self, ckpt: AdapterCheckpoint) -> list[int]:
@@ -108,6 +111,7 @@ class AdapterPool:
         if not self.fits(ckpt):
             raise RuntimeError("adapter pool has no room; evict first")
         need = self.pages_needed(ckpt)
+        self.step_cache.clear()
         slot = self._free_slots.pop(0)
         pages = [[self._free_pages[m].pop(0) for _ in range(n)] for m, n in enumerate(need)]
         layer_ranks = [[0] * len(PROJECTIONS) for _ in range(self.cfg.num_layers)]
@@ -141,6 +145,7 @@ class AdapterPool:
     def evict(self, digest: str) -> None:
         """Return an adapter's pages and slot to the free lists (its weights are no longer served)."""
         entry = self.resident.pop(digest)
+        self.step_cache.clear()
         self.ranks[:, :, entry.slot] = 0
         self.scalings[:, :, entry.slot] = 0
         self.page_table[:, entry.slot] = 0
