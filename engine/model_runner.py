@@ -49,6 +49,7 @@ class ModelRunner:
         self.backend = select_backend(device, attention_backend)
         self.sampler = Sampler(device, seed)
         self.lora_context: LoRAContextBuilder | None = None
+        self.last_batch: tuple[int, int] = (0, 0)  # (tokens, decode tokens) of the last step, for benchmarks
 
     @torch.inference_mode()
     def run(self, plan: SchedulerOutput) -> RunnerOutput:
@@ -60,6 +61,7 @@ class ModelRunner:
         )
         items = [plan.scheduled[i] for i in order]
         batch = self._prepare(items)
+        self.last_batch = (batch.input_ids.shape[0], batch.attn.num_decodes)
         logits = self.model(batch, self.kv_layers, self.backend)
         sample_items = [it for it in items if it.sample]
         tokens = self.sampler(logits, [it.request for it in sample_items]) if sample_items else []
