@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_VERSION := 2.13.0
 
-.PHONY: install test lint format clean
+.PHONY: install test lint format clean serve
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,18 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadfile -q
+
+# The bundled demo: a tiny echo model and four adapters (see demo/README.md). Adapters missing from the
+# registry are registered and activated first; SERVE_ARGS passes extra flags (e.g. --port 9000).
+DEMO_ADAPTERS := upper reverse rot13 novowels
+SERVE_ARGS ?=
+
+serve: $(STAMP)
+	@for a in $(DEMO_ADAPTERS); do \
+	  LORAPLEX_MODEL=demo/base $(VENV)/bin/loraplex adapters show $$a >/dev/null 2>&1 || \
+	  LORAPLEX_MODEL=demo/base $(VENV)/bin/loraplex adapters register $$a demo/adapters/$$a --activate || exit 1; \
+	done
+	$(VENV)/bin/loraplex serve --model demo/base $(SERVE_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

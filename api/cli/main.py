@@ -1,6 +1,6 @@
 """The root `loraplex` command: global options and the sub-command groups.
 
-`bench` joins this app when the benchmarks land.
+`bench` runs the benchmarks in `bench/`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from api.cli import adapters, db, keys
+from api.cli import adapters, bench, db, keys
 from api.cli.serve import serve
 from api.cli.state import CliState
 
@@ -27,6 +27,7 @@ app = typer.Typer(
 app.add_typer(adapters.app, name="adapters")
 app.add_typer(keys.app, name="keys")
 app.add_typer(db.app, name="db")
+app.add_typer(bench.app, name="bench")
 app.command("serve")(serve)
 
 

@@ -1,0 +1,32 @@
+"""`loraplex bench …`: the benchmarks in `bench/`, each with its own flags (`--help` lists them).
+
+Results are printed as markdown tables; copy them with their command into docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+app = typer.Typer(help="Run benchmarks (not tests); ratios are measured in one run.", no_args_is_help=True)
+
+_PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+
+# command -> (module, description)
+BENCHMARKS = {
+    "serve": ("bench.online", "Online serving: Poisson arrivals, power-law adapter popularity, TTFT/TPOT."),
+}
+
+
+def _command(module: str):
+    def run(ctx: typer.Context) -> None:
+        importlib.import_module(module).main(list(ctx.args))
+
+    return run
+
+
+for _name, (_module, _doc) in BENCHMARKS.items():
+    app.command(_name, help=_doc + " Flags go to the benchmark; try --help.", context_settings=_PASS_THROUGH)(
+        _command(_module)
+    )
