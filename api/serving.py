@@ -39,6 +39,13 @@ async def resolve_target(request: Request, model: str | None, forced_adapter: st
     if forced_adapter is None and name == state.settings.served_model_name:
         authorize(key, None)
         return Target(name, None)
+    target = await adapter_target(state, name)
+    authorize(key, name)
+    return target
+
+
+async def adapter_target(state, name: str) -> Target:
+    """The active adapter `name` with its PEFT directory; 404 when it is unknown or inactive."""
     active = state.follower.snapshot().get(name)
     if active is None:
         active = await run_in_threadpool(state.registry.adapters.active_adapter, name)
@@ -46,7 +53,6 @@ async def resolve_target(request: Request, model: str | None, forced_adapter: st
         raise APIError(
             404, f"The model '{name}' does not exist or is not active", param="model", code="model_not_found"
         )
-    authorize(key, name)
     path = await run_in_threadpool(state.registry.adapters.adapter_path, active.digest)
     return Target(name, (name, str(path)))
 

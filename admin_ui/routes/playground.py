@@ -8,21 +8,20 @@ admin session standing in for an API key.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field, ValidationError
-from starlette.concurrency import run_in_threadpool
 
 from admin_ui.session import CsrfSession, Session
 from admin_ui.templating import render
 from api.errors import APIError
 from api.generation import Generation
 from api.openai_protocol import CompletionRequest
-from api.serving import RequestRun, Target, sampling_spec, tokenize
+from api.serving import RequestRun, Target, adapter_target, sampling_spec, tokenize
+from api.sse import sse
 
 router = APIRouter(prefix="/admin/playground", include_in_schema=False)
 
@@ -48,17 +47,7 @@ async def _target(state, adapter: str | None) -> Target:
     """The base model, or the active adapter `adapter` (404 when unknown or inactive)."""
     if adapter is None:
         return Target(state.settings.served_model_name, None)
-    active = state.follower.snapshot().get(adapter)
-    if active is None:
-        active = await run_in_threadpool(state.registry.adapters.active_adapter, adapter)
-    if active is None:
-        raise APIError(404, f"adapter {adapter!r} does not exist or is not active")
-    path = await run_in_threadpool(state.registry.adapters.adapter_path, active.digest)
-    return Target(adapter, (adapter, str(path)))
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+    return await adapter_target(state, adapter)
 
 
 @router.post("/generate")
@@ -87,11 +76,11 @@ async def generate(request: Request, _: CsrfSession) -> Response:
         try:
             async for up in updates:
                 if up.text:
-                    yield _sse({"text": up.text})
+                    yield sse({"text": up.text})
                 if up.finished:
                     seconds = time.monotonic() - t0
                     tokens = len(up.choice.token_ids)
-                    yield _sse(
+                    yield sse(
                         {
                             "done": True,
                             "finish_reason": up.choice.finish_reason,
@@ -100,7 +89,7 @@ async def generate(request: Request, _: CsrfSession) -> Response:
                         }
                     )
         except APIError as exc:
-            yield _sse({"error": exc.message})
+            yield sse({"error": exc.message})
         finally:
             await updates.aclose()
 

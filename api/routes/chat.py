@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from api.chat_template import render_chat
-from api.errors import APIError, error_body
-from api.generation import TokenLogprob
+from api.errors import APIError
+from api.generation import ChoiceUpdate, Generation, TokenLogprob
 from api.openai_protocol import ChatCompletionRequest
-from api.routes.completions import _sse
 from api.serving import RequestRun, finish_reason, resolve_target, sampling_spec, usage
+from api.sse import sse_response
 
 router = APIRouter(tags=["openai"])
 
@@ -29,8 +28,6 @@ async def adapter_chat_completions(name: str, body: ChatCompletionRequest, reque
 
 
 async def _chat(body: ChatCompletionRequest, request: Request, adapter: str | None):
-    from api.generation import Generation
-
     state = request.app.state.loraplex
     target = await resolve_target(request, body.model, adapter)
     if state.tokenizer is None:
@@ -74,76 +71,27 @@ def _content_logprobs(lps: list[TokenLogprob]) -> list[dict]:
 
 
 async def _stream(run: RequestRun, head: dict, include_usage: bool, n_prompt: int, logprobs: bool):
-    updates = run.updates()
     chunk = head | {"object": "chat.completion.chunk"}
-    try:
-        first = await anext(updates)
-    except StopAsyncIteration:
-        first = None
+    started: set[int] = set()
 
-    async def events() -> AsyncIterator[str]:
-        started: set[int] = set()
-        try:
-            pending = [first] if first is not None else []
-            while True:
-                if pending:
-                    up = pending.pop()
-                else:
-                    try:
-                        up = await anext(updates)
-                    except StopAsyncIteration:
-                        break
-                c = up.choice
-                if c.index not in started:
-                    started.add(c.index)
-                    yield _sse(
-                        chunk
-                        | {
-                            "choices": [
-                                {
-                                    "index": c.index,
-                                    "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None,
-                                    "finish_reason": None,
-                                }
-                            ]
-                        }
-                    )
-                if up.text or up.logprobs:
-                    lp = {"content": _content_logprobs(up.logprobs)} if logprobs else None
-                    yield _sse(
-                        chunk
-                        | {
-                            "choices": [
-                                {
-                                    "index": c.index,
-                                    "delta": {"content": up.text},
-                                    "logprobs": lp,
-                                    "finish_reason": None,
-                                }
-                            ]
-                        }
-                    )
-                if up.finished:
-                    yield _sse(
-                        chunk
-                        | {
-                            "choices": [
-                                {
-                                    "index": c.index,
-                                    "delta": {},
-                                    "logprobs": None,
-                                    "finish_reason": finish_reason(c.finish_reason),
-                                }
-                            ]
-                        }
-                    )
-            if include_usage:
-                yield _sse(chunk | {"choices": [], "usage": usage(run.gen, n_prompt)})
-        except APIError as exc:
-            yield _sse(error_body(exc.status, exc.message))
-        finally:
-            await updates.aclose()
-        yield "data: [DONE]\n\n"
+    def choice(index: int, delta: dict, lp: dict | None = None, finish: str | None = None) -> dict:
+        return chunk | {
+            "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}]
+        }
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    def render(up: ChoiceUpdate) -> list[dict]:
+        c, out = up.choice, []
+        if c.index not in started:
+            started.add(c.index)
+            out.append(choice(c.index, {"role": "assistant", "content": ""}))
+        if up.text or up.logprobs:
+            lp = {"content": _content_logprobs(up.logprobs)} if logprobs else None
+            out.append(choice(c.index, {"content": up.text}, lp))
+        if up.finished:
+            out.append(choice(c.index, {}, finish=finish_reason(c.finish_reason)))
+        return out
+
+    def tail() -> list[dict]:
+        return [chunk | {"choices": [], "usage": usage(run.gen, n_prompt)}] if include_usage else []
+
+    return await sse_response(run, render, tail)

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
-from api.errors import APIError, error_body
-from api.generation import Choice, Generation, TokenLogprob
+from api.errors import APIError
+from api.generation import Choice, ChoiceUpdate, Generation, TokenLogprob
 from api.openai_protocol import CompletionRequest
 from api.serving import RequestRun, finish_reason, resolve_target, sampling_spec, tokenize, usage
+from api.sse import sse_response
 
 router = APIRouter(tags=["openai"])
 
@@ -88,51 +87,25 @@ def _logprobs_json(lps: list[TokenLogprob], offset: int = 0) -> dict:
 
 
 async def _stream(run: RequestRun, head: dict, echo: list[str] | None, include_usage: bool, n_prompt: int):
-    updates = run.updates()
-    try:
-        first = await anext(updates)  # errors before the first token still get a proper status code
-    except StopAsyncIteration:
-        first = None
+    echoed: set[int] = set()
 
-    async def events() -> AsyncIterator[str]:
-        echoed: set[int] = set()
-        try:
-            pending = [first] if first is not None else []
-            while True:
-                if pending:
-                    up = pending.pop()
-                else:
-                    try:
-                        up = await anext(updates)
-                    except StopAsyncIteration:
-                        break
-                c = up.choice
-                text = up.text
-                if echo is not None and c.index not in echoed:
-                    echoed.add(c.index)
-                    text = echo[c.prompt_index] + text
-                if not text and not up.finished and not up.token_ids:
-                    continue
-                choice = {
-                    "index": c.index,
-                    "text": text,
-                    "logprobs": None,
-                    "finish_reason": finish_reason(c.finish_reason) if up.finished else None,
-                    "token_ids": up.token_ids,
-                }
-                if run.gen.spec.logprobs is not None:
-                    choice["logprobs"] = _logprobs_json(up.logprobs)
-                yield _sse(head | {"choices": [choice]})
-            if include_usage:
-                yield _sse(head | {"choices": [], "usage": usage(run.gen, n_prompt)})
-        except APIError as exc:
-            yield _sse(error_body(exc.status, exc.message))
-        finally:
-            await updates.aclose()
-        yield "data: [DONE]\n\n"
+    def render(up: ChoiceUpdate) -> list[dict]:
+        c, text = up.choice, up.text
+        if echo is not None and c.index not in echoed:
+            echoed.add(c.index)
+            text = echo[c.prompt_index] + text
+        if not text and not up.finished and not up.token_ids:
+            return []
+        choice = {
+            "index": c.index,
+            "text": text,
+            "logprobs": _logprobs_json(up.logprobs) if run.gen.spec.logprobs is not None else None,
+            "finish_reason": finish_reason(c.finish_reason) if up.finished else None,
+            "token_ids": up.token_ids,
+        }
+        return [head | {"choices": [choice]}]
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    def tail() -> list[dict]:
+        return [head | {"choices": [], "usage": usage(run.gen, n_prompt)}] if include_usage else []
 
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+    return await sse_response(run, render, tail)

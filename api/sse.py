@@ -1,0 +1,52 @@
+"""Server-sent events for streamed completions: one `data: {json}` event per chunk, then `[DONE]`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable, Iterable
+
+from fastapi.responses import StreamingResponse
+
+from api.errors import APIError, error_body
+from api.generation import ChoiceUpdate
+from api.serving import RequestRun
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def sse_response(
+    run: RequestRun,
+    render: Callable[[ChoiceUpdate], Iterable[dict]],
+    tail: Callable[[], Iterable[dict]],
+) -> StreamingResponse:
+    """Stream `render(update)` chunks for every update, then `tail()` chunks and `[DONE]`.
+
+    The first update is awaited before the response starts, so an error before the first token (bad
+    adapter, engine down) still gets a proper status code; a later error becomes an error event.
+    Closing the stream (client gone) closes the generation, which aborts its engine requests.
+    """
+    updates = run.updates()
+    try:
+        first: ChoiceUpdate | None = await anext(updates)
+    except StopAsyncIteration:
+        first = None
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            if first is not None:
+                for obj in render(first):
+                    yield sse(obj)
+                async for up in updates:
+                    for obj in render(up):
+                        yield sse(obj)
+            for obj in tail():
+                yield sse(obj)
+        except APIError as exc:
+            yield sse(error_body(exc.status, exc.message))
+        finally:
+            await updates.aclose()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
