@@ -18,6 +18,12 @@ from engine.attention.backend import AttentionBackend, AttentionMetadata
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
+    def __init__(self) -> None:
+        # The decode gather indices and mask depend only on the step's metadata: built for the first
+        # layer, reused by the others (keyed by the metadata object of the step).
+        self._plan_meta: AttentionMetadata | None = None
+        self._plan: tuple[torch.Tensor, torch.Tensor, int] | None = None
+
     def write_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
         flat_k = k_cache.view(-1, *k_cache.shape[2:])
         flat_v = v_cache.view(-1, *v_cache.shape[2:])
@@ -42,24 +48,38 @@ class TorchAttentionBackend(AttentionBackend):
             out[qs[b] : qs[b + 1]] = _causal_attention(q, k, v, sl[b] - q.shape[0], scale)
         return out
 
-    @staticmethod
-    def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _decode_plan(
+        self, meta: AttentionMetadata, block_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(flat block ids [B*max_blocks], additive key mask [B, 1, 1, L] (0 / -inf), L) for the decodes."""
+        if self._plan_meta is not meta or self._plan is None:
+            nd = meta.num_decodes
+            max_blocks = -(-max(meta.seq_lens_list[:nd]) // block_size)
+            length = max_blocks * block_size
+            tables = meta.block_tables[:nd, :max_blocks].reshape(-1).long()
+            pos = torch.arange(length, device=tables.device)
+            past_end = (pos[None, :] >= meta.seq_lens[:nd, None]).view(nd, 1, 1, length)
+            bias = torch.zeros(past_end.shape, device=tables.device).masked_fill_(past_end, float("-inf"))
+            self._plan_meta, self._plan = meta, (tables, bias, length)
+        return self._plan
+
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """One query per sequence: gather each sequence's blocks, then one masked SDPA call for all.
 
         The `group = Hq / Hkv` query heads sharing a KV head are laid out as `group` query rows of that
         head, so SDPA sees `[B, Hkv, group, D]` queries against `[B, Hkv, L, D]` keys (no K/V repeat).
         """
         nd, hq, d = q.shape
-        block_size, hkv = k_cache.shape[1], k_cache.shape[2]
-        max_blocks = -(-max(meta.seq_lens_list[:nd]) // block_size)
-        length = max_blocks * block_size
-        tables = meta.block_tables[:nd, :max_blocks].reshape(-1).long()
+        hkv = k_cache.shape[2]
+        tables, bias, length = self._decode_plan(meta, k_cache.shape[1])
         k = k_cache.index_select(0, tables).view(nd, length, hkv, d).transpose(1, 2)  # [B, Hkv, L, D]
         v = v_cache.index_select(0, tables).view(nd, length, hkv, d).transpose(1, 2)
-        pos = torch.arange(length, device=q.device)
-        valid = (pos[None, :] < meta.seq_lens[:nd, None]).view(nd, 1, 1, length)
         o = F.scaled_dot_product_attention(
-            q.view(nd, hkv, hq // hkv, d), k.to(q.dtype), v.to(q.dtype), attn_mask=valid, scale=scale
+            q.view(nd, hkv, hq // hkv, d),
+            k.to(q.dtype),
+            v.to(q.dtype),
+            attn_mask=bias.to(q.dtype),
+            scale=scale,
         )
         return o.reshape(nd, hq, d)
 

@@ -15,7 +15,7 @@ from torch import nn
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
 from engine.model.linear import LoRAStepContext, ProjectionLinear
-from engine.model.rope import RotaryEmbedding
+from engine.model.rope import RotaryEmbedding, apply_rope
 
 
 @dataclass(slots=True)
@@ -61,16 +61,18 @@ class Attention(nn.Module):
         self.rope = rope
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x, positions, kv: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, backend):
+    def forward(self, x, rope_tables, kv: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, backend):
         t = x.shape[0]
         qkv = self.qkv_proj(x, batch.lora)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q = qkv[:, :q_size].view(t, self.num_heads, self.head_dim)
-        k = qkv[:, q_size : q_size + kv_size].view(t, self.num_kv_heads, self.head_dim)
-        v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q_size, kv_size = nh * d, nkv * d
+        v = qkv[:, q_size + kv_size :].view(t, nkv, d)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
+            q = apply_rope(self.q_norm(qkv[:, :q_size].view(t, nh, d)), rope_tables)
+            k = apply_rope(self.k_norm(qkv[:, q_size : q_size + kv_size].view(t, nkv, d)), rope_tables)
+        else:  # q and k are adjacent columns: rotate both heads' blocks in one pass
+            qk = apply_rope(qkv[:, : q_size + kv_size].view(t, nh + nkv, d), rope_tables)
+            q, k = qk[:, :nh], qk[:, nh:]
         backend.write_kv(k, v, kv[0], kv[1], batch.attn)
         o = backend.attend(q, kv[0], kv[1], batch.attn, self.scale)
         return self.o_proj(o.reshape(t, q_size), batch.lora)
@@ -100,8 +102,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, layer)
 
-    def forward(self, x, positions, kv, batch: ForwardBatch, backend):
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv, batch, backend)
+    def forward(self, x, rope_tables, kv, batch: ForwardBatch, backend):
+        x = x + self.self_attn(self.input_layernorm(x), rope_tables, kv, batch, backend)
         return x + self.mlp(self.post_attention_layernorm(x), batch.lora)
 
 
@@ -129,8 +131,9 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
+        rope_tables = self.rope.tables(batch.positions)  # gathered once, shared by every layer
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, batch.positions, kv, batch, backend)
+            x = layer(x, rope_tables, kv, batch, backend)
         x = self.norm(x[batch.logits_indices])
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
         return nn.functional.linear(x, head).float()

@@ -51,15 +51,28 @@ class RotaryEmbedding(torch.nn.Module):
         self.cos = freqs.cos().to(device)
         self.sin = freqs.sin().to(device)
 
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token factors `(cos2, sin2)`, each [T, 1, D] float32, computed once per forward pass::
+
+        cos2 = [cos, cos],  sin2 = [-sin, sin]   so that   rope(x) = x * cos2 + swap_halves(x) * sin2
+        """
+        cos = self.cos[positions]
+        sin = self.sin[positions]
+        return torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((-sin, sin), dim=-1).unsqueeze(1)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """q [T, Hq, D], k [T, Hkv, D] -> rotated copies: x*cos + rotate_half(x)*sin at each position."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        cs = self.tables(positions)
+        return apply_rope(q, cs), apply_rope(k, cs)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x [T, H, D] -> x * cos2 + swap_halves(x) * sin2 (= HF's `x*cos + rotate_half(x)*sin`), in float32.
+
+    Returns a new contiguous tensor in x's dtype.
+    """
+    cos2, sin2 = tables
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+    xf = x.float()
+    out = torch.cat((xf[..., half:], xf[..., :half]), dim=-1).mul_(sin2)
+    return out.add_(xf * cos2).to(x.dtype)  # separate multiply and add: HF's rounding, no FMA
