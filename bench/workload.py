@@ -119,6 +119,7 @@ class RunTiming:
     output_tokens: int
     step_s: list[float] = field(default_factory=list)
     step_tokens: list[int] = field(default_factory=list)
+    decode_batches: list[int] = field(default_factory=list)  # batch size of each decode step
     token_ids: list[list[int]] = field(default_factory=list)
 
     @property
@@ -148,6 +149,7 @@ def timed_run(engine, prompts: Sequence[list[int]], params, loras: Sequence | No
         if tokens and tokens == decodes:
             result.decode_s += dt
             result.decode_steps += 1
+            result.decode_batches.append(decodes)
         elif tokens:
             result.prefill_s += dt
             result.prefill_steps += 1

@@ -1,0 +1,256 @@
+"""Benchmark 1 — offline mixed-adapter throughput (`loraplex bench offline`).
+
+    python -m bench.offline [--adapters 32] [--requests 32] [--rank 16] [--prompt-len 64] \\
+        [--new-tokens 48] [--repeats 3] [--threads 1] [--no-hf] [--json out.json] [--plot docs/x.png]
+
+A random-weight Llama (hidden 384, 6 layers, intermediate 1024, vocab 8000, 6 heads / 2 KV heads) and
+`--adapters` random rank-`--rank` PEFT adapters on all 7 projections are written to a work directory
+(nothing is downloaded). In one process, one after another, it times greedy generation of the same
+batch (request i on adapter i mod N):
+
+1. loraplex with the adapters, and 2. loraplex on the base model — interleaved, best of `--repeats`;
+3. HF transformers + PEFT `generate(adapter_names=...)` on the same batch (its tokens are compared);
+4. the "GEMM limit": the dense matmuls alone for the base run's decode steps (`bench.gemm_limit`).
+
+Ratios are the result: LoRA overhead (1/2), speed-up over PEFT (3/1), and the base decode's fraction
+of the GEMM limit (4 / decode time of 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from bench.gemm_limit import gemm_limit_seconds
+from bench.progress import progress
+from bench.workload import ModelSpec, RunTiming, best, build_adapter, build_base, make_prompts, timed_run
+
+
+@dataclass(slots=True)
+class OfflineResult:
+    """Timings of one offline run and the ratios the performance goals are stated in."""
+
+    requests: int
+    adapters: int
+    rank: int
+    prompt_len: int
+    new_tokens: int
+    threads: int
+    mixed: RunTiming
+    base: RunTiming
+    hf_peft_s: float | None = None
+    hf_token_match: float | None = None  # fraction of requests whose greedy tokens equal PEFT's
+    gemm_limit_decode_s: float | None = None
+    spec: dict = field(default_factory=dict)
+
+    @property
+    def lora_overhead(self) -> float:
+        """Mixed-adapter time / base-only time (goal <= 1.15)."""
+        return self.mixed.total_s / self.base.total_s
+
+    @property
+    def speedup_vs_hf(self) -> float | None:
+        """HF PEFT time / loraplex mixed time on the same batch (goal >= 5)."""
+        return None if self.hf_peft_s is None else self.hf_peft_s / self.mixed.total_s
+
+    @property
+    def gemm_fraction(self) -> float | None:
+        """GEMM-limit time / base decode time over the same decode steps (goal >= 0.6)."""
+        return None if self.gemm_limit_decode_s is None else self.gemm_limit_decode_s / self.base.decode_s
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for run in ("mixed", "base"):
+            d[run].pop("token_ids")
+        d.update(
+            lora_overhead=self.lora_overhead,
+            speedup_vs_hf=self.speedup_vs_hf,
+            gemm_fraction=self.gemm_fraction,
+        )
+        return d
+
+    def markdown(self) -> str:
+        """The result as the table `docs/benchmarks.md` records."""
+        tok = self.mixed.output_tokens
+        lines = [
+            "| run | total (s) | prefill (s) | decode (s) | output tok/s |",
+            "|---|---|---|---|---|",
+            f"| loraplex, {self.adapters} adapters (rank {self.rank}, all 7 projections) | "
+            f"{self.mixed.total_s:.2f} | {self.mixed.prefill_s:.2f} | {self.mixed.decode_s:.2f} | "
+            f"{self.mixed.tokens_per_s:.0f} |",
+            f"| loraplex, base model only | {self.base.total_s:.2f} | {self.base.prefill_s:.2f} | "
+            f"{self.base.decode_s:.2f} | {self.base.tokens_per_s:.0f} |",
+        ]
+        if self.hf_peft_s is not None:
+            hf_tps = tok / self.hf_peft_s
+            lines.append(f"| HF transformers + PEFT, mixed batch | {self.hf_peft_s:.2f} | | | {hf_tps:.0f} |")
+        if self.gemm_limit_decode_s is not None:
+            n = self.base.decode_steps
+            lines.append(f"| GEMM limit ({n} decode steps) | | | {self.gemm_limit_decode_s:.2f} | |")
+        lines.append("")
+        lines.append(f"- LoRA overhead (mixed / base time): **{self.lora_overhead:.2f}x** (goal <= 1.15x)")
+        if self.speedup_vs_hf is not None:
+            lines.append(
+                f"- Speed-up over HF PEFT mixed-batch generate: **{self.speedup_vs_hf:.1f}x** (goal >= 5x); "
+                f"greedy tokens equal to PEFT's for {self.hf_token_match:.0%} of requests"
+            )
+        if self.gemm_fraction is not None:
+            lines.append(f"- Base decode at **{self.gemm_fraction:.0%}** of the GEMM limit (goal >= 60%)")
+        return "\n".join(lines)
+
+
+def prepare(workdir: Path, spec: ModelSpec, ranks: list[int]) -> tuple[Path, list[Path]]:
+    """Build (or reuse) the base model and adapters `a{i}` of rank `ranks[i]` under `workdir`."""
+    base = workdir / "base"
+    if not (base / "config.json").exists():
+        build_base(workdir, spec)
+    dirs = []
+    for i, r in enumerate(ranks):
+        d = workdir / f"a{i}-r{r}"
+        if not (d / "adapter_config.json").exists():
+            build_adapter(d, spec, r, seed=1000 + i)
+        dirs.append(d)
+    return base, dirs
+
+
+def run_offline(
+    adapters: int = 32,
+    requests: int = 32,
+    rank: int = 16,
+    prompt_len: int = 64,
+    new_tokens: int = 48,
+    repeats: int = 3,
+    threads: int = 1,
+    hf: bool = True,
+    gemm_repeats: int = 5,
+    spec: ModelSpec | None = None,
+    workdir: Path | None = None,
+    quiet: bool = False,
+) -> OfflineResult:
+    """Run benchmark 1 (see the module docstring) and return its timings."""
+    from engine import LLM, LoRARequest, SamplingParams
+
+    spec = spec or ModelSpec()
+    prev_threads = torch.get_num_threads()
+    if threads > 0:
+        torch.set_num_threads(threads)
+    tmp = None
+    if workdir is None:
+        tmp = tempfile.TemporaryDirectory()
+        workdir = Path(tmp.name)
+    try:
+        with progress(quiet) as bar:
+            task = bar.add_task("building model and adapters", total=1)
+            base, dirs = prepare(workdir, spec, [rank] * adapters)
+            bar.advance(task)
+            loras = [LoRARequest(f"a{i}", str(d)) for i, d in enumerate(dirs)]
+            prompts = make_prompts(requests, prompt_len, spec.vocab_size)
+            per_req = [loras[i % adapters] for i in range(requests)]
+            params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+            llm = LLM(
+                str(base),
+                device="cpu",
+                dtype="float32",
+                max_loras=max(1, min(adapters, requests)),
+                max_lora_rank=max(16, rank),
+                max_num_seqs=max(requests, 1),
+                max_num_batched_tokens=max(2048, requests * prompt_len),
+                enable_prefix_caching=False,
+            )
+            eng = llm.engine
+            for lr in set(per_req):
+                eng.pin_lora(eng.add_lora(lr))
+            timed_run(eng, prompts[:4], params, per_req[:4], "warm-lora")
+            timed_run(eng, prompts[:4], params, None, "warm-base")
+            task = bar.add_task("loraplex mixed / base (interleaved)", total=2 * repeats)
+            mixed, base_runs = [], []
+            for r in range(repeats):
+                mixed.append(timed_run(eng, prompts, params, per_req, f"mixed{r}"))
+                bar.advance(task)
+                base_runs.append(timed_run(eng, prompts, params, None, f"base{r}"))
+                bar.advance(task)
+            result = OfflineResult(
+                requests,
+                adapters,
+                rank,
+                prompt_len,
+                new_tokens,
+                torch.get_num_threads(),
+                best(mixed),
+                best(base_runs),
+                spec=asdict(spec),
+            )
+            task = bar.add_task("GEMM limit", total=1)
+            result.gemm_limit_decode_s = gemm_limit_seconds(
+                eng.model, result.base.decode_batches, gemm_repeats
+            )
+            bar.advance(task)
+            if hf:
+                from bench.hf_peft import load_peft_model, time_peft_generate
+
+                task = bar.add_task("HF transformers + PEFT generate", total=1)
+                model = load_peft_model(base, dirs)
+                hf_s, hf_tokens = time_peft_generate(
+                    model, prompts, [i % adapters for i in range(requests)], new_tokens
+                )
+                result.hf_peft_s = hf_s
+                ours = result.mixed.token_ids
+                result.hf_token_match = sum(a == b for a, b in zip(ours, hf_tokens, strict=True)) / requests
+                bar.advance(task)
+            if eng.lora is not None:
+                eng.lora.shutdown()
+        return result
+    finally:
+        torch.set_num_threads(prev_threads)
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def main(argv: list[str] | None = None) -> OfflineResult:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--adapters", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved mixed/base repeats (best of N)")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads (0: leave torch's default)"
+    )
+    ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers + PEFT baseline")
+    ap.add_argument("--workdir", type=Path, default=None, help="reuse generated model/adapters from here")
+    ap.add_argument("--json", type=Path, default=None, help="also write the result as JSON here")
+    ap.add_argument("--plot", type=Path, default=None, help="write a PNG bar chart of the throughputs")
+    ap.add_argument("--quiet", action="store_true")
+    args = ap.parse_args(argv)
+    if args.workdir is not None:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+    result = run_offline(
+        adapters=args.adapters,
+        requests=args.requests,
+        rank=args.rank,
+        prompt_len=args.prompt_len,
+        new_tokens=args.new_tokens,
+        repeats=args.repeats,
+        threads=args.threads,
+        hf=not args.no_hf,
+        workdir=args.workdir,
+        quiet=args.quiet,
+    )
+    print(result.markdown())
+    if args.json is not None:
+        args.json.write_text(json.dumps(result.to_dict(), indent=2))
+    if args.plot is not None:
+        from bench.plots import plot_offline
+
+        plot_offline(result, args.plot)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""matplotlib PNGs of the benchmark results for `docs/` (matplotlib is imported only when plotting)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_offline(result, path: Path) -> None:
+    """Bar chart of output tokens/s: mixed adapters, base only, HF PEFT, and the GEMM-limit decode rate."""
+    plt = _pyplot()
+    names = [f"loraplex\n{result.adapters} adapters", "loraplex\nbase only"]
+    vals = [result.mixed.tokens_per_s, result.base.tokens_per_s]
+    if result.hf_peft_s is not None:
+        names.append("HF + PEFT\nmixed batch")
+        vals.append(result.mixed.output_tokens / result.hf_peft_s)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(names, vals, color=["tab:blue", "tab:gray", "tab:red"][: len(vals)])
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(f"Offline: {result.requests} requests, {result.prompt_len}+{result.new_tokens} tokens (CPU)")
+    for i, v in enumerate(vals):
+        ax.text(i, v, f"{v:.0f}", ha="center", va="bottom")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_scaling(result, path: Path) -> None:
+    """Throughput and pool hit rate vs number of distinct adapters (log x)."""
+    plt = _pyplot()
+    xs = [p.adapters for p in result.points]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(xs, [p.tokens_per_s for p in result.points], "o-", color="tab:blue")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("distinct adapters")
+    ax.set_ylabel("output tokens / s", color="tab:blue")
+    ax.set_ylim(bottom=0)
+    ax2 = ax.twinx()
+    ax2.plot(xs, [100 * p.pool_hit_rate for p in result.points], "s--", color="tab:orange")
+    ax2.set_ylabel("pool hit rate (%)", color="tab:orange")
+    ax2.set_ylim(0, 105)
+    ax.set_title(f"Adapter scaling (ranks 8-64, pool {result.pool_pages} pages/projection)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_cold_load(result, path: Path) -> None:
+    """Step times of the running batch around the newcomer's arrival, resident vs cold adapter."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for cold, color in ((False, "tab:gray"), (True, "tab:red")):
+        r = min((r for r in result.runs if r.cold == cold), key=lambda r: r.extra_s)
+        xs = [i - r.inject_at for i in range(len(r.step_s))]
+        label = "cold adapter" if cold else "resident adapter"
+        ax.plot(xs[1:], [1e3 * s for s in r.step_s[1:]], ".-", color=color, label=label)
+    ax.axvline(0, color="k", lw=0.8, ls=":")
+    ax.set_xlabel("step (0 = newcomer arrives)")
+    ax.set_ylabel("step time (ms)")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    ax.set_title(f"Cold load of a rank-{result.rank} adapter, batch {result.batch}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

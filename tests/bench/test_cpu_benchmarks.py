@@ -1,0 +1,91 @@
+"""Each CPU benchmark runs at a tiny size and returns sane results (no timing assertions)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench.cold_load import run_cold_load
+from bench.offline import run_offline
+from bench.plots import plot_cold_load, plot_offline, plot_scaling
+from bench.scaling import run_scaling
+from bench.workload import ModelSpec
+
+TINY = ModelSpec(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    max_position_embeddings=128,
+)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("bench")
+
+
+def test_offline_tiny(workdir, tmp_path):
+    r = run_offline(
+        adapters=3,
+        requests=4,
+        rank=8,
+        prompt_len=8,
+        new_tokens=4,
+        repeats=1,
+        gemm_repeats=1,
+        spec=TINY,
+        workdir=workdir,
+        quiet=True,
+    )
+    assert r.mixed.output_tokens == r.base.output_tokens == 4 * 4
+    assert r.mixed.decode_steps == r.base.decode_steps == 3 and r.base.decode_batches == [4, 4, 4]
+    assert r.hf_token_match == 1.0  # same greedy tokens as HF PEFT on the same mixed batch
+    assert r.mixed.token_ids != r.base.token_ids
+    assert r.lora_overhead > 0 and r.speedup_vs_hf > 0 and r.gemm_fraction > 0
+    assert "GEMM limit" in r.markdown()
+    plot_offline(r, tmp_path / "offline.png")
+    assert (tmp_path / "offline.png").stat().st_size > 0
+
+
+def test_scaling_tiny(workdir, tmp_path):
+    r = run_scaling(
+        counts=(1, 4, 12),
+        pool_pages=16,
+        batch=4,
+        prompt_len=8,
+        new_tokens=3,
+        spec=TINY,
+        workdir=workdir,
+        quiet=True,
+    )
+    assert [p.adapters for p in r.points] == [1, 4, 12]
+    assert [p.requests for p in r.points] == [4, 4, 12]
+    assert all(p.output_tokens == 3 * p.requests for p in r.points)
+    assert r.points[0].pool_hit_rate == 1.0  # one adapter, warmed up: always resident
+    assert r.points[-1].pool_hit_rate < 1.0  # 12 adapters of up to 4 pages do not fit 16 pages
+    assert all(0.0 <= p.pool_hit_rate <= 1.0 for p in r.points)
+    assert r.drop_vs_first()[0] == 0.0
+    plot_scaling(r, tmp_path / "scaling.png")
+
+
+def test_cold_load_tiny(workdir, tmp_path):
+    r = run_cold_load(
+        batch=4,
+        rank=16,
+        prompt_len=8,
+        new_tokens=12,
+        inject_after=3,
+        repeats=1,
+        spec=TINY,
+        workdir=workdir,
+        quiet=True,
+    )
+    assert [run.cold for run in r.runs] == [False, True]
+    for run in r.runs:
+        assert run.window_steps >= 1 and run.ttft_s > 0 and run.baseline_step_s > 0
+    assert math.isfinite(r.load_cost_steps)
+    plot_cold_load(r, tmp_path / "cold.png")
