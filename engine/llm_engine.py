@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,22 +23,12 @@ from engine.lora_request import LoRARequest
 from engine.metrics import EngineStats
 from engine.model.loader import load_model
 from engine.model_runner import ModelRunner, kv_block_bytes
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
+from engine.request_group import RequestGroup
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.tokenizer import IncrementalDetokenizer, find_stop, load_tokenizer
-
-
-@dataclass(slots=True)
-class _Group:
-    """The user's request: its prompt and the `n` sequences generated for it."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    seqs: list[Request]
-    detoks: list[IncrementalDetokenizer | None]
+from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 
 class LLMEngine:
@@ -86,7 +75,7 @@ class LLMEngine:
             self.lora.in_use = lambda: {r.lora_key for r in self.scheduler.running if r.lora_key}
             self.scheduler.adapter_ready = lambda req: req.lora_key is None or lora.ready(req.lora_key)
             self.runner.lora_context = self.lora.step_context
-        self._groups: dict[str, _Group] = {}
+        self._groups: dict[str, RequestGroup] = {}
         self._seq_to_group: dict[str, str] = {}
         self._steps = 0
         self._last_step_tokens = 0
@@ -173,7 +162,7 @@ class LLMEngine:
                 Request(seq_id, ids, params, arrival, priority, lora_request, lora_key, gen, max_total)
             )
         detoks = [self._detokenizer() for _ in seqs]
-        self._groups[request_id] = _Group(request_id, text, ids, seqs, detoks)
+        self._groups[request_id] = RequestGroup(request_id, text, ids, seqs, detoks)
         for s in seqs:
             self._seq_to_group[s.request_id] = request_id
             self.scheduler.add_request(s)
@@ -221,7 +210,7 @@ class LLMEngine:
             if err is None:
                 continue
             self.abort_request(gid)
-            out = self._output(group)
+            out = group.output()
             out.error = f"adapter {group.seqs[0].lora_request.name!r} could not be loaded: {err}"
             outputs.append(out)
         return outputs
@@ -260,64 +249,23 @@ class LLMEngine:
         out = self.runner.run(plan)
         progressed = self.scheduler.update(plan, out)
         self._generation_tokens += len(progressed)
-        touched: dict[str, _Group] = {}
+        touched: dict[str, RequestGroup] = {}
         for seq in progressed:
             gid = self._seq_to_group.get(seq.request_id)
             if gid is None:
                 continue
             group = self._groups[gid]
-            self._detokenize(group, seq)
+            group.detokenize(seq, self.scheduler.finish_request)
             touched[gid] = group
         outputs = failed
         for gid, group in touched.items():
-            ro = self._output(group)
+            ro = group.output()
             outputs.append(ro)
             if ro.finished:
                 self._groups.pop(gid, None)
                 for s in group.seqs:
                     self._seq_to_group.pop(s.request_id, None)
         return outputs
-
-    def _detokenize(self, group: _Group, seq: Request) -> None:
-        idx = group.seqs.index(seq)
-        detok = group.detoks[idx]
-        if detok is None:
-            return
-        delta = detok.push(seq.output_token_ids[-1])
-        seq.text = detok.text
-        stops = seq.params.stop
-        if stops and delta and not (seq.is_finished and seq.finish_reason == "stop"):
-            hit = find_stop(seq.text, len(delta), stops)
-            if hit is not None:
-                seq.text = seq.text[: hit[0]]
-                seq.stop_reason = hit[1]
-                if seq.is_finished:  # length limit reached on the same token: the stop string wins
-                    seq.status = RequestStatus.FINISHED_STOPPED
-                else:
-                    self.scheduler.finish_request(seq, RequestStatus.FINISHED_STOPPED)
-
-    def _output(self, group: _Group) -> RequestOutput:
-        comps = [
-            CompletionOutput(
-                index=i,
-                text=s.text,
-                token_ids=list(s.output_token_ids),
-                cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
-                logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-            )
-            for i, s in enumerate(group.seqs)
-        ]
-        first = group.seqs[0]
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
-            outputs=comps,
-            finished=all(s.is_finished for s in group.seqs),
-            num_cached_tokens=max(first.num_cached_tokens, 0),
-        )
 
     def get_stats(self) -> EngineStats:
         kv = self.kv.stats()

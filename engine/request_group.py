@@ -1,0 +1,66 @@
+"""A user's request as the engine reports it: one prompt, its `n` sequences, their text.
+
+Detokenization and stop strings live here: each new token is appended to its sequence's text, and the
+earliest stop string ending in the new text cuts the text there and finishes the sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.request import Request, RequestStatus
+from engine.tokenizer import IncrementalDetokenizer, find_stop
+
+
+@dataclass(slots=True)
+class RequestGroup:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Request]
+    detoks: list[IncrementalDetokenizer | None]
+
+    def detokenize(self, seq: Request, finish: Callable[[Request, RequestStatus], None]) -> None:
+        """Append the text of `seq`'s newest token; on a stop string cut the text and `finish` it."""
+        detok = self.detoks[self.seqs.index(seq)]
+        if detok is None:
+            return
+        delta = detok.push(seq.output_token_ids[-1])
+        seq.text = detok.text
+        stops = seq.params.stop
+        if not stops or not delta or (seq.is_finished and seq.finish_reason == "stop"):
+            return
+        hit = find_stop(seq.text, len(delta), stops)
+        if hit is None:
+            return
+        seq.text = seq.text[: hit[0]]
+        seq.stop_reason = hit[1]
+        if seq.is_finished:  # length limit reached on the same token: the stop string wins
+            seq.status = RequestStatus.FINISHED_STOPPED
+        else:
+            finish(seq, RequestStatus.FINISHED_STOPPED)
+
+    def output(self) -> RequestOutput:
+        """The request's state now: every sequence's tokens, text and finish reason."""
+        comps = [
+            CompletionOutput(
+                index=i,
+                text=s.text,
+                token_ids=list(s.output_token_ids),
+                cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
+                logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for i, s in enumerate(self.seqs)
+        ]
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=comps,
+            finished=all(s.is_finished for s in self.seqs),
+            num_cached_tokens=max(self.seqs[0].num_cached_tokens, 0),
+        )
