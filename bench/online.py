@@ -213,7 +213,7 @@ def _self_hosted(args, rates: list[float]) -> OnlineResult:
     import socket
     import subprocess
 
-    from bench.offline_lora import build_adapter, build_base
+    from bench.workload import ModelSpec, build_adapter, build_base
     from lora_registry import RegistrySettings, open_registry
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -227,7 +227,8 @@ def _self_hosted(args, rates: list[float]) -> OnlineResult:
         reg = open_registry(RegistrySettings.from_env(env))
         try:
             for i in range(args.adapters):
-                reg.adapters.register(f"a{i}", build_adapter(base, root / f"a{i}", 16, i), activate=True)
+                adapter = build_adapter(root / f"a{i}", ModelSpec(), 16, i)
+                reg.adapters.register(f"a{i}", adapter, activate=True)
         finally:
             reg.close()
         with socket.socket() as sock:

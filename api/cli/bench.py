@@ -15,6 +15,9 @@ _PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help
 
 # command -> (module, description)
 BENCHMARKS = {
+    "offline": ("bench.offline", "Offline mixed-adapter throughput vs base, HF PEFT and the GEMM limit."),
+    "scaling": ("bench.scaling", "Throughput and pool hit rate vs number of distinct adapters."),
+    "cold-load": ("bench.cold_load", "Cold adapter load: first-token latency and the running batch's steps."),
     "serve": ("bench.online", "Online serving: Poisson arrivals, power-law adapter popularity, TTFT/TPOT."),
 }
 
