@@ -118,7 +118,7 @@ class _EngineLoop:
                 ignore_eos=msg.ignore_eos,
                 logprobs=msg.logprobs,
             )
-            lora = LoRARequest(msg.lora_name, msg.lora_path) if msg.lora_path else None
+            lora = LoRARequest(msg.lora_name, msg.lora_path, msg.lora_digest) if msg.lora_path else None
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, lora, msg.priority)
             self.sent[msg.request_id] = 0
         except ValueError as exc:

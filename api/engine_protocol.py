@@ -25,6 +25,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     logprobs: int | None
     lora_name: str | None = None
     lora_path: str | None = None
+    lora_digest: str | None = None
     priority: int = 0
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from api.engine_client import EngineClient
 from api.engine_protocol import AddRequest, RequestDelta
+from engine.lora_request import LoRARequest
 from engine.tokenizer import IncrementalDetokenizer, find_stop
 
 
@@ -93,7 +94,7 @@ class Generation:
         prompts: list[list[int]],
         spec: SamplingSpec,
         n: int,
-        lora: tuple[str, str] | None,
+        lora: LoRARequest | None,
     ) -> None:
         self.client, self.tokenizer, self.prompts, self.spec, self.n, self.lora = (
             client,
@@ -129,8 +130,9 @@ class Generation:
             stop_token_ids=s.stop_token_ids,
             ignore_eos=s.ignore_eos,
             logprobs=s.logprobs,
-            lora_name=self.lora[0] if self.lora else None,
-            lora_path=self.lora[1] if self.lora else None,
+            lora_name=self.lora.name if self.lora else None,
+            lora_path=self.lora.path if self.lora else None,
+            lora_digest=self.lora.digest if self.lora else None,
             priority=s.priority,
         )
 

@@ -16,18 +16,19 @@ from api.engine_client import EngineDeadError, EngineUnavailableError
 from api.errors import APIError
 from api.generation import ChoiceUpdate, Generation, SamplingSpec
 from api.openai_protocol import _SamplingFields
+from engine.lora_request import LoRARequest
 
 
 @dataclass(slots=True)
 class Target:
-    """What a request runs on: the base model, or an active adapter (name, PEFT dir)."""
+    """What a request runs on: the base model, or an active adapter (registry PEFT dir + digest)."""
 
     model_name: str
-    lora: tuple[str, str] | None
+    lora: LoRARequest | None
 
     @property
     def adapter(self) -> str | None:
-        return self.lora[0] if self.lora else None
+        return self.lora.name if self.lora else None
 
 
 async def resolve_target(request: Request, model: str | None, forced_adapter: str | None = None) -> Target:
@@ -54,7 +55,7 @@ async def adapter_target(state, name: str) -> Target:
             404, f"The model '{name}' does not exist or is not active", param="model", code="model_not_found"
         )
     path = await run_in_threadpool(state.registry.adapters.adapter_path, active.digest)
-    return Target(name, (name, str(path)))
+    return Target(name, LoRARequest(name, str(path), active.digest))
 
 
 def tokenize(state, prompt: str | list[int]) -> list[int]:

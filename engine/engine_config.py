@@ -30,6 +30,7 @@ class EngineConfig:
     lora_backend: str = "auto"  # "torch" (CPU default) or "triton" (CUDA default)
     attention_backend: str = "auto"  # likewise
     detokenize: bool = True  # False: outputs carry token ids only (a server detokenizes elsewhere)
+    num_threads: int | None = None  # torch intra-op threads for this process (None: torch's default)
     seed: int = 0
 
     def resolve_device(self) -> torch.device:

@@ -34,6 +34,10 @@ from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if config.num_threads is not None:
+            if config.num_threads < 1:
+                raise ValueError(f"num_threads must be >= 1, got {config.num_threads}")
+            torch.set_num_threads(config.num_threads)
         self.device = config.resolve_device()
         self.model_config = ModelConfig.from_dir(config.model)
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)

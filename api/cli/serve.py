@@ -27,6 +27,7 @@ def serve(
     num_kv_blocks: Annotated[
         int | None, typer.Option(help="KV cache blocks (default: sized by memory).")
     ] = None,
+    threads: Annotated[int | None, typer.Option(help="Engine CPU threads (default: torch's).")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ) -> None:
     """Start the server: one resident base model, every active adapter of the registry."""
@@ -52,6 +53,7 @@ def serve(
                 max_lora_rank=max_lora_rank,
                 max_num_seqs=max_num_seqs,
                 num_kv_blocks=num_kv_blocks,
+                num_threads=threads,
             ),
         )
     except ValueError as exc:

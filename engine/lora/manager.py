@@ -97,11 +97,18 @@ class LoRAManager:
 
     # ---- identity ---------------------------------------------------------------------------------
     def resolve(self, lr: LoRARequest) -> str:
-        """Content digest of the adapter files behind `lr` (hashing again only if they changed)."""
+        """Content digest of the adapter files behind `lr` (hashing again only if they changed).
+
+        A digest given in `lr` is taken as is (checked against the files when they are loaded).
+        """
         from engine.lora.adapter_checkpoint import adapter_files
 
         cfg_file, weights = adapter_files(lr.path)
         key = str(cfg_file.parent.resolve())
+        if lr.digest:
+            self._names[lr.name] = lr.digest
+            self._paths[lr.digest] = key
+            return lr.digest
         stats = tuple(v for f in (cfg_file, weights) for v in (os.stat(f).st_mtime_ns, os.stat(f).st_size))
         cached = self._stat.get(key)
         if cached is None or cached[0] != stats:

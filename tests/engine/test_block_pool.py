@@ -87,3 +87,20 @@ def test_allocate_fails_without_side_effects():
     r = _req("a", list(range(12)))
     assert not kv.allocate_slots(r, 12)
     assert kv.stats().num_free == 2 and kv.block_ids(r) == []
+
+
+def test_cpu_adapter_cache_is_lru_and_keeps_protected():
+    from engine.lora.adapter_checkpoint import AdapterCheckpoint
+    from engine.lora.cpu_cache import CpuAdapterCache
+
+    def ckpt(d: str) -> AdapterCheckpoint:
+        return AdapterCheckpoint(d, 4, 8.0, ("q_proj",), False, 0, None, ())
+
+    cache = CpuAdapterCache(2)
+    cache.put(ckpt("a"))
+    cache.put(ckpt("b"))
+    assert cache.get("a") is not None  # a is now the most recently used
+    cache.put(ckpt("c"))
+    assert cache.digests() == ["a", "c"] and cache.evictions == 1
+    cache.put(ckpt("d"), keep={"a"})  # a is protected (in use), so c goes
+    assert cache.digests() == ["a", "d"]

@@ -76,7 +76,6 @@ def test_mixed_adapters_under_chunking_preemption_and_small_pool(adapters):
         max_loras=2,
         max_lora_rank=32,
         lora_pool_pages=3,  # one rank-32 adapter needs 2 pages per module: forces pool evictions
-        max_cpu_loras=2,
     )
     _run_and_check(llm, dirs, oracle, _workload(dirs, seed=2, n=12))
     stats = llm.engine.get_stats()
@@ -200,3 +199,18 @@ def test_lora_disabled_refuses_requests(checkpoint, adapters):
     llm = LLM(str(base), device="cpu", dtype="float32", enable_lora=False)
     with pytest.raises(ValueError, match="enable_lora"):
         llm.generate([[5]], SamplingParams(), lora_request=LoRARequest("a", str(dirs["all7-r4"])))
+
+
+def test_given_digest_is_trusted_for_identity_and_checked_on_load(adapters):
+    from engine.lora.adapter_checkpoint import adapter_digest
+
+    base, dirs, oracle = adapters["llama"]
+    llm = LLM(str(base), device="cpu", dtype="float32", max_lora_rank=32)
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    path = str(dirs["gud-r12"])
+    good = LoRARequest("gud", path, adapter_digest(path))
+    out = llm.generate([[5, 6, 7]], params, lora_request=good)[0].outputs[0].token_ids
+    assert out == oracle.greedy([5, 6, 7], NEW, dirs["gud-r12"])
+    assert [i.digest for i in llm.engine.list_loras()] == [good.digest]
+    with pytest.raises(AdapterError, match="changed"):
+        llm.generate([[5, 6, 7]], params, lora_request=LoRARequest("gud", path, "0" * 64))
