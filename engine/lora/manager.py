@@ -124,7 +124,12 @@ class LoRAManager:
         """Validate and load the adapter into the host cache now; returns its digest."""
         digest = self.resolve(lr)
         if digest not in self.cpu and digest not in self.pool.resident:
-            self.cpu.put(self._load(digest), keep=self._protected())
+            try:
+                ckpt = self._load(digest)
+            except Exception:
+                self._forget(digest)  # a refused adapter leaves nothing behind
+                raise
+            self.cpu.put(ckpt, keep=self._protected())
         self._failed.pop(digest, None)
         return digest
 
@@ -136,12 +141,15 @@ class LoRAManager:
         known = digest in self.cpu or digest in self.pool.resident or digest in self._paths
         if digest in self.pool.resident:
             self.pool.evict(digest)
+        self._forget(digest)
+        return known
+
+    def _forget(self, digest: str) -> None:
         self.cpu.drop(digest)
         self._pinned.discard(digest)
         self._paths.pop(digest, None)
         for name in [n for n, d in self._names.items() if d == digest]:
             del self._names[name]
-        return known
 
     def pin_lora(self, name_or_digest: str, pinned: bool = True) -> bool:
         """Keep an adapter in the device pool regardless of LRU (loading it now). False if unknown."""

@@ -214,3 +214,4 @@ def test_given_digest_is_trusted_for_identity_and_checked_on_load(adapters):
     assert [i.digest for i in llm.engine.list_loras()] == [good.digest]
     with pytest.raises(AdapterError, match="changed"):
         llm.generate([[5, 6, 7]], params, lora_request=LoRARequest("gud", path, "0" * 64))
+    assert [i.digest for i in llm.engine.list_loras()] == [good.digest]  # the refused one left nothing
