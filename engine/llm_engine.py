@@ -18,7 +18,7 @@ import torch
 from engine.config import ModelConfig, cdiv, resolve_dtype
 from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheManager
-from engine.lora.manager import LoRAInfo, LoRAManager, LoRAPoolStats
+from engine.lora.manager import LoRAInfo, LoRAManager, LoRAPoolStats, path_key
 from engine.lora_request import LoRARequest
 from engine.metrics import EngineStats
 from engine.model.loader import load_model
@@ -78,6 +78,7 @@ class LLMEngine:
             lora = self.lora
             self.lora.in_use = lambda: {r.lora_key for r in self.scheduler.running if r.lora_key}
             self.scheduler.adapter_ready = lambda req: req.lora_key is None or lora.ready(req.lora_key)
+            self.scheduler.adapter_resolved = self._resolve_adapter
             self.runner.lora_context = self.lora.step_context
         self._groups: dict[str, RequestGroup] = {}
         self._seq_to_group: dict[str, str] = {}
@@ -177,7 +178,17 @@ class LLMEngine:
             return None
         if self.lora is None:
             raise ValueError("a lora_request was given but the engine was created with enable_lora=False")
-        return self.lora.resolve(lora_request)
+        return self.lora.resolve_nowait(lora_request)  # None: digest computed by the background load
+
+    def _resolve_adapter(self, req: Request) -> bool:
+        """Scheduler hook: whether the request's adapter digest is known (setting `lora_key` once it is)."""
+        if req.lora_request is None or req.lora_key is not None:
+            return True
+        digest = self.lora.poll_resolved(req.lora_request)
+        if digest is None:
+            return False
+        req.lora_key = digest
+        return True
 
     # ---- adapters ---------------------------------------------------------------------------------
     def _require_lora(self) -> LoRAManager:
@@ -210,7 +221,10 @@ class LLMEngine:
             return []
         outputs = []
         for gid, group in list(self._groups.items()):
-            err = failed.get(group.seqs[0].lora_key or "")
+            first = group.seqs[0]
+            if first.lora_request is None:
+                continue
+            err = failed.get(first.lora_key or "") or failed.get(path_key(first.lora_request))
             if err is None:
                 continue
             self.abort_request(gid)

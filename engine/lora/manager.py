@@ -18,11 +18,20 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from engine.config import ModelConfig
-from engine.lora.adapter_checkpoint import AdapterCheckpoint, AdapterError, adapter_digest, inspect_adapter
+from engine.lora.adapter_checkpoint import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    AdapterCheckpoint,
+    AdapterError,
+    adapter_digest,
+    adapter_files,
+    inspect_adapter,
+)
 from engine.lora.cpu_cache import CpuAdapterCache
 from engine.lora.pool import AdapterPool, ResidentAdapter
 from engine.lora.step_context import TorchLoRAContext, TritonLoRAContext, token_segments
@@ -87,7 +96,8 @@ class LoRAManager:
         self._names: dict[str, str] = {}  # name -> digest last seen for it
         self._paths: dict[str, str] = {}  # digest -> path to (re)load from
         self._stat: dict[str, tuple[tuple[int, int, int, int], str]] = {}  # path -> (file stats, digest)
-        self._loading: dict[str, Future] = {}
+        self._loading: dict[str, Future] = {}  # digest -> load
+        self._resolving: dict[str, Future] = {}  # path key -> load of files whose digest is not known yet
         self._failed: dict[str, str] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
@@ -101,21 +111,55 @@ class LoRAManager:
 
         A digest given in `lr` is taken as is (checked against the files when they are loaded).
         """
-        from engine.lora.adapter_checkpoint import adapter_files
+        key, stats, digest = self._known_digest(lr)
+        if digest is None:
+            digest = adapter_digest(key)
+            self._stat[key] = (stats, digest)
+        return self._remember(lr.name, digest, key)
 
+    def resolve_nowait(self, lr: LoRARequest) -> str | None:
+        """Like `resolve`, but never reads the weights on the caller's thread: for files not seen before
+        (or changed) it returns None and starts loading them in the background, where the digest is
+        computed as part of the load; `poll_resolved(lr)` returns it once the load is done."""
+        key, stats, digest = self._known_digest(lr)
+        if digest is not None:
+            return self._remember(lr.name, digest, key)
+        if key not in self._resolving:
+            self._resolving[key] = self._submit(self._load_path, key, stats)
+        return None
+
+    def poll_resolved(self, lr: LoRARequest) -> str | None:
+        """The digest of a `resolve_nowait` that returned None, once its background load finished."""
+        key = path_key(lr)
+        fut = self._resolving.get(key)
+        if fut is None:
+            cached = self._stat.get(key)
+            return self._remember(lr.name, cached[1], key) if cached else None
+        if not fut.done():
+            return None
+        del self._resolving[key]
+        try:
+            stats, ckpt = fut.result()
+        except Exception as exc:  # surfaced to the requests waiting on these files
+            self._failures += 1
+            self._failed[key] = str(exc)
+            return None
+        self._stat[key] = (stats, ckpt.digest)
+        self.cpu.put(ckpt, keep=self._protected())
+        return self._remember(lr.name, ckpt.digest, key)
+
+    def _known_digest(self, lr: LoRARequest) -> tuple[str, tuple[int, ...], str | None]:
+        """(path key, file stats, digest if known without hashing: given, or files unchanged)."""
         cfg_file, weights = adapter_files(lr.path)
         key = str(cfg_file.parent.resolve())
-        if lr.digest:
-            self._names[lr.name] = lr.digest
-            self._paths[lr.digest] = key
-            return lr.digest
         stats = tuple(v for f in (cfg_file, weights) for v in (os.stat(f).st_mtime_ns, os.stat(f).st_size))
+        if lr.digest:
+            return key, stats, lr.digest
         cached = self._stat.get(key)
-        if cached is None or cached[0] != stats:
-            cached = (stats, adapter_digest(key))
-            self._stat[key] = cached
-        digest = cached[1]
-        self._names[lr.name] = digest
+        return key, stats, cached[1] if cached is not None and cached[0] == stats else None
+
+    def _remember(self, name: str, digest: str, key: str) -> str:
+        self._names[name] = digest
         self._paths[digest] = key
         return digest
 
@@ -190,7 +234,8 @@ class LoRAManager:
         return self._make_resident(digest, blocking=False)
 
     def take_failures(self) -> dict[str, str]:
-        """Adapters whose background load failed since the last call: digest -> error message."""
+        """Adapters whose background load failed since the last call: digest, or `path_key` for files
+        loaded before their digest was known -> error message."""
         failed, self._failed = self._failed, {}
         return failed
 
@@ -221,11 +266,24 @@ class LoRAManager:
     def _protected(self) -> set[str]:
         return self.in_use() | self._pinned
 
+    def _submit(self, fn, *args) -> Future:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-load")
+        return self._executor.submit(fn, *args)
+
     def _load(self, digest: str) -> AdapterCheckpoint:
-        t0 = time.perf_counter()
-        ckpt = inspect_adapter(self._paths[digest], self.model, self.max_lora_rank, load_weights=True)
+        ckpt = self._read(self._paths[digest])
         if ckpt.digest != digest:
             raise AdapterError("adapter files changed while loading; retry")
+        return ckpt
+
+    def _load_path(self, key: str, stats: tuple[int, ...]) -> tuple[tuple[int, ...], AdapterCheckpoint]:
+        return stats, self._read(key)
+
+    def _read(self, path: str) -> AdapterCheckpoint:
+        """Validate and load the adapter at `path` into host memory (pinned on CUDA), timing the load."""
+        t0 = time.perf_counter()
+        ckpt = inspect_adapter(path, self.model, self.max_lora_rank, load_weights=True)
         if self.device.type == "cuda":
             ckpt = _pin_host_memory(ckpt)
         dt = time.perf_counter() - t0
@@ -255,9 +313,7 @@ class LoRAManager:
         else:
             fut = self._loading.get(digest)
             if fut is None:
-                if self._executor is None:
-                    self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-load")
-                self._loading[digest] = self._executor.submit(self._load, digest)
+                self._loading[digest] = self._submit(self._load, digest)
                 return None
             if not fut.done():
                 return None
@@ -310,3 +366,11 @@ def _pin_host_memory(ckpt: AdapterCheckpoint) -> AdapterCheckpoint:
 
     mods = tuple(replace(m, lora_a=m.lora_a.pin_memory(), lora_b=m.lora_b.pin_memory()) for m in ckpt.modules)
     return replace(ckpt, modules=mods)
+
+
+def path_key(lr: LoRARequest) -> str:
+    """The absolute directory of `lr`'s adapter files (how loads of not-yet-hashed files are keyed)."""
+    path = Path(lr.path)
+    if path.name in (CONFIG_FILE, WEIGHTS_FILE):
+        path = path.parent
+    return str(path.resolve())

@@ -8,9 +8,10 @@ Each step (`schedule`):
 2. If nothing was preempted, waiting requests are admitted in policy order while the token budget,
    `max_num_seqs`, `max_loras` and the KV pool allow, each starting after its cached prefix. A long
    prompt is split across steps (chunked prefill) by the token budget. A request whose adapter is not
-   in the device pool yet (`adapter_ready` is False: loading in the background) is passed over without
-   holding up the others. A request passed over `lora_starvation_steps` times because `max_loras`
-   adapters are already running stops admission behind it until its adapter gets a slot.
+   in the device pool yet (`adapter_resolved` / `adapter_ready` False: loading in the background) is
+   passed over without holding up the others. A request passed over `lora_starvation_steps` times
+   because `max_loras` adapters are already running stops admission behind it until its adapter gets
+   a slot.
 The scheduler never touches tensors; `update` applies the runner's sampled tokens.
 """
 
@@ -63,11 +64,14 @@ class Scheduler:
         kv: KVCacheManager,
         eos_token_ids: tuple[int, ...] = (),
         adapter_ready: Callable[[Request], bool] | None = None,
+        adapter_resolved: Callable[[Request], bool] | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
         self.eos_token_ids = frozenset(eos_token_ids)
         self.adapter_ready = adapter_ready or (lambda req: True)
+        # False while a request's adapter identity (digest) is still being loaded; sets `lora_key`.
+        self.adapter_resolved = adapter_resolved or (lambda req: True)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -143,6 +147,8 @@ class Scheduler:
         hit_cache: dict[int, tuple[list, int]] = {}
 
         def cached(req: Request) -> int:
+            if req.lora_request is not None and req.lora_key is None:
+                return 0  # its adapter digest (part of every block key) is not known yet
             if id(req) not in hit_cache:
                 hit_cache[id(req)] = self.kv.find_cached_prefix(req)
             return hit_cache[id(req)][1]
@@ -151,6 +157,8 @@ class Scheduler:
         for req in order:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            if not self.adapter_resolved(req):
+                continue
             key = req.lora_key
             new_adapter = key is not None and key not in running_adapters
             if new_adapter and sum(k is not None for k in running_adapters) >= self.config.max_loras:
