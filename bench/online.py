@@ -190,6 +190,7 @@ def main(argv: list[str] | None = None) -> OnlineResult:
     ap.add_argument("--url", help="a running loraplex server (loopback)")
     ap.add_argument("--self-host", action="store_true", help="build a random model + adapters and serve it")
     ap.add_argument("--adapters", type=int, default=16, help="adapters for --self-host")
+    ap.add_argument("--threads", type=int, default=1, help="engine CPU threads for --self-host")
     ap.add_argument("--rates", default="1,2,4", help="comma-separated arrival rates (req/s)")
     ap.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per rate")
     ap.add_argument("--alpha", type=float, default=1.1, help="power-law exponent of adapter popularity")
@@ -247,6 +248,8 @@ def _self_hosted(args, rates: list[float]) -> OnlineResult:
                 "cpu",
                 "--max-loras",
                 "16",
+                "--threads",
+                str(args.threads),
                 "--log-level",
                 "warning",
             ],
