@@ -117,11 +117,12 @@ async def _start(settings: ServerSettings) -> AppState:
 
 
 async def _sync_engine(state: AppState, name: str, adapter: ActiveAdapter | None) -> None:
-    """Preload a newly active adapter into the engine's host cache; forget one that stopped being served."""
+    """Start loading a newly active adapter into the engine's host cache in the background (the running
+    batch never waits for it); forget one that stopped being served."""
     try:
         if adapter is not None:
             path = await asyncio.to_thread(state.registry.adapters.adapter_path, adapter.digest)
-            await state.client.adapter_call("add", name, str(path))
+            await state.client.adapter_call("prefetch", name, str(path), adapter.digest)
         else:
             await state.client.adapter_call("remove", name)
     except Exception as exc:  # best effort: requests load adapters on demand anyway

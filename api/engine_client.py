@@ -204,14 +204,17 @@ class EngineClient:
     async def abort(self, request_ids: list[str]) -> None:
         await self._push.send(encode(AbortRequests(request_ids)))
 
-    async def adapter_call(self, op: str, name: str, path: str | None = None, timeout: float = 120.0) -> Any:
-        """Run an adapter operation in the engine ("add", "remove", "pin", "unpin"); raises on failure."""
+    async def adapter_call(
+        self, op: str, name: str, path: str | None = None, digest: str | None = None, timeout: float = 120.0
+    ) -> Any:
+        """Run an adapter operation in the engine ("add", "prefetch", "remove", "pin", "unpin"); raises
+        on failure."""
         if not self.healthy:
             raise EngineUnavailableError("the engine is restarting")
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
-        await self._push.send(encode(AdapterCall(call_id, op, name, path)))
+        await self._push.send(encode(AdapterCall(call_id, op, name, path, digest)))
         result: CallResult = await asyncio.wait_for(fut, timeout)
         if not result.ok:
             raise ValueError(result.error)

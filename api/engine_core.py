@@ -150,7 +150,9 @@ class _EngineLoop:
         try:
             value: Any = None
             if msg.op == "add":
-                value = eng.add_lora(LoRARequest(msg.name, msg.path or ""))
+                value = eng.add_lora(LoRARequest(msg.name, msg.path or "", msg.digest))
+            elif msg.op == "prefetch":
+                eng.prefetch_lora(LoRARequest(msg.name, msg.path or "", msg.digest))
             elif msg.op == "remove":
                 value = eng.remove_lora(msg.name)
             elif msg.op in ("pin", "unpin"):

@@ -34,12 +34,13 @@ class AbortRequests(msgspec.Struct, tag="abort"):
 
 
 class AdapterCall(msgspec.Struct, tag="adapter"):
-    """`op`: "add" (load + validate), "remove", "pin", "unpin"."""
+    """`op`: "add" (load + validate now), "prefetch" (load in the background), "remove", "pin", "unpin"."""
 
     call_id: int
     op: str
     name: str
     path: str | None = None
+    digest: str | None = None
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):

@@ -200,6 +200,10 @@ class LLMEngine:
         """Validate and load an adapter into host memory now; returns its content digest."""
         return self._require_lora().add_lora(lora_request)
 
+    def prefetch_lora(self, lora_request: LoRARequest) -> None:
+        """Begin loading an adapter into host memory in the background (e.g. when it is activated)."""
+        self._require_lora().prefetch(lora_request)
+
     def remove_lora(self, name_or_digest: str) -> bool:
         return self._require_lora().remove_lora(name_or_digest)
 

@@ -177,6 +177,14 @@ class LoRAManager:
         self._failed.pop(digest, None)
         return digest
 
+    def prefetch(self, lr: LoRARequest) -> None:
+        """Start loading the adapter into host memory in the background (never blocks the caller on
+        reading weights); a failure is reported like any background load's."""
+        digest = self.resolve_nowait(lr)
+        if digest is None or digest in self.cpu or digest in self.pool.resident or digest in self._loading:
+            return
+        self._loading[digest] = self._submit(self._load, digest)
+
     def remove_lora(self, name_or_digest: str) -> bool:
         """Forget an adapter (all tiers) unless a running request uses it. Returns whether it was known."""
         digest = self._names.get(name_or_digest, name_or_digest)

@@ -215,3 +215,23 @@ def test_given_digest_is_trusted_for_identity_and_checked_on_load(adapters):
     with pytest.raises(AdapterError, match="changed"):
         llm.generate([[5, 6, 7]], params, lora_request=LoRARequest("gud", path, "0" * 64))
     assert [i.digest for i in llm.engine.list_loras()] == [good.digest]  # the refused one left nothing
+
+
+def test_prefetch_loads_in_background_then_serves_without_waiting(adapters):
+    base, dirs, oracle = adapters["llama"]
+    eng = LLMEngine.from_args(str(base), device="cpu", dtype="float32", max_lora_rank=32)
+    lr = LoRARequest("pre", str(dirs["qv-r8-rslora"]))
+    eng.prefetch_lora(lr)  # returns at once; the digest and weights are read by the loader thread
+    deadline = time.monotonic() + 30
+    while eng.get_lora_stats().loads < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert eng.get_lora_stats().loads == 1
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    eng.add_request("r", [5, 6, 7], params, lr)
+    eng.step()
+    assert [r.request_id for r in eng.scheduler.running] == ["r"]  # admitted in the first step
+    done = {}
+    while eng.has_unfinished_requests():
+        done |= {o.request_id: o for o in eng.step() if o.finished}
+    assert done["r"].outputs[0].token_ids == oracle.greedy([5, 6, 7], NEW, dirs["qv-r8-rslora"])
+    assert eng.get_lora_stats().loads == 1
