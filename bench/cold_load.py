@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 
 from bench.offline import prepare
 from bench.progress import progress
-from bench.workload import ModelSpec, build_adapter, make_prompts
+from bench.workload import ModelSpec, bench_env, build_adapter, make_prompts
 
 
 @dataclass(slots=True)
@@ -128,14 +127,7 @@ def run_cold_load(
     from engine import LLM, LoRARequest, SamplingParams
 
     spec = spec or ModelSpec()
-    prev_threads = torch.get_num_threads()
-    if threads > 0:
-        torch.set_num_threads(threads)
-    tmp = None
-    if workdir is None:
-        tmp = tempfile.TemporaryDirectory()
-        workdir = Path(tmp.name)
-    try:
+    with bench_env(threads, workdir) as workdir:
         result = ColdLoadResult(batch, rank, torch.get_num_threads())
         with progress(quiet) as bar:
             task = bar.add_task("building model and adapters", total=1)
@@ -172,10 +164,6 @@ def run_cold_load(
                 bar.advance(task)
             eng.lora.shutdown()
         return result
-    finally:
-        torch.set_num_threads(prev_threads)
-        if tmp is not None:
-            tmp.cleanup()
 
 
 def main(argv: list[str] | None = None) -> ColdLoadResult:

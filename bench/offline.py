@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -28,7 +27,16 @@ import torch
 
 from bench.gemm_limit import gemm_limit_seconds
 from bench.progress import progress
-from bench.workload import ModelSpec, RunTiming, best, build_adapter, build_base, make_prompts, timed_run
+from bench.workload import (
+    ModelSpec,
+    RunTiming,
+    bench_env,
+    best,
+    build_adapter,
+    build_base,
+    make_prompts,
+    timed_run,
+)
 
 
 @dataclass(slots=True)
@@ -136,14 +144,7 @@ def run_offline(
     from engine import LLM, LoRARequest, SamplingParams
 
     spec = spec or ModelSpec()
-    prev_threads = torch.get_num_threads()
-    if threads > 0:
-        torch.set_num_threads(threads)
-    tmp = None
-    if workdir is None:
-        tmp = tempfile.TemporaryDirectory()
-        workdir = Path(tmp.name)
-    try:
+    with bench_env(threads, workdir) as workdir:
         with progress(quiet) as bar:
             task = bar.add_task("building model and adapters", total=1)
             base, dirs = prepare(workdir, spec, [rank] * adapters)
@@ -205,10 +206,6 @@ def run_offline(
             if eng.lora is not None:
                 eng.lora.shutdown()
         return result
-    finally:
-        torch.set_num_threads(prev_threads)
-        if tmp is not None:
-            tmp.cleanup()
 
 
 def main(argv: list[str] | None = None) -> OfflineResult:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import torch
 
 from bench.offline import prepare
 from bench.progress import progress
-from bench.workload import ModelSpec, make_prompts, timed_run
+from bench.workload import ModelSpec, bench_env, make_prompts, timed_run
 
 RANKS = (8, 16, 32, 64)
 
@@ -88,14 +87,7 @@ def run_scaling(
     from engine import LLM, LoRARequest, SamplingParams
 
     spec = spec or ModelSpec()
-    prev_threads = torch.get_num_threads()
-    if threads > 0:
-        torch.set_num_threads(threads)
-    tmp = None
-    if workdir is None:
-        tmp = tempfile.TemporaryDirectory()
-        workdir = Path(tmp.name)
-    try:
+    with bench_env(threads, workdir) as workdir:
         result = ScalingResult(pool_pages, torch.get_num_threads(), new_tokens)
         with progress(quiet) as bar:
             n_max = max(counts)
@@ -141,10 +133,6 @@ def run_scaling(
                 eng.lora.shutdown()
                 bar.advance(task)
         return result
-    finally:
-        torch.set_num_threads(prev_threads)
-        if tmp is not None:
-            tmp.cleanup()
 
 
 def main(argv: list[str] | None = None) -> ScalingResult:

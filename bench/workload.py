@@ -8,9 +8,11 @@ built from.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -165,3 +167,20 @@ def timed_run(engine, prompts: Sequence[list[int]], params, loras: Sequence | No
 def best(runs: Sequence[RunTiming]) -> RunTiming:
     """The fastest run (machines are noisy; best-of-N estimates the uncontended time)."""
     return min(runs, key=lambda r: r.total_s)
+
+
+@contextlib.contextmanager
+def bench_env(threads: int, workdir: Path | None) -> Iterator[Path]:
+    """Run with `threads` torch intra-op threads (0: leave as is; restored after) in `workdir`, or in a
+    temporary directory removed afterwards when `workdir` is None."""
+    prev = torch.get_num_threads()
+    if threads > 0:
+        torch.set_num_threads(threads)
+    try:
+        if workdir is not None:
+            yield Path(workdir)
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                yield Path(tmp)
+    finally:
+        torch.set_num_threads(prev)
