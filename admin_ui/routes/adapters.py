@@ -6,10 +6,6 @@ validator's messages) and, driven by `upload.js`, as XMLHttpRequest with progres
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from pathlib import Path
-
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 from starlette.datastructures import UploadFile
@@ -18,7 +14,7 @@ from admin_ui.session import AdminSession, CsrfSession, Session
 from admin_ui.templating import flash, render
 from admin_ui.views import adapter_rows, filter_rows
 from api.errors import APIError
-from api.routes.admin_api import call_registry, save_upload
+from api.routes.admin_api import call_registry, register_upload
 
 router = APIRouter(prefix="/admin", include_in_schema=False)
 STATUSES = ("active", "inactive")
@@ -58,12 +54,9 @@ async def adapters_page(request: Request, session: Session) -> Response:
     return await _page(request, session)
 
 
-def _messages(exc: APIError, tmp: Path) -> list[str]:
-    """The registry's refusal as lines, without the server's temporary upload paths."""
-    text = exc.message
-    for prefix in (f"{tmp}/adapter/", f"{tmp}/", str(tmp)):
-        text = text.replace(prefix, "")
-    return [line.strip() for line in text.splitlines() if line.strip()] or ["the upload was refused"]
+def _messages(exc: APIError) -> list[str]:
+    """The registry's refusal as lines (temp paths are already removed by `register_upload`)."""
+    return [line.strip() for line in exc.message.splitlines() if line.strip()] or ["the upload was refused"]
 
 
 def _wants_json(request: Request) -> bool:
@@ -80,28 +73,17 @@ async def upload(request: Request, session: CsrfSession) -> Response:
     activate = str(form.get("activate") or "") in ("1", "on", "true", "yes")
     files = [f for f in form.getlist("file") if isinstance(f, UploadFile) and f.filename]
     echo = {"name": name, "description": description or "", "activate": "on" if activate else ""}
-    tmp_root = state.registry.settings.data_dir / "tmp"
-    tmp_root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="ui-upload-", dir=tmp_root))
     try:
         if not name:
             raise APIError(400, "enter a name for the adapter", param="name")
-        source = await save_upload(files, tmp, state.settings.max_upload_bytes)
-        result = await call_registry(
-            state.registry.adapters.register,
-            name,
-            source,
-            description=description,
-            activate=activate,
-            actor="admin-ui",
+        result = await register_upload(
+            state, name, files, description=description, activate=activate, actor="admin-ui"
         )
     except APIError as exc:
-        messages = _messages(exc, tmp)
+        messages = _messages(exc)
         if _wants_json(request):
             return JSONResponse({"ok": False, "messages": messages, "field": exc.param}, exc.status)
         return await _page(request, session, errors=messages, form=echo, status_code=exc.status)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     v = result.version
     if result.created:
         text = f"Registered {name} version {v.version} (rank {v.rank}, digest {v.digest[:12]})"

@@ -66,6 +66,34 @@ async def save_upload(files: list[UploadFile], dest: Path, limit: int) -> Path:
     return targets[0] if len(targets) == 1 else targets[0].parent
 
 
+async def register_upload(
+    state, name: str, files: list[UploadFile], *, description: str | None, activate: bool, actor: str
+):
+    """Save an upload in a private temp dir, register it as a version of `name`, remove the temp dir.
+
+    Refusals come back as `APIError`s whose messages do not show the server's temp paths.
+    """
+    tmp_root = state.registry.settings.data_dir / "tmp"
+    tmp_root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="upload-", dir=tmp_root))
+    try:
+        source = await save_upload(files, tmp, state.settings.max_upload_bytes)
+        return await call_registry(
+            state.registry.adapters.register,
+            name,
+            source,
+            description=description,
+            activate=activate,
+            actor=actor,
+        )
+    except APIError as exc:
+        for prefix in (f"{tmp}/adapter/", f"{tmp}/", str(tmp)):
+            exc.message = exc.message.replace(prefix, "")
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 @router.post("/adapters", status_code=201)
 async def upload_adapter(
     request: Request,
@@ -76,21 +104,7 @@ async def upload_adapter(
     activate: Annotated[bool, Form()] = False,
 ):
     state = request.app.state.loraplex
-    tmp_root = state.registry.settings.data_dir / "tmp"
-    tmp_root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="upload-", dir=tmp_root))
-    try:
-        source = await save_upload(file, tmp, state.settings.max_upload_bytes)
-        result = await call_registry(
-            state.registry.adapters.register,
-            name,
-            source,
-            description=description,
-            activate=activate,
-            actor=actor,
-        )
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    result = await register_upload(state, name, file, description=description, activate=activate, actor=actor)
     return JSONResponse(result.to_dict(), status_code=201 if result.created else 200)
 
 
