@@ -2,8 +2,9 @@
 
 Start-up: open the registry (upgrading the default SQLite schema), start the engine process and wait for
 it, follow the registry's events (an activated adapter is preloaded into the engine, a deactivated or
-deleted one dropped), then serve. Shutdown (SIGTERM via uvicorn): stop accepting, let in-flight requests
-finish within uvicorn's grace period, then stop the engine and close the registry.
+deleted one dropped) and re-read it every few seconds, then serve. Shutdown (SIGTERM via uvicorn): stop
+accepting, let in-flight requests finish within uvicorn's grace period, then stop the engine and close
+the registry.
 """
 
 from __future__ import annotations
@@ -58,9 +59,11 @@ def create_app(settings: ServerSettings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = await _start(settings)
         app.state.loraplex = state
+        resync = asyncio.create_task(_resync_forever(state.follower, settings.registry_resync_seconds))
         try:
             yield
         finally:
+            resync.cancel()
             state.follower.close()
             await state.client.shutdown()
             state.registry.close()
@@ -114,6 +117,17 @@ async def _start(settings: ServerSettings) -> AppState:
     if follower.resyncs == 0:
         await asyncio.to_thread(follower.resync)
     return state
+
+
+async def _resync_forever(follower: RegistryFollower, every: float) -> None:
+    """Re-read the active adapters now and then, so changes made by another process on the same database
+    without a shared event bus (e.g. the local CLI next to a server on SQLite) are picked up too."""
+    while True:
+        await asyncio.sleep(every)
+        try:
+            await asyncio.to_thread(follower.resync)
+        except Exception as exc:  # the database may be briefly unavailable; try again next time
+            log.warning("registry resync failed: %s", exc)
 
 
 async def _sync_engine(state: AppState, name: str, adapter: ActiveAdapter | None) -> None:

@@ -20,6 +20,7 @@ class ServerSettings:
     admin_token: str | None = None  # None: generated at first start, stored hashed in the data dir
     require_api_key: bool = False
     max_upload_bytes: int = 512 * 1024**2
+    registry_resync_seconds: float = 5.0  # also pick up changes made without the event bus
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(model="."))
     registry: RegistrySettings | None = None
 

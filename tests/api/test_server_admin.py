@@ -193,3 +193,13 @@ def test_api_keys_scope_adapters(server, text_model):
         assert revoked.status_code == 401
     finally:
         server.state.settings.require_api_key = False
+
+
+def test_changes_from_another_process_are_picked_up(server, text_model):
+    # The local CLI writes to the same SQLite registry without the server's event bus.
+    from tests.api.conftest import register
+
+    register(server.data_dir, text_model[0], "from-cli", text_model[1]["gud-r12"])
+    assert wait_until(lambda: "from-cli" in server.state.follower.snapshot(), timeout=30)
+    models = httpx.get(f"{server.url}/v1/models").json()["data"]
+    assert "from-cli" in [m["id"] for m in models]
