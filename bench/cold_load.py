@@ -14,7 +14,6 @@ running batch, in steps (goal: <= 1).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -24,7 +23,7 @@ import torch
 
 from bench.offline import prepare
 from bench.progress import progress
-from bench.workload import ModelSpec, bench_env, build_adapter, make_prompts
+from bench.workload import ModelSpec, bench_env, build_adapter, make_prompts, report
 
 
 @dataclass(slots=True)
@@ -193,14 +192,9 @@ def main(argv: list[str] | None = None) -> ColdLoadResult:
         workdir=args.workdir,
         quiet=args.quiet,
     )
-    print(result.markdown())
-    if args.json is not None:
-        args.json.write_text(json.dumps(result.to_dict(), indent=2))
-    if args.plot is not None:
-        from bench.plots import plot_cold_load
+    from bench.plots import plot_cold_load
 
-        plot_cold_load(result, args.plot)
-    return result
+    return report(result, args.json, args.plot, plot_cold_load)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ of the GEMM limit (4 / decode time of 2).
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from bench.workload import (
     build_adapter,
     build_base,
     make_prompts,
+    report,
     timed_run,
 )
 
@@ -239,14 +239,9 @@ def main(argv: list[str] | None = None) -> OfflineResult:
         workdir=args.workdir,
         quiet=args.quiet,
     )
-    print(result.markdown())
-    if args.json is not None:
-        args.json.write_text(json.dumps(result.to_dict(), indent=2))
-    if args.plot is not None:
-        from bench.plots import plot_offline
+    from bench.plots import plot_offline
 
-        plot_offline(result, args.plot)
-    return result
+    return report(result, args.json, args.plot, plot_offline)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ is `1 - device uploads / requests`.
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 
 from bench.offline import prepare
 from bench.progress import progress
-from bench.workload import ModelSpec, bench_env, make_prompts, timed_run
+from bench.workload import ModelSpec, bench_env, make_prompts, report, timed_run
 
 RANKS = (8, 16, 32, 64)
 
@@ -160,14 +159,9 @@ def main(argv: list[str] | None = None) -> ScalingResult:
         workdir=args.workdir,
         quiet=args.quiet,
     )
-    print(result.markdown())
-    if args.json is not None:
-        args.json.write_text(json.dumps(result.to_dict(), indent=2))
-    if args.plot is not None:
-        from bench.plots import plot_scaling
+    from bench.plots import plot_scaling
 
-        plot_scaling(result, args.plot)
-    return result
+    return report(result, args.json, args.plot, plot_scaling)
 
 
 if __name__ == "__main__":

@@ -184,3 +184,13 @@ def bench_env(threads: int, workdir: Path | None) -> Iterator[Path]:
                 yield Path(tmp)
     finally:
         torch.set_num_threads(prev)
+
+
+def report(result, json_path: Path | None, plot_path: Path | None, plot) -> object:
+    """Print the result's markdown table, write its JSON and its plot when paths are given; return it."""
+    print(result.markdown())
+    if json_path is not None:
+        json_path.write_text(json.dumps(result.to_dict(), indent=2))
+    if plot_path is not None:
+        plot(result, plot_path)
+    return result
