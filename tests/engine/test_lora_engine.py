@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import threading
 import time
 
 import pytest
@@ -119,12 +120,16 @@ def test_adapter_loads_in_background_without_stalling(adapters):
     base, dirs, oracle = adapters["llama"]
     eng = LLMEngine.from_args(str(base), device="cpu", dtype="float32", max_lora_rank=32)
     params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    gate = threading.Event()
+    eng.lora._submit(gate.wait)  # hold the (single) loader thread so the load below cannot finish yet
     eng.add_request("base", [5, 6, 7], params)
     eng.add_request("tuned", [5, 6, 7], params, LoRARequest("gud", str(dirs["gud-r12"])))
     eng.step()
-    # The adapter was not resident: its request waits while the base request runs.
+    eng.step()
+    # The adapter is still loading: its request waits while the base request keeps stepping.
     assert [r.request_id for r in eng.scheduler.running] == ["base"]
     assert [r.request_id for r in eng.scheduler.waiting] == ["tuned"]
+    gate.set()
     done = {}
     while eng.has_unfinished_requests():
         done |= {o.request_id: o for o in eng.step() if o.finished}
