@@ -51,6 +51,21 @@ def sha256_file(path: Path, progress: Progress | None = None) -> str:
     return h.hexdigest()
 
 
+def _copy_hashing(src: Path, fd: int, progress: Progress | None, sync: bool = False) -> str:
+    """Copy `src` into the open file `fd` (closing it), fsync'd if `sync`; return the sha256 hex."""
+    h = hashlib.sha256()
+    with src.open("rb") as fin, os.fdopen(fd, "wb") as fout:
+        while chunk := fin.read(_CHUNK):
+            h.update(chunk)
+            fout.write(chunk)
+            if progress:
+                progress(len(chunk))
+        if sync:
+            fout.flush()
+            os.fsync(fout.fileno())
+    return h.hexdigest()
+
+
 class LocalBlobStore:
     """Blobs as files under `root` (normally `<data dir>/blobs`)."""
 
@@ -83,16 +98,8 @@ class LocalBlobStore:
         fd, name = tempfile.mkstemp(dir=self._tmp_dir(), prefix="put-")
         tmp = Path(name)
         try:
-            h = hashlib.sha256()
-            with src.open("rb") as fin, os.fdopen(fd, "wb") as fout:
-                while chunk := fin.read(_CHUNK):
-                    h.update(chunk)
-                    fout.write(chunk)
-                    if progress:
-                        progress(len(chunk))
-                fout.flush()
-                os.fsync(fout.fileno())
-            return h.hexdigest(), self._commit(tmp, h.hexdigest())
+            got = _copy_hashing(src, fd, progress, sync=True)
+            return got, self._commit(tmp, got)
         finally:
             tmp.unlink(missing_ok=True)
 
@@ -119,14 +126,7 @@ class LocalBlobStore:
         fd, name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}-")
         tmp = Path(name)
         try:
-            h = hashlib.sha256()
-            with src.open("rb") as fin, os.fdopen(fd, "wb") as fout:
-                while chunk := fin.read(_CHUNK):
-                    h.update(chunk)
-                    fout.write(chunk)
-                    if progress:
-                        progress(len(chunk))
-            if h.hexdigest() != digest:
+            if _copy_hashing(src, fd, progress) != digest:
                 raise BlobCorrupt(f"blob {digest}: content does not match its digest (store corrupted)")
             os.replace(tmp, dest)
         finally:
