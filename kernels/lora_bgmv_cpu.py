@@ -1,0 +1,95 @@
+"""CPU LoRA for decode rows: the native BGMV kernel (``csrc/lora_bgmv.c``) and its launcher.
+
+One call applies one projection slice at one layer for a list of (row, page) pairs, reading the adapter
+pages in place (see the C source for the exact formula). It is the CPU engine's path for rows that run
+alone on their adapter; prefill chunks stay on torch GEMMs. Semantics match ``kernels.reference``:
+``lora_shrink_ref``, the scaling, then ``lora_expand_ref``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+from torch import Tensor
+
+from kernels._common import check_tensor
+from kernels.native_build import build_library
+
+_OP = "lora_bgmv_cpu"
+_ENTRY = {torch.float32: "lora_bgmv_f32", torch.float16: "lora_bgmv_f16", torch.bfloat16: "lora_bgmv_bf16"}
+_I64, _VP = ctypes.c_int64, ctypes.c_void_p
+_ARGTYPES = [_VP, _I64, _VP, _I64, _VP, _VP, _VP, _VP, _VP, _VP, _I64, _I64, _I64, _I64, ctypes.c_int]
+
+
+@functools.cache
+def _kernels() -> dict[torch.dtype, ctypes._CFuncPtr]:
+    """The compiled entry points by weight dtype (built on first use). Raises NativeBuildError."""
+    lib = build_library("lora_bgmv.c")
+    out = {}
+    for dtype, name in _ENTRY.items():
+        if dtype == torch.float16 and not lib.lora_bgmv_has_f16():
+            continue  # the compiler has no _Float16: float16 pools take the torch path
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+        out[dtype] = fn
+    return out
+
+
+def supported_dtypes() -> frozenset[torch.dtype]:
+    """Pool dtypes the native kernel handles here (builds it on first use; raises NativeBuildError)."""
+    return frozenset(_kernels())
+
+
+def lora_bgmv_cpu(
+    x: Tensor,  # [T, fin] float32, rows may be strided
+    y: Tensor,  # [T, fout] float32 (e.g. one slice's columns of a packed output), updated in place
+    a_pages: Tensor,  # [P, page_rank, fin] contiguous
+    b_pages: Tensor,  # [P, fout, page_rank] contiguous
+    page_rows: Tensor,  # [K] int64: page of pair k (index into the first dim of a_pages/b_pages)
+    page_ranks: Tensor,  # [K] int32: rank rows of that page in use (rows beyond it are never read)
+    rows: Tensor,  # [K] int64: row of x and y of pair k, non-decreasing
+    scale: Tensor,  # [K] float32
+    num_threads: int = 1,
+    checked: bool = True,
+) -> None:
+    """For each pair k: ``y[rows[k]] += scale[k] * (A_k[:r] @ x[rows[k]]) @ B_k[:, :r].T``, r = page_ranks[k].
+
+    Checks are on shapes, dtypes and layout only; page and row indices are trusted (the engine's plan
+    builds them from the pool's page tables). `checked=False` skips even those, for a caller that
+    built the arguments itself (the engine, on every layer of every step).
+    """
+    kernels = _kernels()
+    if checked:
+        _check(kernels, x, y, a_pages, b_pages, page_rows, page_ranks, rows, scale)
+    pr, fin, fout = a_pages.shape[1], a_pages.shape[2], b_pages.shape[1]
+    rc = kernels[a_pages.dtype](
+        x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), a_pages.data_ptr(), b_pages.data_ptr(),
+        page_rows.data_ptr(), page_ranks.data_ptr(), rows.data_ptr(), scale.data_ptr(),
+        page_rows.shape[0], pr, fin, fout, num_threads,
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"{_OP}: page_rank {pr} out of range (1..256)")
+
+
+def _check(kernels: dict, x: Tensor, y: Tensor, a_pages: Tensor, b_pages: Tensor, *pair_args: Tensor) -> None:
+    check_tensor(_OP, "x", x, ndim=2, dtypes=(torch.float32,))
+    check_tensor(_OP, "y", y, ndim=2, dtypes=(torch.float32,))
+    if a_pages.dtype not in kernels:
+        raise ValueError(f"{_OP}: no native kernel for {a_pages.dtype} pages on this machine")
+    check_tensor(_OP, "a_pages", a_pages, ndim=3, dtypes=(a_pages.dtype,), contiguous=True)
+    check_tensor(_OP, "b_pages", b_pages, ndim=3, dtypes=(a_pages.dtype,), contiguous=True)
+    pr, fin, fout = a_pages.shape[1], a_pages.shape[2], b_pages.shape[1]
+    if x.shape[1] != fin or y.shape[1] != fout or b_pages.shape[2] != pr or y.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"{_OP}: shapes do not agree: x {tuple(x.shape)}, y {tuple(y.shape)}, "
+            f"a_pages {tuple(a_pages.shape)}, b_pages {tuple(b_pages.shape)}"
+        )
+    k = pair_args[0].shape[0]
+    names = ("page_rows", "page_ranks", "rows", "scale")
+    dtypes = (torch.int64, torch.int32, torch.int64, torch.float32)
+    for name, t, dtype in zip(names, pair_args, dtypes, strict=True):
+        check_tensor(_OP, name, t, ndim=1, dtypes=(dtype,), contiguous=True)
+        if t.shape[0] != k:
+            raise ValueError(f"{_OP}: {name} has {t.shape[0]} entries, page_rows has {k}")

@@ -1,0 +1,102 @@
+"""Compile a C source of this package into a shared library once per machine, and load it.
+
+The library is built with the system C compiler (``$CC``, else ``cc``/``gcc``: the same one Triton's
+runtime needs) for the CPU it runs on (``-march=native``), and cached under
+``$XDG_CACHE_HOME/loraplex/native`` (default ``~/.cache``) by a key over the source, the flags, the
+compiler's version and the CPU's feature flags, so a changed source or another CPU gets a fresh build.
+Concurrent builds (several test workers) are safe: each writes a private file and renames it into place.
+
+OpenMP (``-fopenmp``) links ``libgomp.so.1``, the soname of the runtime torch's CPU build ships, so the
+library shares torch's OpenMP runtime and threads. Without OpenMP the build is retried without it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+CSRC = Path(__file__).with_name("csrc")
+BASE_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11")
+
+
+class NativeBuildError(RuntimeError):
+    """No C compiler, or the source did not compile here."""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "loraplex" / "native"
+
+
+def compiler() -> str:
+    """The C compiler to use: ``$CC``, else the first of cc, gcc, clang on PATH."""
+    cc = os.environ.get("CC") or next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
+    if cc is None:
+        raise NativeBuildError("no C compiler found (set CC, or install gcc)")
+    return cc
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler_version(cc: str) -> str:
+    try:
+        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise NativeBuildError(f"C compiler {cc!r} does not run: {exc}") from exc
+
+
+def build_library(source_name: str) -> ctypes.CDLL:
+    """Compile ``csrc/<source_name>`` (or reuse the cached build) and load it. Raises NativeBuildError."""
+    source = CSRC / source_name
+    cc = compiler()
+    version = _compiler_version(cc)
+    errors = []
+    for extra in (("-fopenmp",), ()):
+        flags = (*BASE_FLAGS, *extra)
+        key = hashlib.sha256(
+            b"\0".join(
+                s.encode() if isinstance(s, str) else s
+                for s in (source.read_bytes(), " ".join(flags), version, _cpu_flags(), platform.machine())
+            )
+        ).hexdigest()[:16]
+        target = cache_dir() / f"{source.stem}-{key}.so"
+        if not target.exists():
+            try:
+                _compile(cc, source, flags, target)
+            except NativeBuildError as exc:
+                errors.append(str(exc))
+                continue
+        return ctypes.CDLL(str(target))
+    raise NativeBuildError(f"could not build {source_name}:\n" + "\n".join(errors))
+
+
+def _compile(cc: str, source: Path, flags: tuple[str, ...], target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.stem}-", suffix=".so")
+    os.close(fd)
+    try:
+        proc = subprocess.run(
+            [cc, *flags, "-o", tmp, str(source)], capture_output=True, text=True, timeout=300
+        )
+        if proc.returncode != 0:
+            raise NativeBuildError(f"{cc} {' '.join(flags)} {source.name}: {proc.stderr.strip()}")
+        os.replace(tmp, target)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise NativeBuildError(f"{cc} {source.name}: {exc}") from exc
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
