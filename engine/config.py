@@ -180,6 +180,22 @@ def resolve_dtype(dtype: str | torch.dtype, model: ModelConfig, device: torch.de
     return _DTYPES[dtype]
 
 
+def resolve_lora_dtype(lora_dtype: str | torch.dtype, model_dtype: torch.dtype) -> torch.dtype:
+    """The adapter pool's dtype: `"auto"` is the model's; adapters may be kept narrower (e.g. float16
+    pages under a float32 model, half the memory traffic per decode step) and are widened when applied."""
+    if isinstance(lora_dtype, torch.dtype):
+        if lora_dtype not in _DTYPES.values():
+            raise ValueError(f"lora_dtype {lora_dtype} is not supported; use float32, bfloat16 or float16")
+        return lora_dtype
+    if lora_dtype == "auto":
+        return model_dtype
+    if lora_dtype not in _DTYPES:
+        raise ValueError(
+            f"lora_dtype {lora_dtype!r} is not supported; use auto, float32, bfloat16 or float16"
+        )
+    return _DTYPES[lora_dtype]
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division for non-negative ints."""
     return -(-a // b)

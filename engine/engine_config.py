@@ -27,11 +27,37 @@ class EngineConfig:
         None  # pages per projection; default: room for 2*max_loras max-rank adapters
     )
     lora_page_rank: int = 16
-    lora_backend: str = "auto"  # "torch" (CPU default) or "triton" (CUDA default)
+    lora_backend: str = "auto"  # CPU: "native" (default when a C compiler works) or "torch"; CUDA: "triton"
+    lora_dtype: str = "auto"  # dtype of the adapter pool: auto (= dtype), float32, bfloat16, float16
     attention_backend: str = "auto"  # likewise
     detokenize: bool = True  # False: outputs carry token ids only (a server detokenizes elsewhere)
     num_threads: int | None = None  # torch intra-op threads for this process (None: torch's default)
     seed: int = 0
+
+    def check_choices(self) -> None:
+        """Raise ValueError for a named choice that does not exist (dtypes, backends, device, policy),
+        before anything is loaded: a server refuses bad options up front, not in its engine process."""
+        from engine.config import resolve_lora_dtype
+        from engine.lora.backend import BACKENDS
+        from engine.scheduler.policy import validate_policy
+
+        for name in ("dtype", "lora_dtype"):
+            value = getattr(self, name)
+            if value != "auto":
+                try:
+                    resolve_lora_dtype(value, torch.float32)
+                except ValueError:
+                    raise ValueError(
+                        f"{name} {value!r} is not supported; use auto, float32, bfloat16 or float16"
+                    ) from None
+        if self.lora_backend not in BACKENDS:
+            raise ValueError(f"lora backend must be one of {', '.join(BACKENDS)}; got {self.lora_backend!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            got = self.attention_backend
+            raise ValueError(f"attention_backend must be auto, torch or triton; got {got!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda; got {self.device!r}")
+        validate_policy(self.scheduling_policy)
 
     def resolve_device(self) -> torch.device:
         """`auto` picks CUDA when available, else CPU."""

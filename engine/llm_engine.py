@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from engine.config import ModelConfig, cdiv, resolve_dtype
+from engine.config import ModelConfig, cdiv, resolve_dtype, resolve_lora_dtype
 from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.lora.manager import LoRAInfo, LoRAManager, LoRAPoolStats, path_key
@@ -66,8 +66,9 @@ class LLMEngine:
         if config.enable_lora:
             self.lora = LoRAManager(
                 self.model_config,
-                self.dtype,
+                resolve_lora_dtype(config.lora_dtype, self.dtype),
                 self.device,
+                compute_dtype=self.dtype,
                 max_lora_rank=config.max_lora_rank,
                 max_cpu_loras=config.max_cpu_loras,
                 num_pages=config.lora_pool_pages,

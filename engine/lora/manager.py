@@ -32,6 +32,7 @@ from engine.lora.adapter_checkpoint import (
     adapter_files,
     inspect_adapter,
 )
+from engine.lora.backend import select_lora_backend
 from engine.lora.cpu_cache import CpuAdapterCache
 from engine.lora.pool import AdapterPool, ResidentAdapter
 from engine.lora.step_context import TorchLoRAContext, TritonLoRAContext, token_segments
@@ -72,6 +73,7 @@ class LoRAManager:
         model: ModelConfig,
         dtype: torch.dtype,
         device: torch.device,
+        compute_dtype: torch.dtype | None = None,
         max_lora_rank: int = 64,
         max_cpu_loras: int | None = None,
         num_pages: int | None = None,
@@ -86,11 +88,8 @@ class LoRAManager:
             model, num_pages or 2 * max_loras * pages_per_adapter, page_rank, max_lora_rank, dtype, device
         )
         self.cpu = CpuAdapterCache(max_cpu_loras or max(64, 4 * max_loras))
-        if backend == "auto":
-            backend = "triton" if device.type == "cuda" else "torch"
-        if backend not in ("torch", "triton"):
-            raise ValueError(f"lora backend must be auto, torch or triton; got {backend!r}")
-        self.backend = backend
+        # dtype: the pool's (adapter weights); compute_dtype: the activations' (the model's)
+        self.backend = select_lora_backend(backend, device, dtype, compute_dtype or dtype)
         self.in_use: Callable[[], set[str]] = lambda: set()
         self._pinned: set[str] = set()
         self._names: dict[str, str] = {}  # name -> digest last seen for it
@@ -263,8 +262,9 @@ class LoRAManager:
         if not any_lora:
             return None
         counts = [it.num_tokens for it in items]
-        if self.backend == "torch":
-            return TorchLoRAContext(self.pool, token_segments(counts, adapters))
+        if self.backend != "triton":
+            native = self.backend == "native"
+            return TorchLoRAContext(self.pool, token_segments(counts, adapters), native=native)
         slots = [
             (-1 if a is None else a.slot) for a, n in zip(adapters, counts, strict=True) for _ in range(n)
         ]

@@ -42,10 +42,16 @@ def _adapter(digest: str, ranks: dict[str, int], gen: torch.Generator) -> Adapte
     return AdapterCheckpoint(digest, max(ranks.values()), 1.0, tuple(ranks), False, 0, None, tuple(mods))
 
 
+@pytest.mark.parametrize(
+    ("native", "pool_dtype"),
+    [(False, torch.float32), (False, torch.float16), (True, torch.float32), (True, torch.bfloat16)],
+    ids=["torch", "torch-f16-pages", "native", "native-bf16-pages"],
+)
 @pytest.mark.parametrize("group", [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("down_proj",)])
-def test_torch_lora_context_matches_reference(group):
+def test_torch_lora_context_matches_reference(group, native, pool_dtype):
+    """Both CPU paths (torch gather + bmm, native kernel), float32 activations over pages of any dtype."""
     gen = torch.Generator().manual_seed(0)
-    pool = AdapterPool(CFG, num_pages=12, page_rank=4, max_lora_rank=12, dtype=torch.float32, device="cpu")
+    pool = AdapterPool(CFG, num_pages=12, page_rank=4, max_lora_rank=12, dtype=pool_dtype, device="cpu")
     ads = [
         pool.upload(_adapter("a", {"q_proj": 3, "v_proj": 12, "gate_proj": 5, "down_proj": 1}, gen)),
         pool.upload(_adapter("b", {m: 8 for m in PROJECTIONS}, gen)),
@@ -59,7 +65,9 @@ def test_torch_lora_context_matches_reference(group):
     y0 = torch.randn(x.shape[0], width, generator=gen)
     layer = 1
     y = y0.clone()
-    TorchLoRAContext(pool, token_segments(counts, adapters)).apply(layer, group, x, y)
+    ctx = TorchLoRAContext(pool, token_segments(counts, adapters), native=native)
+    assert ctx.gather is not None and ctx.segments  # both short runs and a long run (5 tokens)
+    ctx.apply(layer, group, x, y)
 
     pairs = zip(adapters, counts, strict=True)
     slots = torch.tensor([-1 if a is None else a.slot for a, n in pairs for _ in range(n)])

@@ -9,6 +9,8 @@ import threading
 import time
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from engine import LLM, LLMEngine, LoRARequest, SamplingParams
 from engine.lora.adapter_checkpoint import AdapterError
@@ -44,12 +46,14 @@ def _workload(dirs, seed: int, n: int):
     return reqs
 
 
-def _run_and_check(llm: LLM, dirs, oracle, reqs):
+def _run_and_check(llm: LLM, dirs, oracle, reqs, oracle_dirs=None):
+    """Serve `reqs` with the adapters in `dirs`; PEFT runs the ones in `oracle_dirs` (default: the same)."""
+    oracle_dirs = oracle_dirs or dirs
     loras = [LoRARequest(name, str(dirs[name])) if name else None for _, name in reqs]
     params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
     outs = llm.generate([p for p, _ in reqs], params, lora_request=loras)
     for (prompt, name), out in zip(reqs, outs, strict=True):
-        expected = oracle.greedy(prompt, NEW, dirs[name] if name else None)
+        expected = oracle.greedy(prompt, NEW, oracle_dirs[name] if name else None)
         assert out.outputs[0].token_ids == expected, f"adapter {name}"
     eng = llm.engine
     assert eng.get_stats().kv_blocks_used == 0
@@ -58,11 +62,55 @@ def _run_and_check(llm: LLM, dirs, oracle, reqs):
     assert pool.pages_used() == sum(r.num_pages for r in pool.resident.values())
 
 
+@pytest.mark.parametrize("backend", ["native", "torch"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_mixed_adapters_match_peft(arch, adapters):
+def test_mixed_adapters_match_peft(arch, backend, adapters):
     base, dirs, oracle = adapters[arch]
-    llm = LLM(str(base), device="cpu", dtype="float32", block_size=4, max_loras=3, max_lora_rank=32)
+    llm = LLM(
+        str(base),
+        device="cpu",
+        dtype="float32",
+        block_size=4,
+        max_loras=3,
+        max_lora_rank=32,
+        lora_backend=backend,
+    )
+    assert llm.engine.lora.backend == backend
     _run_and_check(llm, dirs, oracle, _workload(dirs, seed=1, n=14))
+
+
+@pytest.mark.parametrize("lora_dtype", ["float16", "bfloat16"])
+def test_narrow_adapter_pages_under_a_float32_model(lora_dtype, adapters, tmp_path):
+    """`lora_dtype` keeps adapter pages in half precision (half the bytes per decode step) and widens
+    them to float32 when applied: greedy tokens equal PEFT's float32 run of the rounded adapters."""
+    base, dirs, oracle = adapters["llama"]
+    dtype = getattr(torch, lora_dtype)
+    rounded = {name: _rounded_copy(d, tmp_path / name, dtype) for name, d in dirs.items()}
+    llm = LLM(str(base), device="cpu", dtype="float32", block_size=4, max_lora_rank=32, lora_dtype=lora_dtype)
+    assert llm.engine.lora.pool.a[0].dtype == dtype
+    assert llm.engine.lora.backend == "native"
+    _run_and_check(llm, dirs, oracle, _workload(dirs, seed=3, n=10), oracle_dirs=rounded)
+
+
+def _rounded_copy(src, dst, dtype):
+    """A copy of the adapter at `src` whose weights are rounded to `dtype` (and stored as float32)."""
+    shutil.copytree(src, dst)
+    weights = dst / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    save_file({k: v.to(dtype).float() for k, v in tensors.items()}, weights)
+    return dst
+
+
+def test_lora_backend_and_dtype_choices_are_checked(adapters):
+    base, _, _ = adapters["llama"]
+    for kwargs, message in (
+        ({"lora_backend": "cuda"}, "lora backend must be one of"),
+        ({"lora_dtype": "float8"}, "lora_dtype 'float8' is not supported"),
+        ({"lora_backend": "triton", "lora_dtype": "float16"}, "triton LoRA backend needs lora_dtype"),
+        ({"lora_backend": "native", "dtype": "bfloat16"}, "needs float32 activations"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            LLM(str(base), device="cpu", dtype=kwargs.pop("dtype", "float32"), **kwargs)
 
 
 def test_mixed_adapters_under_chunking_preemption_and_small_pool(adapters):

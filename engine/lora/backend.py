@@ -1,0 +1,66 @@
+"""Which code applies LoRA in the engine's steps: `select_lora_backend`.
+
+- ``triton`` (CUDA): SGMV shrink/expand kernels over the page tables (`kernels/lora_shrink.py`, ...).
+- ``native`` (CPU): decode rows by the compiled BGMV kernel (`kernels/lora_bgmv_cpu.py`), which reads
+  the pool's pages in place; prefill chunks by torch GEMMs.
+- ``torch`` (CPU): everything in torch (decode rows gathered, then `bmm`); needs no C compiler.
+
+``auto`` picks triton on CUDA, and on CPU native when the kernel builds here and fits the dtypes
+(float32 activations), torch otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "torch", "native", "triton")
+
+
+def select_lora_backend(
+    name: str, device: torch.device, pool_dtype: torch.dtype, compute_dtype: torch.dtype
+) -> str:
+    """The backend to use for `name` on `device`; raises ValueError when the choice cannot work."""
+    if name not in BACKENDS:
+        raise ValueError(f"lora backend must be one of {', '.join(BACKENDS)}; got {name!r}")
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else _cpu_default(pool_dtype, compute_dtype)
+    if name == "triton" and pool_dtype != compute_dtype:
+        raise ValueError(
+            f"the triton LoRA backend needs lora_dtype equal to the model dtype ({compute_dtype}); "
+            f"got {pool_dtype}"
+        )
+    if name == "native":
+        problem = _native_problem(device, pool_dtype, compute_dtype)
+        if problem:
+            raise ValueError(f"lora backend 'native' is not available: {problem}")
+    return name
+
+
+def _cpu_default(pool_dtype: torch.dtype, compute_dtype: torch.dtype) -> str:
+    problem = _native_problem(torch.device("cpu"), pool_dtype, compute_dtype)
+    if problem is None:
+        return "native"
+    log.warning("LoRA on CPU uses the torch path: %s", problem)
+    return "torch"
+
+
+def _native_problem(device: torch.device, pool_dtype: torch.dtype, compute_dtype: torch.dtype) -> str | None:
+    """Why the native kernel cannot serve this configuration, or None when it can."""
+    if device.type != "cpu":
+        return f"it runs on the CPU, the engine is on {device}"
+    if compute_dtype != torch.float32:
+        return f"it needs float32 activations, the model runs in {compute_dtype}"
+    from kernels.lora_bgmv_cpu import supported_dtypes
+    from kernels.native_build import NativeBuildError
+
+    try:
+        supported = supported_dtypes()
+    except NativeBuildError as exc:
+        return str(exc)
+    if pool_dtype not in supported:
+        return f"no {pool_dtype} kernel with this C compiler"
+    return None
