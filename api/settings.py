@@ -41,6 +41,7 @@ class ServerSettings:
         registry = RegistrySettings.from_env(reg_env)
         engine_kw = overrides.pop("engine_kwargs", {}) or {}
         engine_cfg = EngineConfig(model=str(path), **engine_kw)
+        engine_cfg.check_choices()
         return cls(
             model=path,
             served_model_name=overrides.pop("served_model_name", None) or path.name,

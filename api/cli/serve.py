@@ -28,6 +28,12 @@ def serve(
         int | None, typer.Option(help="KV cache blocks (default: sized by memory).")
     ] = None,
     threads: Annotated[int | None, typer.Option(help="Engine CPU threads (default: torch's).")] = None,
+    lora_backend: Annotated[
+        str, typer.Option(help="auto, native or torch (CPU), triton (CUDA): how LoRA is applied.")
+    ] = "auto",
+    lora_dtype: Annotated[
+        str, typer.Option(help="Adapter pool dtype: auto (= --dtype), float32, float16 or bfloat16.")
+    ] = "auto",
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ) -> None:
     """Start the server: one resident base model, every active adapter of the registry."""
@@ -54,6 +60,8 @@ def serve(
                 max_num_seqs=max_num_seqs,
                 num_kv_blocks=num_kv_blocks,
                 num_threads=threads,
+                lora_backend=lora_backend,
+                lora_dtype=lora_dtype,
             ),
         )
     except ValueError as exc:

@@ -169,3 +169,21 @@ def test_console_script_entry_point(tmp_path: Path) -> None:
         [*cmd, "adapters", "show", "ghost"], capture_output=True, text=True, env=env, timeout=60
     )
     assert bad.returncode == 1 and bad.stderr.strip() == "error: no adapter named 'ghost'"
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (("--dtype", "foo"), "dtype 'foo' is not supported"),
+        (("--lora-dtype", "float8"), "lora_dtype 'float8' is not supported"),
+        (("--lora-backend", "gpu"), "lora backend must be one of auto, torch, native, triton"),
+        (("--device", "tpu"), "device must be auto, cpu or cuda"),
+    ],
+)
+def test_serve_refuses_bad_engine_options_before_starting(tmp_path: Path, assets, option, message) -> None:
+    """A bad engine option is one line on stderr and exit 1, not a traceback from the engine process."""
+    env = {"LORAPLEX_DATA_DIR": str(tmp_path / "data"), "LORAPLEX_MODEL": str(assets["base"])}
+    result = CliRunner().invoke(app, ["serve", "--port", "1", *option], env=env)
+    assert result.exit_code == 1, result.output
+    assert message in result.output
+    assert "Traceback" not in result.output
