@@ -27,6 +27,7 @@ import torch
 from bench.gemm_limit import gemm_limit_seconds
 from bench.progress import progress
 from bench.workload import (
+    LoRAOptions,
     ModelSpec,
     RunTiming,
     bench_env,
@@ -55,6 +56,8 @@ class OfflineResult:
     hf_token_match: float | None = None  # fraction of requests whose greedy tokens equal PEFT's
     gemm_limit_decode_s: float | None = None
     spec: dict = field(default_factory=dict)
+    lora_backend: str = ""  # the engine's LoRA path ("native", "torch", "triton")
+    lora_dtype: str = ""  # the adapter pool's dtype
 
     @property
     def lora_overhead(self) -> float:
@@ -88,7 +91,8 @@ class OfflineResult:
         lines = [
             "| run | total (s) | prefill (s) | decode (s) | output tok/s |",
             "|---|---|---|---|---|",
-            f"| loraplex, {self.adapters} adapters (rank {self.rank}, all 7 projections) | "
+            f"| loraplex, {self.adapters} adapters (rank {self.rank}, all 7 projections; "
+            f"{self.lora_backend}, {self.lora_dtype} pages) | "
             f"{self.mixed.total_s:.2f} | {self.mixed.prefill_s:.2f} | {self.mixed.decode_s:.2f} | "
             f"{self.mixed.tokens_per_s:.0f} |",
             f"| loraplex, base model only | {self.base.total_s:.2f} | {self.base.prefill_s:.2f} | "
@@ -139,11 +143,13 @@ def run_offline(
     spec: ModelSpec | None = None,
     workdir: Path | None = None,
     quiet: bool = False,
+    lora: LoRAOptions | None = None,
 ) -> OfflineResult:
     """Run benchmark 1 (see the module docstring) and return its timings."""
     from engine import LLM, LoRARequest, SamplingParams
 
     spec = spec or ModelSpec()
+    lora = lora or LoRAOptions()
     with bench_env(threads, workdir) as workdir:
         with progress(quiet) as bar:
             task = bar.add_task("building model and adapters", total=1)
@@ -162,6 +168,7 @@ def run_offline(
                 max_num_seqs=max(requests, 1),
                 max_num_batched_tokens=max(2048, requests * prompt_len),
                 enable_prefix_caching=False,
+                **lora.engine_kwargs(),
             )
             eng = llm.engine
             for lr in set(per_req):
@@ -185,6 +192,8 @@ def run_offline(
                 best(mixed),
                 best(base_runs),
                 spec=asdict(spec),
+                lora_backend=eng.lora.backend,
+                lora_dtype=str(eng.lora.pool.dtype).removeprefix("torch."),
             )
             task = bar.add_task("GEMM limit", total=1)
             result.gemm_limit_decode_s = gemm_limit_seconds(
@@ -223,6 +232,7 @@ def main(argv: list[str] | None = None) -> OfflineResult:
     ap.add_argument("--workdir", type=Path, default=None, help="reuse generated model/adapters from here")
     ap.add_argument("--json", type=Path, default=None, help="also write the result as JSON here")
     ap.add_argument("--plot", type=Path, default=None, help="write a PNG bar chart of the throughputs")
+    LoRAOptions.add_arguments(ap)
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
     if args.workdir is not None:
@@ -238,6 +248,7 @@ def main(argv: list[str] | None = None) -> OfflineResult:
         hf=not args.no_hf,
         workdir=args.workdir,
         quiet=args.quiet,
+        lora=LoRAOptions.from_args(args),
     )
     from bench.plots import plot_offline
 

@@ -20,7 +20,7 @@ import torch
 
 from bench.offline import prepare
 from bench.progress import progress
-from bench.workload import ModelSpec, bench_env, make_prompts, report, timed_run
+from bench.workload import LoRAOptions, ModelSpec, bench_env, make_prompts, report, timed_run
 
 RANKS = (8, 16, 32, 64)
 
@@ -81,11 +81,13 @@ def run_scaling(
     spec: ModelSpec | None = None,
     workdir: Path | None = None,
     quiet: bool = False,
+    lora: LoRAOptions | None = None,
 ) -> ScalingResult:
     """Run benchmark 2 (see the module docstring)."""
     from engine import LLM, LoRARequest, SamplingParams
 
     spec = spec or ModelSpec()
+    lora = lora or LoRAOptions()
     with bench_env(threads, workdir) as workdir:
         result = ScalingResult(pool_pages, torch.get_num_threads(), new_tokens)
         with progress(quiet) as bar:
@@ -109,6 +111,7 @@ def run_scaling(
                     max_lora_rank=max(RANKS),
                     lora_pool_pages=pool_pages,
                     enable_prefix_caching=False,
+                    **lora.engine_kwargs(),
                 )
                 eng = llm.engine
                 timed_run(eng, prompts, params, per_req, f"warm{count}")
@@ -146,6 +149,7 @@ def main(argv: list[str] | None = None) -> ScalingResult:
     ap.add_argument("--workdir", type=Path, default=None, help="reuse generated model/adapters from here")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None, help="write a PNG of throughput and hit rate vs count")
+    LoRAOptions.add_arguments(ap)
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
     if args.workdir is not None:
@@ -158,6 +162,7 @@ def main(argv: list[str] | None = None) -> ScalingResult:
         threads=args.threads,
         workdir=args.workdir,
         quiet=args.quiet,
+        lora=LoRAOptions.from_args(args),
     )
     from bench.plots import plot_scaling
 

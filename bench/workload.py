@@ -8,6 +8,7 @@ built from.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import tempfile
@@ -101,6 +102,28 @@ def build_adapter(out: Path, spec: ModelSpec, rank: int, seed: int) -> Path:
     }
     (out / "adapter_config.json").write_text(json.dumps(config))
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAOptions:
+    """How the engine under test applies LoRA (`EngineConfig.lora_backend` / `lora_dtype`)."""
+
+    backend: str = "auto"
+    dtype: str = "auto"
+
+    def engine_kwargs(self) -> dict[str, str]:
+        return {"lora_backend": self.backend, "lora_dtype": self.dtype}
+
+    @staticmethod
+    def add_arguments(ap: argparse.ArgumentParser) -> None:
+        ap.add_argument("--lora-backend", default="auto", help="auto, native, torch (CPU) or triton (CUDA)")
+        ap.add_argument(
+            "--lora-dtype", default="auto", help="adapter pool dtype: auto (= model), float16, bfloat16"
+        )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> LoRAOptions:
+        return cls(args.lora_backend, args.lora_dtype)
 
 
 def make_prompts(num: int, length: int, vocab_size: int, seed: int = 1) -> list[list[int]]:
