@@ -10,10 +10,11 @@ every slice s of a packed projection::
   (row, page) pair. With the native backend, the compiled BGMV kernel reads each pair's pages in place
   (`kernels/lora_bgmv_cpu.py`); with the torch backend, per slice, the A and B page of every pair are
   gathered into `[K, page_rank, in]` / `[K, out, page_rank]` and applied with one row-vector `bmm` each.
-  Index tensors are built once per batch composition and shared by all layers; no padding to the
-  largest rank. Long runs (prefill chunks) multiply the adapter's pages directly, one GEMM pair per
-  page. Pages are zero beyond the rank, so whole pages are exact. Rows without an adapter are never
-  touched. Pages narrower than the activations (`lora_dtype`) are widened as they are used.
+  Index tensors are built once per batch composition and shared by all layers (`cpu_plans.py`); no
+  padding to the largest rank. Long runs (prefill chunks) multiply the adapter's pages directly, one
+  GEMM pair per page. Pages are zero beyond the rank, so whole pages are exact. Rows without an
+  adapter are never touched. Pages narrower than the activations (`lora_dtype`) are widened as they
+  are used.
 - `TritonLoRAContext` (CUDA): the SGMV shrink/expand kernels over the page tables, one launch each
   per packed projection.
 Both match `kernels.reference.lora_shrink_ref` / `lora_expand_ref`.
@@ -22,18 +23,13 @@ Both match `kernels.reference.lora_shrink_ref` / `lora_expand_ref`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
+from engine.lora.cpu_plans import GatherPlan, Segment, cached_plan, gather_plan
 from engine.lora.pool import MODULE_INDEX, AdapterPool, ResidentAdapter
 
-
-@dataclass(slots=True)
-class Segment:
-    start: int
-    end: int
-    adapter: ResidentAdapter
+__all__ = ["Segment", "TorchLoRAContext", "TritonLoRAContext", "token_segments"]
 
 
 def token_segments(token_counts: Sequence[int], adapters: Sequence[ResidentAdapter | None]) -> list[Segment]:
@@ -50,34 +46,9 @@ def token_segments(token_counts: Sequence[int], adapters: Sequence[ResidentAdapt
     return segs
 
 
-# Runs shorter than this many rows (decode tokens) take the gathered path; longer runs (prefill chunks,
-# many decodes on one adapter) multiply the shared pages directly.
+# Runs shorter than this many rows (decode tokens) are applied row by row (gathered / native kernel);
+# longer runs (prefill chunks, many decodes on one adapter) multiply the shared pages as GEMMs.
 GATHER_MAX_ROWS = 4
-
-
-@dataclass(slots=True)
-class _ModulePlan:
-    """Gathered-path indices for one module: one entry per (row, page) pair of the gathered rows.
-
-    Pairs are ordered by row, then page; a row whose adapter does not target the module has none.
-    """
-
-    page_rows: torch.Tensor  # [L, K] int64: row `page * L + layer` of `pool.a[m].view(-1, pr, in)`
-    page_ranks: torch.Tensor  # [L, K] int32: rank rows of the pair's page at that layer (0: not adapted)
-    scale: torch.Tensor  # [L, K] float32: scaling[layer, m, slot(row)] (0 where the layer is not adapted)
-    rows: torch.Tensor  # [K] int64: flat-batch row of each pair
-    x_index: torch.Tensor | None  # [K] int64 into the gathered rows; None when pairs == rows in order
-    y_index: torch.Tensor | None  # [K] int64 flat-batch row of each pair; None when a slice-add fits
-
-
-@dataclass(slots=True)
-class _GatherPlan:
-    """Per-step gathered-path state, built once and read by every layer (see `_gather_plan`)."""
-
-    rows: slice | torch.Tensor  # the gathered rows of the flat batch (a slice when contiguous)
-    modules: list[_ModulePlan | None]  # per module; None when no gathered row adapts it
-    a_ws: torch.Tensor  # workspaces the torch path gathers pages into, reused by every slice and layer
-    b_ws: torch.Tensor  # so they stay in cache (fresh buffers per slice cost extra memory traffic)
 
 
 class TorchLoRAContext:
@@ -88,11 +59,13 @@ class TorchLoRAContext:
     """
 
     def __init__(self, pool: AdapterPool, segments: list[Segment], native: bool = False) -> None:
-        self.pool = pool
-        self.segments = [s for s in segments if s.end - s.start >= GATHER_MAX_ROWS]
+        self.pool, self.native = pool, native
+        long = [s for s in segments if s.end - s.start >= GATHER_MAX_ROWS]
         short = [s for s in segments if s.end - s.start < GATHER_MAX_ROWS]
-        self.gather = _cached_gather_plan(pool, short, native) if short else None
-        self.native = native
+        self.gather: GatherPlan | None = (
+            cached_plan(pool, "cpu_gather", short, gather_plan, not native) if short else None
+        )
+        self.segments = long
         self.num_threads = torch.get_num_threads()
 
     def apply(self, layer_index: int, slice_names: tuple[str, ...], x: torch.Tensor, y: torch.Tensor) -> None:
@@ -108,7 +81,9 @@ class TorchLoRAContext:
                 self._apply_gathered(layer_index, mods, x, y)
 
     def _apply_segments(self, layer: int, mods: range, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Long runs: per run and slice, one (x @ A_page.T) @ B_page.T GEMM pair per page."""
+        """Long runs: per run and slice, one (x @ A_page.T) @ B_page.T GEMM pair per page.
+
+        (Batching the runs into padded `bmm`s was measured slower: these GEMMs are compute-bound.)"""
         pool = self.pool
         for seg in self.segments:
             xs = x[seg.start : seg.end]
@@ -138,7 +113,7 @@ class TorchLoRAContext:
             if mp is not None:
                 lora_bgmv_cpu(
                     x, y[:, off : off + width], a.view(-1, pr, a.shape[3]), b.view(-1, width, pr),
-                    mp.page_rows[layer], mp.page_ranks[layer], mp.rows, mp.scale[layer],
+                    mp.page_rows[layer], mp.page_ranks[layer], g.pair_rows[m], mp.scale[layer],
                     num_threads=self.num_threads, checked=False,
                 )  # fmt: skip
             off += width
@@ -162,78 +137,16 @@ class TorchLoRAContext:
                 k, fin = idx.shape[0], a.shape[3]
                 a_g = g.a_ws[: k * pr * fin].view(k, pr, fin)
                 torch.index_select(a.view(-1, pr, fin), 0, idx, out=a_g)
-                xk = xg if mp.x_index is None else xg.index_select(0, mp.x_index)
+                xk = xg if mp.row_index is None else xg.index_select(0, mp.row_index)
                 v = torch.bmm(xk, a_g.to(x.dtype).transpose(1, 2)).mul_(mp.scale[layer].view(k, 1, 1))
                 b_g = g.b_ws[: k * width * pr].view(k, width, pr)
                 torch.index_select(b.view(-1, width, pr), 0, idx, out=b_g)
                 d = torch.bmm(v, b_g.to(x.dtype).transpose(1, 2)).squeeze(1)  # [K, out]
-                if mp.y_index is None:
+                if g.slice_add[m]:
                     y[g.rows, off : off + width].add_(d)
                 else:
-                    y[:, off : off + width].index_add_(0, mp.y_index, d)
+                    y[:, off : off + width].index_add_(0, g.pair_rows[m], d)
             off += width
-
-
-def _cached_gather_plan(pool: AdapterPool, segments: list[Segment], native: bool) -> _GatherPlan:
-    """The plan for these rows and adapters, reused while the batch composition and the pool are unchanged.
-
-    The pool clears `step_cache` on every upload and eviction, so a cached plan never outlives the pages
-    it indexes.
-    """
-    key = (native, *((seg.start, seg.end, seg.adapter.slot) for seg in segments))
-    hit = pool.step_cache.get("torch_gather")
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    plan = _gather_plan(pool, segments, workspaces=not native)
-    pool.step_cache["torch_gather"] = (key, plan)
-    return plan
-
-
-def _gather_plan(pool: AdapterPool, segments: list[Segment], workspaces: bool = True) -> _GatherPlan:
-    """Index tensors for the rows of `segments`: per module, the (row, page) pairs (see `_ModulePlan`)."""
-    rows = [r for seg in segments for r in range(seg.start, seg.end)]
-    adapters = [seg.adapter for seg in segments for _ in range(seg.start, seg.end)]
-    n, layers, dev, pr = len(rows), pool.cfg.num_layers, pool.device, pool.page_rank
-    contiguous = rows == list(range(rows[0], rows[0] + n))
-    row_sel: slice | torch.Tensor = (
-        slice(rows[0], rows[0] + n) if contiguous else torch.tensor(rows, dtype=torch.int64, device=dev)
-    )
-    slots = torch.tensor([ad.slot for ad in adapters], dtype=torch.int64, device=dev)
-    scal = pool.scalings.index_select(2, slots)  # [L, n_mod, n] float32
-    layer_ids = torch.arange(layers, dtype=torch.int64, device=dev)[:, None]
-    modules: list[_ModulePlan | None] = []
-    a_size = b_size = 0
-    for m in range(len(pool.a)):
-        pairs = [(t, j, page) for t, ad in enumerate(adapters) for j, page in enumerate(ad.pages[m])]
-        if not pairs:
-            modules.append(None)
-            continue
-        k = len(pairs)
-        tok = torch.tensor([t for t, _, _ in pairs], dtype=torch.int64, device=dev)
-        pages = torch.tensor([p for _, _, p in pairs], dtype=torch.int64, device=dev)
-        page_ranks = [
-            [min(pr, max(0, adapters[t].layer_ranks[layer][m] - j * pr)) for t, j, _ in pairs]
-            for layer in range(layers)
-        ]
-        pair_rows = torch.tensor(rows, dtype=torch.int64, device=dev)[tok]
-        one_each = [t for t, _, _ in pairs] == list(range(n))
-        modules.append(
-            _ModulePlan(
-                page_rows=pages[None, :] * layers + layer_ids,
-                page_ranks=torch.tensor(page_ranks, dtype=torch.int32, device=dev),
-                scale=scal[:, m].index_select(1, tok).contiguous(),
-                rows=pair_rows,
-                x_index=None if one_each else tok,
-                y_index=None if one_each and contiguous else pair_rows,
-            )
-        )
-        a_size = max(a_size, k * pr * pool.a[m].shape[3])
-        b_size = max(b_size, k * pr * pool.b[m].shape[2])
-    if not workspaces:
-        a_size = b_size = 0
-    a_ws = torch.empty(a_size, dtype=pool.dtype, device=dev)
-    b_ws = torch.empty(b_size, dtype=pool.dtype, device=dev)
-    return _GatherPlan(row_sel, modules, a_ws, b_ws)
 
 
 class TritonLoRAContext:

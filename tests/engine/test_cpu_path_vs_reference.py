@@ -42,13 +42,21 @@ def _adapter(digest: str, ranks: dict[str, int], gen: torch.Generator) -> Adapte
     return AdapterCheckpoint(digest, max(ranks.values()), 1.0, tuple(ranks), False, 0, None, tuple(mods))
 
 
+# Requests in flat-batch order: token counts and adapter index (None = base model).
+LAYOUTS = {
+    "mixed": ([1, 1, 1, 1, 5, 3], [0, 0, None, 2, 1, 0]),  # decodes, a lone long run, a short run
+    "long-runs": ([6, 1, 4, 5, 2, 7], [0, None, 1, 2, 0, 1]),  # prefill-like chunks, a base row, 2 rows
+}
+
+
 @pytest.mark.parametrize(
     ("native", "pool_dtype"),
     [(False, torch.float32), (False, torch.float16), (True, torch.float32), (True, torch.bfloat16)],
     ids=["torch", "torch-f16-pages", "native", "native-bf16-pages"],
 )
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("group", [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("down_proj",)])
-def test_torch_lora_context_matches_reference(group, native, pool_dtype):
+def test_torch_lora_context_matches_reference(group, native, pool_dtype, layout):
     """Both CPU paths (torch gather + bmm, native kernel), float32 activations over pages of any dtype."""
     gen = torch.Generator().manual_seed(0)
     pool = AdapterPool(CFG, num_pages=12, page_rank=4, max_lora_rank=12, dtype=pool_dtype, device="cpu")
@@ -57,16 +65,15 @@ def test_torch_lora_context_matches_reference(group, native, pool_dtype):
         pool.upload(_adapter("b", {m: 8 for m in PROJECTIONS}, gen)),
         pool.upload(_adapter("c", {"k_proj": 4, "up_proj": 9}, gen)),
     ]
-    # requests in flat-batch order: token counts and their adapters (None = base model)
-    counts = [1, 1, 1, 1, 5, 3]
-    adapters = [ads[0], ads[0], None, ads[2], ads[1], ads[0]]
+    counts, which = LAYOUTS[layout]
+    adapters = [None if i is None else ads[i] for i in which]
     x = torch.randn(sum(counts), module_features(CFG, group[0])[0], generator=gen)
     width = sum(module_features(CFG, m)[1] for m in group)
     y0 = torch.randn(x.shape[0], width, generator=gen)
     layer = 1
     y = y0.clone()
     ctx = TorchLoRAContext(pool, token_segments(counts, adapters), native=native)
-    assert ctx.gather is not None and ctx.segments  # both short runs and a long run (5 tokens)
+    assert ctx.segments and ctx.gather is not None  # long runs as GEMMs, short ones row by row
     ctx.apply(layer, group, x, y)
 
     pairs = zip(adapters, counts, strict=True)
@@ -94,7 +101,9 @@ def test_torch_lora_context_matches_reference(group, native, pool_dtype):
         y_ref,
     )
     torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4)
-    assert torch.equal(y[2], y0[2])  # the base-model token is untouched
+    row_adapters = [i for i, n in zip(which, counts, strict=True) for _ in range(n)]
+    base_rows = [r for r, i in enumerate(row_adapters) if i is None]
+    assert torch.equal(y[base_rows], y0[base_rows])  # base-model tokens are untouched
     assert not torch.allclose(y, y0)
 
 

@@ -1,0 +1,111 @@
+"""Per-step index tensors for the CPU LoRA paths, built once per batch composition and read by every layer.
+
+Rows of the flat batch that share an adapter form a run (`Segment`). `GatherPlan` covers the runs of one
+or a few rows (decode tokens), each row on its own: per module it lists the (row, page) pairs (one per
+page the row's adapter holds on that module, ordered by row, then page), so mixed ranks need no padding
+to the largest rank.
+
+`cached_plan` keeps the last plan of each kind on the pool's `step_cache`, which the pool clears on
+every upload and eviction, so a plan never outlives the pages it indexes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.lora.pool import AdapterPool, ResidentAdapter
+
+
+@dataclass(slots=True)
+class Segment:
+    """A run of flat-batch rows [start, end) on one adapter."""
+
+    start: int
+    end: int
+    adapter: ResidentAdapter
+
+
+@dataclass(slots=True)
+class ModulePairs:
+    """The (row, page) pairs of one module (a row whose adapter does not target the module has none)."""
+
+    page_rows: torch.Tensor  # [L, K] int64: row `page * L + layer` of `pool.a[m].view(-1, pr, in)`
+    page_ranks: torch.Tensor  # [L, K] int32: rank rows of the pair's page at that layer (0: not adapted)
+    scale: torch.Tensor  # [L, K] float32: scaling[layer, m, slot] (0 where the layer is not adapted)
+    row_index: torch.Tensor | None  # [K] int64: the gathered row of each pair; None when pairs == rows
+
+
+@dataclass(slots=True)
+class GatherPlan:
+    """Short runs: every row on its own (see the module docstring)."""
+
+    rows: slice | torch.Tensor  # the gathered rows of the flat batch (a slice when contiguous)
+    modules: list[ModulePairs | None]  # per module
+    pair_rows: list[torch.Tensor | None]  # per module: [K] int64 flat-batch row of each pair
+    slice_add: list[bool]  # per module: pairs are exactly `rows` in order (a slice-add fits)
+    a_ws: torch.Tensor  # workspaces the torch path gathers pages into, reused by every slice and layer
+    b_ws: torch.Tensor  # so they stay in cache (fresh buffers per slice cost extra memory traffic)
+
+
+def cached_plan(pool: AdapterPool, kind: str, segments: list[Segment], build: Callable, *args):
+    """`build(pool, segments, *args)`, reused while the batch composition and the pool are unchanged."""
+    key = (args, *((seg.start, seg.end, seg.adapter.slot) for seg in segments))
+    hit = pool.step_cache.get(kind)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    plan = build(pool, segments, *args)
+    pool.step_cache[kind] = (key, plan)
+    return plan
+
+
+def _module_pairs(pool: AdapterPool, adapters: list[ResidentAdapter], m: int) -> ModulePairs | None:
+    """The (row, page) pairs of module m for gathered rows on `adapters` (one entry per row)."""
+    layers, dev, pr = pool.cfg.num_layers, pool.device, pool.page_rank
+    pairs = [(t, j, page) for t, ad in enumerate(adapters) for j, page in enumerate(ad.pages[m])]
+    if not pairs:
+        return None
+    row = torch.tensor([t for t, _, _ in pairs], dtype=torch.int64, device=dev)
+    pages = torch.tensor([p for _, _, p in pairs], dtype=torch.int64, device=dev)
+    page_ranks = [
+        [min(pr, max(0, adapters[t].layer_ranks[layer][m] - j * pr)) for t, j, _ in pairs]
+        for layer in range(layers)
+    ]
+    slots = torch.tensor([ad.slot for ad in adapters], dtype=torch.int64, device=dev)
+    scale = pool.scalings[:, m].index_select(1, slots).index_select(1, row)  # [L, K]
+    one_each = [t for t, _, _ in pairs] == list(range(len(adapters)))
+    return ModulePairs(
+        page_rows=pages[None, :] * layers + torch.arange(layers, dtype=torch.int64, device=dev)[:, None],
+        page_ranks=torch.tensor(page_ranks, dtype=torch.int32, device=dev),
+        scale=scale.contiguous(),
+        row_index=None if one_each else row,
+    )
+
+
+def gather_plan(pool: AdapterPool, segments: list[Segment], workspaces: bool = True) -> GatherPlan:
+    """The `GatherPlan` for the rows of `segments` (workspaces only for the torch path)."""
+    rows = [r for seg in segments for r in range(seg.start, seg.end)]
+    adapters = [seg.adapter for seg in segments for _ in range(seg.start, seg.end)]
+    n, dev, pr = len(rows), pool.device, pool.page_rank
+    contiguous = rows == list(range(rows[0], rows[0] + n))
+    row_t = torch.tensor(rows, dtype=torch.int64, device=dev)
+    modules = [_module_pairs(pool, adapters, m) for m in range(len(pool.a))]
+    pair_rows = [
+        None if mp is None else (row_t if mp.row_index is None else row_t[mp.row_index]) for mp in modules
+    ]
+    a_size = b_size = 0
+    for m, mp in enumerate(modules):
+        if mp is not None and workspaces:
+            k = mp.page_rows.shape[1]
+            a_size = max(a_size, k * pr * pool.a[m].shape[3])
+            b_size = max(b_size, k * pr * pool.b[m].shape[2])
+    return GatherPlan(
+        rows=slice(rows[0], rows[0] + n) if contiguous else row_t,
+        modules=modules,
+        pair_rows=pair_rows,
+        slice_add=[mp is not None and mp.row_index is None and contiguous for mp in modules],
+        a_ws=torch.empty(a_size, dtype=pool.dtype, device=dev),
+        b_ws=torch.empty(b_size, dtype=pool.dtype, device=dev),
+    )
