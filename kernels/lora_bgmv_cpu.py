@@ -73,6 +73,42 @@ def lora_bgmv_cpu(
         raise ValueError(f"{_OP}: page_rank {pr} out of range (1..256)")
 
 
+class PreparedBGMV:
+    """`lora_bgmv_cpu` with everything but x and y fixed (pages, pairs, scales), checked once.
+
+    For a caller that applies the same pairs many times (the engine: every layer of every step while the
+    batch composition holds): a call then costs one foreign-function call, no tensor work. It keeps
+    references to its tensors, so the pointers it holds stay valid.
+    """
+
+    def __init__(
+        self,
+        a_pages: Tensor,
+        b_pages: Tensor,
+        page_rows: Tensor,
+        page_ranks: Tensor,
+        rows: Tensor,
+        scale: Tensor,
+        num_threads: int = 1,
+    ) -> None:
+        kernels = _kernels()
+        pr, fin, fout = a_pages.shape[1], a_pages.shape[2], b_pages.shape[1]
+        x, y = torch.empty(1, fin), torch.empty(1, fout)  # shape probes for the checks
+        _check(kernels, x, y, a_pages, b_pages, page_rows, page_ranks, rows, scale)
+        self._keep = (a_pages, b_pages, page_rows, page_ranks, rows, scale)
+        self._fn = kernels[a_pages.dtype]
+        self.fin, self.fout = fin, fout
+        self._args = (
+            a_pages.data_ptr(), b_pages.data_ptr(), page_rows.data_ptr(), page_ranks.data_ptr(),
+            rows.data_ptr(), scale.data_ptr(), page_rows.shape[0], pr, fin, fout, num_threads,
+        )  # fmt: skip
+
+    def __call__(self, x: Tensor, y: Tensor, col: int = 0) -> None:
+        """Add the LoRA of the pairs into ``y[:, col : col + fout]``; x is ``[T, fin]`` float32 with unit
+        column stride, y float32 with unit column stride (not checked: the caller owns both)."""
+        self._fn(x.data_ptr(), x.stride(0), y.data_ptr() + 4 * col, y.stride(0), *self._args)
+
+
 def _check(kernels: dict, x: Tensor, y: Tensor, a_pages: Tensor, b_pages: Tensor, *pair_args: Tensor) -> None:
     check_tensor(_OP, "x", x, ndim=2, dtypes=(torch.float32,))
     check_tensor(_OP, "y", y, ndim=2, dtypes=(torch.float32,))

@@ -48,6 +48,7 @@ class GatherPlan:
     slice_add: list[bool]  # per module: pairs are exactly `rows` in order (a slice-add fits)
     a_ws: torch.Tensor  # workspaces the torch path gathers pages into, reused by every slice and layer
     b_ws: torch.Tensor  # so they stay in cache (fresh buffers per slice cost extra memory traffic)
+    native: list[list] | None = None  # [layer][module]: prepared native kernel calls (native path only)
 
 
 def cached_plan(pool: AdapterPool, kind: str, segments: list[Segment], build: Callable, *args):
@@ -84,8 +85,9 @@ def _module_pairs(pool: AdapterPool, adapters: list[ResidentAdapter], m: int) ->
     )
 
 
-def gather_plan(pool: AdapterPool, segments: list[Segment], workspaces: bool = True) -> GatherPlan:
-    """The `GatherPlan` for the rows of `segments` (workspaces only for the torch path)."""
+def gather_plan(pool: AdapterPool, segments: list[Segment], native: bool = False) -> GatherPlan:
+    """The `GatherPlan` for the rows of `segments`: prepared kernel calls for the native path,
+    workspaces for the torch path."""
     rows = [r for seg in segments for r in range(seg.start, seg.end)]
     adapters = [seg.adapter for seg in segments for _ in range(seg.start, seg.end)]
     n, dev, pr = len(rows), pool.device, pool.page_rank
@@ -97,11 +99,12 @@ def gather_plan(pool: AdapterPool, segments: list[Segment], workspaces: bool = T
     ]
     a_size = b_size = 0
     for m, mp in enumerate(modules):
-        if mp is not None and workspaces:
+        if mp is not None and not native:
             k = mp.page_rows.shape[1]
             a_size = max(a_size, k * pr * pool.a[m].shape[3])
             b_size = max(b_size, k * pr * pool.b[m].shape[2])
     return GatherPlan(
+        native=_prepared_calls(pool, modules, pair_rows) if native else None,
         rows=slice(rows[0], rows[0] + n) if contiguous else row_t,
         modules=modules,
         pair_rows=pair_rows,
@@ -109,3 +112,26 @@ def gather_plan(pool: AdapterPool, segments: list[Segment], workspaces: bool = T
         a_ws=torch.empty(a_size, dtype=pool.dtype, device=dev),
         b_ws=torch.empty(b_size, dtype=pool.dtype, device=dev),
     )
+
+
+def _prepared_calls(pool: AdapterPool, modules: list[ModulePairs | None], pair_rows: list) -> list[list]:
+    """[layer][module] `PreparedBGMV` (None where no row adapts the module) over the pool's pages."""
+    from kernels.lora_bgmv_cpu import PreparedBGMV
+
+    pr, threads = pool.page_rank, torch.get_num_threads()
+    calls = []
+    for layer in range(pool.cfg.num_layers):
+        row = []
+        for m, mp in enumerate(modules):
+            if mp is None:
+                row.append(None)
+                continue
+            a = pool.a[m].view(-1, pr, pool.a[m].shape[3])
+            b = pool.b[m].view(-1, pool.b[m].shape[2], pr)
+            row.append(
+                PreparedBGMV(
+                    a, b, mp.page_rows[layer], mp.page_ranks[layer], pair_rows[m], mp.scale[layer], threads
+                )
+            )
+        calls.append(row)
+    return calls

@@ -63,10 +63,9 @@ class TorchLoRAContext:
         long = [s for s in segments if s.end - s.start >= GATHER_MAX_ROWS]
         short = [s for s in segments if s.end - s.start < GATHER_MAX_ROWS]
         self.gather: GatherPlan | None = (
-            cached_plan(pool, "cpu_gather", short, gather_plan, not native) if short else None
+            cached_plan(pool, "cpu_gather", short, gather_plan, native) if short else None
         )
         self.segments = long
-        self.num_threads = torch.get_num_threads()
 
     def apply(self, layer_index: int, slice_names: tuple[str, ...], x: torch.Tensor, y: torch.Tensor) -> None:
         """y[t, slice s] += scaling * (x[t] @ A.T) @ B.T for every row t with an adapter (in place)."""
@@ -100,23 +99,16 @@ class TorchLoRAContext:
                 off += width
 
     def _apply_native(self, layer: int, mods: range, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Short runs through the native kernel: one call per slice, pages read where they lie."""
-        from kernels.lora_bgmv_cpu import lora_bgmv_cpu
-
-        g, pool, pr = self.gather, self.pool, self.pool.page_rank
+        """Short runs through the native kernel: one prepared call per slice, pages read where they lie."""
+        calls = self.gather.native[layer]
         if x.stride(-1) != 1:
             x = x.contiguous()
         off = 0
         for m in mods:
-            a, b, mp = pool.a[m], pool.b[m], g.modules[m]
-            width = b.shape[2]
-            if mp is not None:
-                lora_bgmv_cpu(
-                    x, y[:, off : off + width], a.view(-1, pr, a.shape[3]), b.view(-1, width, pr),
-                    mp.page_rows[layer], mp.page_ranks[layer], g.pair_rows[m], mp.scale[layer],
-                    num_threads=self.num_threads, checked=False,
-                )  # fmt: skip
-            off += width
+            call = calls[m]
+            if call is not None:
+                call(x, y, off)
+            off += self.pool.b[m].shape[2]
 
     def _apply_gathered(self, layer: int, mods: range, x: torch.Tensor, y: torch.Tensor) -> None:
         """Short runs in torch: per slice, gather the A and B page of every (row, page) pair, two `bmm`s::

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.lora_bgmv_cpu import lora_bgmv_cpu, supported_dtypes
+from kernels.lora_bgmv_cpu import PreparedBGMV, lora_bgmv_cpu, supported_dtypes
 from kernels.reference import lora_expand_ref, lora_shrink_ref
 from tests.kernels.lora_case import LoRACase, make_case
 from tests.kernels.test_lora_ops import DECODE_SLOTS, H_IN, H_OUTS, MIXED_RANKS, PREFILL_SLOTS
@@ -100,3 +100,20 @@ def test_bad_inputs_are_refused() -> None:
         lora_bgmv_cpu(x, torch.zeros(1, 16), case.a_pools[0], b, *pairs)
     with pytest.raises(ValueError, match="rows has 2 entries"):
         lora_bgmv_cpu(x, torch.zeros(1, 16), a, b, pairs[0], pairs[1], pairs[2].repeat(2), pairs[3])
+
+
+def test_prepared_call_matches_and_writes_only_its_columns() -> None:
+    """`PreparedBGMV` (pointers fixed once, as the engine uses it) == the checked call, at a column offset."""
+    case = make_case(MIXED_RANKS, DECODE_SLOTS, H_IN, H_OUTS, 8, torch.float32)
+    x = case.x.float()
+    y0 = torch.randn(x.shape[0], sum(H_OUTS), generator=torch.Generator().manual_seed(4))
+    s, col = 1, SLICE_OFFSETS[1]
+    a, b = case.a_pools[s].contiguous(), case.b_pools[s].contiguous()
+    expected = y0.clone()
+    lora_bgmv_cpu(x, expected[:, col : col + H_OUTS[s]], a, b, *_pairs(case, s, 8))
+    y = y0.clone()
+    PreparedBGMV(a, b, *_pairs(case, s, 8))(x, y, col)
+    assert torch.equal(y, expected)
+    outside = torch.ones(y.shape[1], dtype=torch.bool)
+    outside[col : col + H_OUTS[s]] = False
+    assert torch.equal(y[:, outside], y0[:, outside]) and not torch.equal(y, y0)
