@@ -7,7 +7,8 @@ compiler's version and the CPU's feature flags, so a changed source or another C
 Concurrent builds (several test workers) are safe: each writes a private file and renames it into place.
 
 OpenMP (``-fopenmp``) links ``libgomp.so.1``, the soname of the runtime torch's CPU build ships, so the
-library shares torch's OpenMP runtime and threads. Without OpenMP the build is retried without it.
+library shares torch's OpenMP runtime and threads. When that build fails or does not load, it is
+retried without OpenMP (single-threaded).
 """
 
 from __future__ import annotations
@@ -74,13 +75,12 @@ def build_library(source_name: str) -> ctypes.CDLL:
             )
         ).hexdigest()[:16]
         target = cache_dir() / f"{source.stem}-{key}.so"
-        if not target.exists():
-            try:
+        try:
+            if not target.exists():
                 _compile(cc, source, flags, target)
-            except NativeBuildError as exc:
-                errors.append(str(exc))
-                continue
-        return ctypes.CDLL(str(target))
+            return ctypes.CDLL(str(target))
+        except (NativeBuildError, OSError) as exc:  # OSError: built, but it does not load here
+            errors.append(str(exc))
     raise NativeBuildError(f"could not build {source_name}:\n" + "\n".join(errors))
 
 
