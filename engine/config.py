@@ -160,6 +160,11 @@ class ModelConfig:
         )
 
 
+def dtype_names() -> tuple[str, ...]:
+    """The dtype names `dtype` and `lora_dtype` accept besides "auto"."""
+    return tuple(_DTYPES)
+
+
 def resolve_dtype(dtype: str | torch.dtype, model: ModelConfig, device: torch.device) -> torch.dtype:
     """Map the user's `dtype` choice to a torch dtype; `"auto"` takes the checkpoint's.
 

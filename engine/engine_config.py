@@ -37,19 +37,14 @@ class EngineConfig:
     def check_choices(self) -> None:
         """Raise ValueError for a named choice that does not exist (dtypes, backends, device, policy),
         before anything is loaded: a server refuses bad options up front, not in its engine process."""
-        from engine.config import resolve_lora_dtype
+        from engine.config import dtype_names
         from engine.lora.backend import BACKENDS
         from engine.scheduler.policy import validate_policy
 
         for name in ("dtype", "lora_dtype"):
             value = getattr(self, name)
-            if value != "auto":
-                try:
-                    resolve_lora_dtype(value, torch.float32)
-                except ValueError:
-                    raise ValueError(
-                        f"{name} {value!r} is not supported; use auto, float32, bfloat16 or float16"
-                    ) from None
+            if value != "auto" and value not in dtype_names():
+                raise ValueError(f"{name} {value!r} is not supported; use auto, {', '.join(dtype_names())}")
         if self.lora_backend not in BACKENDS:
             raise ValueError(f"lora backend must be one of {', '.join(BACKENDS)}; got {self.lora_backend!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
