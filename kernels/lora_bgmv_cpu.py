@@ -1,9 +1,9 @@
-"""CPU LoRA for decode rows: the native BGMV kernel (``csrc/lora_bgmv.c``) and its launcher.
+"""CPU LoRA: the native BGMV kernel (``csrc/lora_bgmv.c``) and its launcher.
 
-One call applies one projection slice at one layer for a list of (row, page) pairs, reading the adapter
-pages in place (see the C source for the exact formula). It is the CPU engine's path for rows that run
-alone on their adapter; prefill chunks stay on torch GEMMs. Semantics match ``kernels.reference``:
-``lora_shrink_ref``, the scaling, then ``lora_expand_ref``.
+One call applies one projection slice at one layer for a list of (run, page) pairs — a run is rows of the
+flat batch on one adapter (a decode token, a prefill chunk) — reading the adapter pages in place (see the
+C source for the exact formula). Semantics match ``kernels.reference``: ``lora_shrink_ref``, the
+scaling, then ``lora_expand_ref``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from kernels.native_build import build_library
 _OP = "lora_bgmv_cpu"
 _ENTRY = {torch.float32: "lora_bgmv_f32", torch.float16: "lora_bgmv_f16", torch.bfloat16: "lora_bgmv_bf16"}
 _I64, _VP = ctypes.c_int64, ctypes.c_void_p
-_ARGTYPES = [_VP, _I64, _VP, _I64, _VP, _VP, _VP, _VP, _VP, _VP, _I64, _I64, _I64, _I64, ctypes.c_int]
+_ARGTYPES = [_VP, _I64, _VP, _I64, _VP, _VP, _VP, _VP, _VP, _VP, _VP, _I64, _I64, _I64, _I64, ctypes.c_int]
 
 
 @functools.cache
@@ -49,12 +49,14 @@ def lora_bgmv_cpu(
     b_pages: Tensor,  # [P, fout, page_rank] contiguous
     page_rows: Tensor,  # [K] int64: page of pair k (index into the first dim of a_pages/b_pages)
     page_ranks: Tensor,  # [K] int32: rank rows of that page in use (rows beyond it are never read)
-    rows: Tensor,  # [K] int64: row of x and y of pair k, non-decreasing
+    row_starts: Tensor,  # [K] int64: first row (of x and y) of pair k's run; pairs sorted by run
+    row_counts: Tensor,  # [K] int32: rows in that run
     scale: Tensor,  # [K] float32
     num_threads: int = 1,
     checked: bool = True,
 ) -> None:
-    """For each pair k: ``y[rows[k]] += scale[k] * (A_k[:r] @ x[rows[k]]) @ B_k[:, :r].T``, r = page_ranks[k].
+    """For each pair k, r = page_ranks[k], and each row t of its run:
+    ``y[t] += scale[k] * (A_k[:r] @ x[t]) @ B_k[:, :r].T``.
 
     Checks are on shapes, dtypes and layout only; page and row indices are trusted (the engine's plan
     builds them from the pool's page tables). `checked=False` skips even those, for a caller that
@@ -62,12 +64,12 @@ def lora_bgmv_cpu(
     """
     kernels = _kernels()
     if checked:
-        _check(kernels, x, y, a_pages, b_pages, page_rows, page_ranks, rows, scale)
+        _check(kernels, x, y, a_pages, b_pages, page_rows, page_ranks, row_starts, row_counts, scale)
     pr, fin, fout = a_pages.shape[1], a_pages.shape[2], b_pages.shape[1]
     rc = kernels[a_pages.dtype](
         x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), a_pages.data_ptr(), b_pages.data_ptr(),
-        page_rows.data_ptr(), page_ranks.data_ptr(), rows.data_ptr(), scale.data_ptr(),
-        page_rows.shape[0], pr, fin, fout, num_threads,
+        page_rows.data_ptr(), page_ranks.data_ptr(), row_starts.data_ptr(), row_counts.data_ptr(),
+        scale.data_ptr(), page_rows.shape[0], pr, fin, fout, num_threads,
     )  # fmt: skip
     if rc != 0:
         raise ValueError(f"{_OP}: page_rank {pr} out of range (1..256)")
@@ -87,20 +89,23 @@ class PreparedBGMV:
         b_pages: Tensor,
         page_rows: Tensor,
         page_ranks: Tensor,
-        rows: Tensor,
+        row_starts: Tensor,
+        row_counts: Tensor,
         scale: Tensor,
         num_threads: int = 1,
     ) -> None:
         kernels = _kernels()
         pr, fin, fout = a_pages.shape[1], a_pages.shape[2], b_pages.shape[1]
         x, y = torch.empty(1, fin), torch.empty(1, fout)  # shape probes for the checks
-        _check(kernels, x, y, a_pages, b_pages, page_rows, page_ranks, rows, scale)
-        self._keep = (a_pages, b_pages, page_rows, page_ranks, rows, scale)
+        pairs = (page_rows, page_ranks, row_starts, row_counts, scale)
+        _check(kernels, x, y, a_pages, b_pages, *pairs)
+        self._keep = (a_pages, b_pages, *pairs)
         self._fn = kernels[a_pages.dtype]
         self.fin, self.fout = fin, fout
         self._args = (
             a_pages.data_ptr(), b_pages.data_ptr(), page_rows.data_ptr(), page_ranks.data_ptr(),
-            rows.data_ptr(), scale.data_ptr(), page_rows.shape[0], pr, fin, fout, num_threads,
+            row_starts.data_ptr(), row_counts.data_ptr(), scale.data_ptr(), page_rows.shape[0], pr, fin, fout,
+            num_threads,
         )  # fmt: skip
 
     def __call__(self, x: Tensor, y: Tensor, col: int = 0) -> None:
@@ -123,8 +128,8 @@ def _check(kernels: dict, x: Tensor, y: Tensor, a_pages: Tensor, b_pages: Tensor
             f"a_pages {tuple(a_pages.shape)}, b_pages {tuple(b_pages.shape)}"
         )
     k = pair_args[0].shape[0]
-    names = ("page_rows", "page_ranks", "rows", "scale")
-    dtypes = (torch.int64, torch.int32, torch.int64, torch.float32)
+    names = ("page_rows", "page_ranks", "row_starts", "row_counts", "scale")
+    dtypes = (torch.int64, torch.int32, torch.int64, torch.int32, torch.float32)
     for name, t, dtype in zip(names, pair_args, dtypes, strict=True):
         check_tensor(_OP, name, t, ndim=1, dtypes=(dtype,), contiguous=True)
         if t.shape[0] != k:

@@ -1,9 +1,13 @@
 """Per-step index tensors for the CPU LoRA paths, built once per batch composition and read by every layer.
 
-Rows of the flat batch that share an adapter form a run (`Segment`). `GatherPlan` covers the runs of one
-or a few rows (decode tokens), each row on its own: per module it lists the (row, page) pairs (one per
-page the row's adapter holds on that module, ordered by row, then page), so mixed ranks need no padding
-to the largest rank.
+Rows of the flat batch that share an adapter form a run (`Segment`). Both plans list, per module,
+(entry, page) pairs: one per page the entry's adapter holds on that module, ordered by entry, then page,
+so mixed ranks need no padding to the largest rank.
+
+- `NativePlan` (native backend): entries are runs, any length; per layer and module a prepared call of
+  the native kernel (`kernels.lora_bgmv_cpu.PreparedBGMV`).
+- `GatherPlan` (torch backend): entries are the rows of short runs (decode tokens), each on its own,
+  with workspaces the pages are gathered into.
 
 `cached_plan` keeps the last plan of each kind on the pool's `step_cache`, which the pool clears on
 every upload and eviction, so a plan never outlives the pages it indexes.
@@ -35,7 +39,9 @@ class ModulePairs:
     page_rows: torch.Tensor  # [L, K] int64: row `page * L + layer` of `pool.a[m].view(-1, pr, in)`
     page_ranks: torch.Tensor  # [L, K] int32: rank rows of the pair's page at that layer (0: not adapted)
     scale: torch.Tensor  # [L, K] float32: scaling[layer, m, slot] (0 where the layer is not adapted)
-    row_index: torch.Tensor | None  # [K] int64: the gathered row of each pair; None when pairs == rows
+    row_index: (
+        torch.Tensor | None
+    )  # [K] int64: the entry (row or run) of each pair; None if one each, in order
 
 
 @dataclass(slots=True)
@@ -46,9 +52,15 @@ class GatherPlan:
     modules: list[ModulePairs | None]  # per module
     pair_rows: list[torch.Tensor | None]  # per module: [K] int64 flat-batch row of each pair
     slice_add: list[bool]  # per module: pairs are exactly `rows` in order (a slice-add fits)
-    a_ws: torch.Tensor  # workspaces the torch path gathers pages into, reused by every slice and layer
-    b_ws: torch.Tensor  # so they stay in cache (fresh buffers per slice cost extra memory traffic)
-    native: list[list] | None = None  # [layer][module]: prepared native kernel calls (native path only)
+    a_ws: torch.Tensor  # workspaces the pages are gathered into, reused by every slice and layer so
+    b_ws: torch.Tensor  # they stay in cache (fresh buffers per slice cost extra memory traffic)
+
+
+@dataclass(slots=True)
+class NativePlan:
+    """All runs, through the native kernel (see the module docstring)."""
+
+    calls: list[list]  # [layer][module]: PreparedBGMV, or None where no run's adapter targets the module
 
 
 def cached_plan(pool: AdapterPool, kind: str, segments: list[Segment], build: Callable, *args):
@@ -63,7 +75,7 @@ def cached_plan(pool: AdapterPool, kind: str, segments: list[Segment], build: Ca
 
 
 def _module_pairs(pool: AdapterPool, adapters: list[ResidentAdapter], m: int) -> ModulePairs | None:
-    """The (row, page) pairs of module m for gathered rows on `adapters` (one entry per row)."""
+    """The (entry, page) pairs of module m for entries (rows or runs) on `adapters`, one adapter each."""
     layers, dev, pr = pool.cfg.num_layers, pool.device, pool.page_rank
     pairs = [(t, j, page) for t, ad in enumerate(adapters) for j, page in enumerate(ad.pages[m])]
     if not pairs:
@@ -85,9 +97,8 @@ def _module_pairs(pool: AdapterPool, adapters: list[ResidentAdapter], m: int) ->
     )
 
 
-def gather_plan(pool: AdapterPool, segments: list[Segment], native: bool = False) -> GatherPlan:
-    """The `GatherPlan` for the rows of `segments`: prepared kernel calls for the native path,
-    workspaces for the torch path."""
+def gather_plan(pool: AdapterPool, segments: list[Segment]) -> GatherPlan:
+    """The `GatherPlan` for the rows of `segments`."""
     rows = [r for seg in segments for r in range(seg.start, seg.end)]
     adapters = [seg.adapter for seg in segments for _ in range(seg.start, seg.end)]
     n, dev, pr = len(rows), pool.device, pool.page_rank
@@ -99,12 +110,11 @@ def gather_plan(pool: AdapterPool, segments: list[Segment], native: bool = False
     ]
     a_size = b_size = 0
     for m, mp in enumerate(modules):
-        if mp is not None and not native:
+        if mp is not None:
             k = mp.page_rows.shape[1]
             a_size = max(a_size, k * pr * pool.a[m].shape[3])
             b_size = max(b_size, k * pr * pool.b[m].shape[2])
     return GatherPlan(
-        native=_prepared_calls(pool, modules, pair_rows) if native else None,
         rows=slice(rows[0], rows[0] + n) if contiguous else row_t,
         modules=modules,
         pair_rows=pair_rows,
@@ -114,24 +124,26 @@ def gather_plan(pool: AdapterPool, segments: list[Segment], native: bool = False
     )
 
 
-def _prepared_calls(pool: AdapterPool, modules: list[ModulePairs | None], pair_rows: list) -> list[list]:
-    """[layer][module] `PreparedBGMV` (None where no row adapts the module) over the pool's pages."""
+def native_plan(pool: AdapterPool, segments: list[Segment]) -> NativePlan:
+    """The `NativePlan` for `segments`: [layer][module] prepared kernel calls over the pool's pages."""
     from kernels.lora_bgmv_cpu import PreparedBGMV
 
-    pr, threads = pool.page_rank, torch.get_num_threads()
-    calls = []
-    for layer in range(pool.cfg.num_layers):
-        row = []
-        for m, mp in enumerate(modules):
+    dev, pr, threads = pool.device, pool.page_rank, torch.get_num_threads()
+    starts = torch.tensor([seg.start for seg in segments], dtype=torch.int64, device=dev)
+    counts = torch.tensor([seg.end - seg.start for seg in segments], dtype=torch.int32, device=dev)
+    adapters = [seg.adapter for seg in segments]
+    calls: list[list] = [[] for _ in range(pool.cfg.num_layers)]
+    for m in range(len(pool.a)):
+        mp = _module_pairs(pool, adapters, m)
+        if mp is not None:
+            run_starts = starts if mp.row_index is None else starts[mp.row_index]
+            run_counts = counts if mp.row_index is None else counts[mp.row_index]
+            a = pool.a[m].view(-1, pr, pool.a[m].shape[3])
+            b = pool.b[m].view(-1, pool.b[m].shape[2], pr)
+        for layer, row in enumerate(calls):
             if mp is None:
                 row.append(None)
                 continue
-            a = pool.a[m].view(-1, pr, pool.a[m].shape[3])
-            b = pool.b[m].view(-1, pool.b[m].shape[2], pr)
-            row.append(
-                PreparedBGMV(
-                    a, b, mp.page_rows[layer], mp.page_ranks[layer], pair_rows[m], mp.scale[layer], threads
-                )
-            )
-        calls.append(row)
-    return calls
+            pairs = (mp.page_rows[layer], mp.page_ranks[layer], run_starts, run_counts, mp.scale[layer])
+            row.append(PreparedBGMV(a, b, *pairs, num_threads=threads))
+    return NativePlan(calls)

@@ -6,15 +6,15 @@ every slice s of a packed projection::
 
     y[t, slice s] += scaling[layer, s, slot(t)] * (x[t] @ A_{slot(t), s, layer}.T) @ B_{slot(t), s, layer}.T
 
-- `TorchLoRAContext` (CPU): rows of short runs (decode tokens, each on its own adapter) are applied per
-  (row, page) pair. With the native backend, the compiled BGMV kernel reads each pair's pages in place
-  (`kernels/lora_bgmv_cpu.py`); with the torch backend, per slice, the A and B page of every pair are
-  gathered into `[K, page_rank, in]` / `[K, out, page_rank]` and applied with one row-vector `bmm` each.
-  Index tensors are built once per batch composition and shared by all layers (`cpu_plans.py`); no
-  padding to the largest rank. Long runs (prefill chunks) multiply the adapter's pages directly, one
-  GEMM pair per page. Pages are zero beyond the rank, so whole pages are exact. Rows without an
-  adapter are never touched. Pages narrower than the activations (`lora_dtype`) are widened as they
-  are used.
+- `TorchLoRAContext` (CPU), plans built once per batch composition and shared by all layers
+  (`cpu_plans.py`); no padding to the largest rank. With the native backend, one call of the compiled
+  BGMV kernel per slice applies every run (decode tokens and prefill chunks), reading each (run, page)
+  pair's pages in place (`kernels/lora_bgmv_cpu.py`). With the torch backend, rows of short runs
+  (decode tokens) are applied per (row, page) pair: per slice, the A and B page of every pair are
+  gathered into `[K, page_rank, in]` / `[K, out, page_rank]` and applied with one row-vector `bmm`
+  each; long runs (prefill chunks) multiply the adapter's pages directly, one GEMM pair per page.
+  Pages are zero beyond the rank, so whole pages are exact. Rows without an adapter are never
+  touched. Pages narrower than the activations (`lora_dtype`) are widened as they are used.
 - `TritonLoRAContext` (CUDA): the SGMV shrink/expand kernels over the page tables, one launch each
   per packed projection.
 Both match `kernels.reference.lora_shrink_ref` / `lora_expand_ref`.
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.lora.cpu_plans import GatherPlan, Segment, cached_plan, gather_plan
+from engine.lora.cpu_plans import GatherPlan, NativePlan, Segment, cached_plan, gather_plan, native_plan
 from engine.lora.pool import MODULE_INDEX, AdapterPool, ResidentAdapter
 
 __all__ = ["Segment", "TorchLoRAContext", "TritonLoRAContext", "token_segments"]
@@ -54,30 +54,34 @@ GATHER_MAX_ROWS = 4
 class TorchLoRAContext:
     """The CPU LoRA path (see the module docstring); per-step index tensors are built once here.
 
-    With `native`, short runs go through the compiled BGMV kernel (`kernels.lora_bgmv_cpu`), which
+    With `native`, every run goes through the compiled BGMV kernel (`kernels.lora_bgmv_cpu`), which
     reads each pair's pages in place instead of gathering them; it needs float32 activations.
     """
 
     def __init__(self, pool: AdapterPool, segments: list[Segment], native: bool = False) -> None:
-        self.pool, self.native = pool, native
-        long = [s for s in segments if s.end - s.start >= GATHER_MAX_ROWS]
+        self.pool = pool
+        self.native: NativePlan | None = None
+        self.gather: GatherPlan | None = None
+        self.segments: list[Segment] = []  # long runs for `_apply_segments`
+        if native:
+            self.native = cached_plan(pool, "cpu_native", segments, native_plan)
+            return
+        self.segments = [s for s in segments if s.end - s.start >= GATHER_MAX_ROWS]
         short = [s for s in segments if s.end - s.start < GATHER_MAX_ROWS]
-        self.gather: GatherPlan | None = (
-            cached_plan(pool, "cpu_gather", short, gather_plan, native) if short else None
-        )
-        self.segments = long
+        if short:
+            self.gather = cached_plan(pool, "cpu_gather", short, gather_plan)
 
     def apply(self, layer_index: int, slice_names: tuple[str, ...], x: torch.Tensor, y: torch.Tensor) -> None:
         """y[t, slice s] += scaling * (x[t] @ A.T) @ B.T for every row t with an adapter (in place)."""
         first = MODULE_INDEX[slice_names[0]]
         mods = range(first, first + len(slice_names))
+        if self.native is not None:
+            self._apply_native(layer_index, mods, x, y)
+            return
         if self.segments:
             self._apply_segments(layer_index, mods, x, y)
         if self.gather is not None:
-            if self.native:
-                self._apply_native(layer_index, mods, x, y)
-            else:
-                self._apply_gathered(layer_index, mods, x, y)
+            self._apply_gathered(layer_index, mods, x, y)
 
     def _apply_segments(self, layer: int, mods: range, x: torch.Tensor, y: torch.Tensor) -> None:
         """Long runs: per run and slice, one (x @ A_page.T) @ B_page.T GEMM pair per page.
@@ -99,8 +103,8 @@ class TorchLoRAContext:
                 off += width
 
     def _apply_native(self, layer: int, mods: range, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Short runs through the native kernel: one prepared call per slice, pages read where they lie."""
-        calls = self.gather.native[layer]
+        """All runs through the native kernel: one prepared call per slice, pages read where they lie."""
+        calls = self.native.calls[layer]
         if x.stride(-1) != 1:
             x = x.contiguous()
         off = 0

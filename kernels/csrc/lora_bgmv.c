@@ -1,16 +1,18 @@
-/* LoRA for rows that run alone on their adapter (decode tokens) on the CPU: BGMV, a batch of gathered
- * matrix-vector products read in place from the paged adapter pool.
+/* LoRA on the CPU for a batch of runs (rows of the flat batch on one adapter: a decode token, a prefill
+ * chunk): BGMV, gathered matrix-vector products read in place from the paged adapter pool.
  *
- * For every (row, page) pair k of one projection slice at one layer, with n = page_ranks[k] <= pr:
+ * For every (run, page) pair k of one projection slice at one layer, with n = page_ranks[k] <= pr, and
+ * every row t in [row_starts[k], row_starts[k] + row_counts[k]):
  *
- *     v[0:n]             = scale[k] * A[page_rows[k], 0:n, :] @ x[rows[k]]     A pages: [pr, fin]
- *     y[rows[k], 0:fout] += B[page_rows[k], :, 0:n] @ v                        B pages: [fout, pr]
+ *     v[0:n]      = scale[k] * A[page_rows[k], 0:n, :] @ x[t]     A pages: [pr, fin]
+ *     y[t, 0:fout] += B[page_rows[k], :, 0:n] @ v                 B pages: [fout, pr]
  *
- * in float32. Each byte of adapter weights is read once, where it lies; nothing is gathered into a
- * workspace first (the torch path's index_select + bmm writes every page and reads it again). x and y
- * are float32; the pool holds float32, float16 or bfloat16 weights (widened in registers), one entry
- * point each. Pairs are sorted by row: threads split them at row boundaries, so no two threads write
- * the same output row, and a row's pages are added in order (results do not depend on the threads).
+ * in float32. Pages are read where they lie, nothing is gathered into a workspace first (the torch
+ * path's index_select + bmm writes every page and reads it again): for decode rows each byte of adapter
+ * weights is read once; a run's rows reuse its pages from cache. x and y are float32; the pool holds
+ * float32, float16 or bfloat16 weights (widened in registers), one entry point each. Pairs are sorted by
+ * run, then page. Threads never write the same row: they split long runs' rows and short runs' pairs
+ * (at run boundaries), and each row's pages are added in order, so results do not depend on them.
  *
  * Semantics are those of kernels/reference.py: lora_shrink_ref, the scaling, then lora_expand_ref.
  */
@@ -85,10 +87,10 @@ static inline v8f hsum8x8(const v8f s[8]) {
 }
 
 /* First pair index of thread `t` of `nt`: an even split of [0, num_pairs), moved forward to the start of
- * a row so that each row's pairs belong to one thread. */
-static int64_t split_at_row(const int64_t *rows, int64_t num_pairs, int t, int nt) {
+ * a run so that each run's pairs belong to one thread. */
+static int64_t split_at_run(const int64_t *row_starts, int64_t num_pairs, int t, int nt) {
     int64_t k = num_pairs * t / nt;
-    while (k > 0 && k < num_pairs && rows[k] == rows[k - 1]) k++;
+    while (k > 0 && k < num_pairs && row_starts[k] == row_starts[k - 1]) k++;
     return k;
 }
 
@@ -162,25 +164,103 @@ static int64_t split_at_row(const int64_t *rows, int64_t num_pairs, int t, int n
             y[o] += r;                                                                                        \
         }                                                                                                     \
     }                                                                                                         \
+    /* Two rows at once (x0, x1 -> out0, out1): each page element loaded once for both. */                  \
+    static void NAME##_shrink2(const W *a, const float *x0, const float *x1, int64_t rows, int64_t n,       \
+                               float *out0, float *out1) {                                                   \
+        int64_t n8 = n & ~(int64_t)7, j = 0;                                                                  \
+        for (; j + 2 <= rows; j += 2) {                                                                       \
+            const W *a0 = a + j * n, *a1 = a0 + n;                                                            \
+            v8f s00 = {0}, s01 = {0}, s10 = {0}, s11 = {0};                                                   \
+            for (int64_t i = 0; i < n8; i += 8) {                                                             \
+                v8f w0 = LOAD(a0 + i), w1 = LOAD(a1 + i), u0 = load_f32(x0 + i), u1 = load_f32(x1 + i);       \
+                s00 += w0 * u0, s01 += w1 * u0, s10 += w0 * u1, s11 += w1 * u1;                               \
+            }                                                                                                 \
+            float r00 = hsum8(s00), r01 = hsum8(s01), r10 = hsum8(s10), r11 = hsum8(s11);                     \
+            for (int64_t i = n8; i < n; i++) {                                                                \
+                float w0 = SCALAR(a0 + i), w1 = SCALAR(a1 + i);                                               \
+                r00 += w0 * x0[i], r01 += w1 * x0[i], r10 += w0 * x1[i], r11 += w1 * x1[i];                   \
+            }                                                                                                 \
+            out0[j] = r00, out0[j + 1] = r01, out1[j] = r10, out1[j + 1] = r11;                               \
+        }                                                                                                     \
+        if (j < rows) {                                                                                       \
+            NAME##_shrink(a + j * n, a + j * n, x0, rows - j, n, out0 + j);                                   \
+            NAME##_shrink(a + j * n, a + j * n, x1, rows - j, n, out1 + j);                                   \
+        }                                                                                                     \
+    }                                                                                                         \
+    static void NAME##_expand2(const W *b, const float *v0, const float *v1, int64_t fout, int64_t pr,      \
+                               int64_t n, float *y0, float *y1) {                                            \
+        if ((n & 7) != 0) {                                                                                   \
+            NAME##_expand(b, b, v0, fout, pr, n, y0);                                                         \
+            NAME##_expand(b, b, v1, fout, pr, n, y1);                                                         \
+            return;                                                                                           \
+        }                                                                                                     \
+        int64_t o = 0;                                                                                        \
+        for (; o + 8 <= fout; o += 8) {                                                                       \
+            v8f s0[8], s1[8];                                                                                 \
+            for (int i = 0; i < 8; i++) {                                                                     \
+                const W *bo = b + (o + i) * pr;                                                               \
+                v8f w = LOAD(bo);                                                                             \
+                s0[i] = w * load_f32(v0), s1[i] = w * load_f32(v1);                                           \
+                for (int64_t j = 8; j < n; j += 8) {                                                          \
+                    w = LOAD(bo + j);                                                                         \
+                    s0[i] += w * load_f32(v0 + j), s1[i] += w * load_f32(v1 + j);                             \
+                }                                                                                             \
+            }                                                                                                 \
+            v8f acc0 = hsum8x8(s0) + load_f32(y0 + o), acc1 = hsum8x8(s1) + load_f32(y1 + o);                 \
+            memcpy(y0 + o, &acc0, sizeof acc0);                                                               \
+            memcpy(y1 + o, &acc1, sizeof acc1);                                                               \
+        }                                                                                                     \
+        if (o < fout) {                                                                                       \
+            NAME##_expand(b + o * pr, b + o * pr, v0, fout - o, pr, n, y0 + o);                               \
+            NAME##_expand(b + o * pr, b + o * pr, v1, fout - o, pr, n, y1 + o);                               \
+        }                                                                                                     \
+    }                                                                                                         \
+    /* Rows [lo, hi) of one pair: shrink, scale, expand, row by row (the page stays in cache). */          \
+    static void NAME##_rows(const float *x, int64_t x_stride, float *y, int64_t y_stride, const W *ap,      \
+                            const W *bp, const W *next_a, const W *next_b, int64_t r, float scale,          \
+                            int64_t lo, int64_t hi, int64_t pr, int64_t fin, int64_t fout) {                \
+        float v[MAX_PAGE_RANK], v1[MAX_PAGE_RANK];                                                            \
+        int64_t row = lo;                                                                                     \
+        for (; row + 2 < hi; row += 2) { /* pairs of rows; the last row (or two) prefetches below */          \
+            const float *x0 = x + row * x_stride;                                                             \
+            NAME##_shrink2(ap, x0, x0 + x_stride, r, fin, v, v1);                                             \
+            for (int64_t j = 0; j < r; j++) v[j] *= scale, v1[j] *= scale;                                    \
+            NAME##_expand2(bp, v, v1, fout, pr, r, y + row * y_stride, y + (row + 1) * y_stride);             \
+        }                                                                                                     \
+        for (; row < hi; row++) {                                                                             \
+            int last = row + 1 == hi; /* the last row prefetches the next pair's pages */                    \
+            NAME##_shrink(ap, last ? next_a : ap, x + row * x_stride, r, fin, v);                             \
+            for (int64_t j = 0; j < r; j++) v[j] *= scale;                                                    \
+            NAME##_expand(bp, last ? next_b : bp, v, fout, pr, r, y + row * y_stride);                        \
+        }                                                                                                     \
+    }                                                                                                         \
     /* Returns 0, or -1 when pr is out of range. */                                                           \
     int NAME(const float *x, int64_t x_stride, float *y, int64_t y_stride, const W *a, const W *b,           \
-             const int64_t *page_rows, const int32_t *page_ranks, const int64_t *rows, const float *scale,    \
-             int64_t num_pairs, int64_t pr, int64_t fin, int64_t fout, int num_threads) {                    \
+             const int64_t *page_rows, const int32_t *page_ranks, const int64_t *row_starts,                  \
+             const int32_t *row_counts, const float *scale, int64_t num_pairs, int64_t pr, int64_t fin,      \
+             int64_t fout, int num_threads) {                                                                 \
         if (pr < 1 || pr > MAX_PAGE_RANK) return -1;                                                          \
-        if (num_threads < 1 || num_pairs < 2 * num_threads) num_threads = 1;                                  \
+        int64_t total_rows = 0;                                                                               \
+        for (int64_t k = 0; k < num_pairs; k++) total_rows += row_counts[k];                                  \
+        if (num_threads < 1 || total_rows < 2 * num_threads) num_threads = 1;                                 \
         _Pragma("omp parallel num_threads(num_threads) if (num_threads > 1)") {                               \
             int t = 0, nt = 1;                                                                                \
             SET_THREAD(t, nt);                                                                                \
-            float v[MAX_PAGE_RANK];                                                                           \
-            int64_t hi = split_at_row(rows, num_pairs, t + 1, nt);                                            \
-            for (int64_t k = split_at_row(rows, num_pairs, t, nt); k < hi; k++) {                             \
-                int64_t r = page_ranks[k] < pr ? page_ranks[k] : pr; /* rank rows used in this page */        \
-                if (r <= 0) continue;                                                                         \
-                int64_t next = k + 1 < hi ? page_rows[k + 1] : page_rows[k]; /* prefetched meanwhile */       \
-                NAME##_shrink(a + page_rows[k] * pr * fin, a + next * pr * fin, x + rows[k] * x_stride, r, fin, v); \
-                for (int64_t j = 0; j < r; j++) v[j] *= scale[k];                                             \
-                NAME##_expand(b + page_rows[k] * fout * pr, b + next * fout * pr, v, fout, pr, r,             \
-                              y + rows[k] * y_stride);                                                        \
+            for (int pass = 0; pass < 2; pass++) {                                                            \
+                /* pass 0: runs of >= 2 rows per thread, each thread an even share of every run's rows;      \
+                 * pass 1: shorter runs, whole, the pairs split between threads at run boundaries */          \
+                int64_t k = pass ? split_at_run(row_starts, num_pairs, t, nt) : 0;                            \
+                int64_t end = pass ? split_at_run(row_starts, num_pairs, t + 1, nt) : num_pairs;              \
+                for (; k < end; k++) {                                                                        \
+                    int64_t r = page_ranks[k] < pr ? page_ranks[k] : pr; /* rank rows used in this page */    \
+                    int64_t n = row_counts[k], split = n >= 2 * nt;                                           \
+                    if (r <= 0 || split != (pass == 0)) continue;                                             \
+                    int64_t lo = split ? n * t / nt : 0, hi = split ? n * (t + 1) / nt : n;                   \
+                    int64_t next = page_rows[k + 1 < num_pairs ? k + 1 : k];                                  \
+                    NAME##_rows(x, x_stride, y, y_stride, a + page_rows[k] * pr * fin,                        \
+                                b + page_rows[k] * fout * pr, a + next * pr * fin, b + next * fout * pr, r,   \
+                                scale[k], row_starts[k] + lo, row_starts[k] + hi, pr, fin, fout);             \
+                }                                                                                             \
             }                                                                                                 \
         }                                                                                                     \
         return 0;                                                                                             \

@@ -13,25 +13,37 @@ from tests.kernels.test_lora_ops import DECODE_SLOTS, H_IN, H_OUTS, MIXED_RANKS,
 SLICE_OFFSETS = [sum(H_OUTS[:s]) for s in range(len(H_OUTS))]
 
 
-def _pairs(case: LoRACase, s: int, page_rank: int) -> tuple[torch.Tensor, ...]:
-    """(page_rows, page_ranks, rows, scale) of slice s: every (token, page) pair in token order."""
-    pages, ranks, rows, scale = [], [], [], []
+def _pairs(case: LoRACase, s: int, page_rank: int, runs: bool = False) -> tuple[torch.Tensor, ...]:
+    """(page_rows, page_ranks, row_starts, row_counts, scale) of slice s, for every (run, page) pair.
+
+    Runs are single tokens, or with `runs` the longest stretches of consecutive tokens on one slot."""
+    spans: list[tuple[int, int, int]] = []  # (start, count, slot)
     for t, slot in enumerate(case.meta.token_slots.tolist()):
+        if runs and spans and spans[-1][2] == slot and spans[-1][0] + spans[-1][1] == t:
+            spans[-1] = (spans[-1][0], spans[-1][1] + 1, slot)
+        else:
+            spans.append((t, 1, slot))
+    pages, ranks, starts, counts, scale = [], [], [], [], []
+    for start, count, slot in spans:
         r = int(case.ranks[s, slot]) if slot >= 0 else 0
         for j in range(-(-r // page_rank)):
             pages.append(int(case.page_table[s, slot, j]))
             ranks.append(min(page_rank, r - j * page_rank))
-            rows.append(t)
+            starts.append(start)
+            counts.append(count)
             scale.append(float(case.scalings[s, slot]))
     return (
         torch.tensor(pages, dtype=torch.int64),
         torch.tensor(ranks, dtype=torch.int32),
-        torch.tensor(rows, dtype=torch.int64),
+        torch.tensor(starts, dtype=torch.int64),
+        torch.tensor(counts, dtype=torch.int32),
         torch.tensor(scale, dtype=torch.float32),
     )
 
 
-def _run_both(case: LoRACase, page_rank: int, num_threads: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def _run_both(
+    case: LoRACase, page_rank: int, num_threads: int = 1, runs: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """y0 + LoRA by the native kernel (slice by slice) and by the reference, both float32."""
     x = case.x.float()
     y0 = torch.randn(x.shape[0], sum(H_OUTS), generator=torch.Generator().manual_seed(3))
@@ -40,7 +52,7 @@ def _run_both(case: LoRACase, page_rank: int, num_threads: int = 1) -> tuple[tor
         a = case.a_pools[s].contiguous()  # the pages of one layer; NaN beyond each adapter's rank
         b = case.b_pools[s].contiguous()
         cols = y[:, SLICE_OFFSETS[s] : SLICE_OFFSETS[s] + H_OUTS[s]]  # strided rows, like a packed output
-        lora_bgmv_cpu(x, cols, a, b, *_pairs(case, s, page_rank), num_threads=num_threads)
+        lora_bgmv_cpu(x, cols, a, b, *_pairs(case, s, page_rank, runs), num_threads=num_threads)
     v = torch.empty(len(H_OUTS), x.shape[0], case.max_rank)
     lora_shrink_ref(x, case.a_pools, case.page_table, case.ranks, case.meta, v)
     ref = y0.clone()
@@ -48,18 +60,29 @@ def _run_both(case: LoRACase, page_rank: int, num_threads: int = 1) -> tuple[tor
     return y, ref
 
 
+PREFILL_RUNS = [3] * 7 + [-1] * 2 + [5] * 9 + [0] * 4 + [1]  # prefill chunks: runs of 7, 9, 4 and 1 rows
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
-    ("token_slots", "page_rank"),
-    [(DECODE_SLOTS, 16), (DECODE_SLOTS, 8), (PREFILL_SLOTS, 8), ([2], 24)],
-    ids=["decode-16", "decode-8", "runs-8", "one-24"],
+    ("token_slots", "page_rank", "runs"),
+    [
+        (DECODE_SLOTS, 16, False),
+        (DECODE_SLOTS, 8, False),
+        (PREFILL_SLOTS, 8, False),
+        (PREFILL_SLOTS, 8, True),
+        (PREFILL_RUNS, 16, True),
+        ([2], 24, False),
+    ],
+    ids=["decode-16", "decode-8", "rows-8", "runs-8", "prefill-runs-16", "one-24"],
 )
-def test_matches_reference(token_slots: list[int], page_rank: int, dtype: torch.dtype) -> None:
-    """Mixed ranks 1..128 (partial last pages, multi-page adapters), rows without adapter, half weights."""
+def test_matches_reference(token_slots: list[int], page_rank: int, runs: bool, dtype: torch.dtype) -> None:
+    """Mixed ranks 1..128 (partial last pages, multi-page adapters), rows without adapter, half weights,
+    pairs of one row and pairs of whole runs."""
     if dtype not in supported_dtypes():
         pytest.skip(f"the C compiler here has no {dtype}")
     case = make_case(MIXED_RANKS, token_slots, H_IN, H_OUTS, page_rank, dtype)
-    y, ref = _run_both(case, page_rank)
+    y, ref = _run_both(case, page_rank, runs=runs)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)  # float32 math on the same weights
     assert not torch.isnan(y).any()  # NaN rows of pages beyond each rank, and NaN x rows, never read
 
@@ -78,13 +101,16 @@ def test_wide_features_use_vector_paths() -> None:
     assert y[3].abs().sum() == 0 and y.abs().sum() > 0
 
 
-def test_threads_split_at_rows_and_agree_bit_for_bit() -> None:
-    """Two OpenMP threads give the same bits as one: a row's pages stay on one thread, in order."""
-    case = make_case(MIXED_RANKS, DECODE_SLOTS * 4, H_IN, H_OUTS, 8, torch.float32)
-    one, ref = _run_both(case, 8, num_threads=1)
-    two, _ = _run_both(case, 8, num_threads=2)
-    assert torch.equal(one, two)
-    torch.testing.assert_close(two, ref, rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("runs", [False, True], ids=["rows", "runs"])
+def test_threads_agree_bit_for_bit(runs: bool) -> None:
+    """Two or three OpenMP threads give the same bits as one: each row's pages are added by one thread,
+    in order (short runs are split between threads whole, long runs by rows)."""
+    case = make_case(MIXED_RANKS, DECODE_SLOTS * 4 + PREFILL_RUNS, H_IN, H_OUTS, 8, torch.float32)
+    one, ref = _run_both(case, 8, num_threads=1, runs=runs)
+    for threads in (2, 3):
+        many, _ = _run_both(case, 8, num_threads=threads, runs=runs)
+        assert torch.equal(one, many)
+    torch.testing.assert_close(one, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_bad_inputs_are_refused() -> None:
@@ -98,8 +124,8 @@ def test_bad_inputs_are_refused() -> None:
         lora_bgmv_cpu(x, torch.zeros(1, 17), a, b, *pairs)
     with pytest.raises(ValueError, match="must be contiguous"):
         lora_bgmv_cpu(x, torch.zeros(1, 16), case.a_pools[0], b, *pairs)
-    with pytest.raises(ValueError, match="rows has 2 entries"):
-        lora_bgmv_cpu(x, torch.zeros(1, 16), a, b, pairs[0], pairs[1], pairs[2].repeat(2), pairs[3])
+    with pytest.raises(ValueError, match="row_starts has 2 entries"):
+        lora_bgmv_cpu(x, torch.zeros(1, 16), a, b, pairs[0], pairs[1], pairs[2].repeat(2), *pairs[3:])
 
 
 def test_prepared_call_matches_and_writes_only_its_columns() -> None:
