@@ -71,3 +71,26 @@ def plot_cold_load(result, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_history(points: list[dict], path: Path, goal: float = 1.15) -> None:
+    """Benchmark 1 across milestones: LoRA overhead (with the goal) and decode step times, side by side."""
+    plt = _pyplot()
+    labels = [p["label"] for p in points]
+    xs = range(len(points))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    left.plot(xs, [p["lora_overhead"] for p in points], "o-", color="tab:blue")
+    left.axhline(goal, color="tab:green", linestyle="--", label=f"goal {goal}x")
+    left.set_ylabel("mixed 32 adapters / base time")
+    left.set_title("LoRA overhead")
+    left.legend()
+    right.plot(xs, [p["mixed_decode_ms"] for p in points], "o-", color="tab:blue", label="32 adapters")
+    right.plot(xs, [p["base_decode_ms"] for p in points], "o-", color="tab:gray", label="base only")
+    right.set_ylabel("ms per decode step (batch 32)")
+    right.set_title("Decode step")
+    right.legend()
+    for ax in (left, right):
+        ax.set_xticks(list(xs), labels, fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 
+from bench import history
 from bench.cold_load import run_cold_load
 from bench.offline import run_offline
 from bench.plots import plot_cold_load, plot_offline, plot_scaling
 from bench.scaling import run_scaling
-from bench.workload import ModelSpec
+from bench.workload import LoRAOptions, ModelSpec
 
 TINY = ModelSpec(
     vocab_size=300,
@@ -49,6 +52,36 @@ def test_offline_tiny(workdir, tmp_path):
     assert "GEMM limit" in r.markdown()
     plot_offline(r, tmp_path / "offline.png")
     assert (tmp_path / "offline.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(("backend", "lora_dtype"), [("torch", "auto"), ("native", "float16")])
+def test_offline_lora_options(workdir, backend, lora_dtype):
+    """`--lora-backend` / `--lora-dtype` reach the engine and are named in the result."""
+    r = run_offline(
+        adapters=2,
+        requests=2,
+        rank=8,
+        prompt_len=8,
+        new_tokens=3,
+        repeats=1,
+        gemm_repeats=1,
+        hf=False,
+        spec=TINY,
+        workdir=workdir,
+        quiet=True,
+        lora=LoRAOptions(backend, lora_dtype),
+    )
+    assert r.lora_backend == backend
+    assert r.lora_dtype == ("float32" if lora_dtype == "auto" else lora_dtype)
+    assert f"{backend}, {r.lora_dtype} pages" in r.markdown()
+
+
+def test_history_chart_from_the_docs_record(tmp_path):
+    """The milestone chart in docs/ is drawn from docs/bench_history.json."""
+    record = Path(__file__).resolve().parents[2] / "docs" / "bench_history.json"
+    assert len(json.loads(record.read_text())["points"]) >= 2
+    history.main([str(record), str(tmp_path / "history.png")])
+    assert (tmp_path / "history.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_scaling_tiny(workdir, tmp_path):

@@ -34,6 +34,13 @@ def adapters(checkpoint, tmp_path_factory):
     return out
 
 
+def _llm(base, **kwargs) -> LLM:
+    """The tests' engine: float32 on CPU, 4-token KV blocks, adapters up to rank 32; `kwargs` override."""
+    return LLM(
+        str(base), **({"device": "cpu", "dtype": "float32", "block_size": 4, "max_lora_rank": 32} | kwargs)
+    )
+
+
 def _workload(dirs, seed: int, n: int):
     """n requests: prompts of mixed lengths, each with a random adapter or none."""
     rng = random.Random(seed)
@@ -66,15 +73,7 @@ def _run_and_check(llm: LLM, dirs, oracle, reqs, oracle_dirs=None):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_mixed_adapters_match_peft(arch, backend, adapters):
     base, dirs, oracle = adapters[arch]
-    llm = LLM(
-        str(base),
-        device="cpu",
-        dtype="float32",
-        block_size=4,
-        max_loras=3,
-        max_lora_rank=32,
-        lora_backend=backend,
-    )
+    llm = _llm(base, max_loras=3, lora_backend=backend)
     assert llm.engine.lora.backend == backend
     _run_and_check(llm, dirs, oracle, _workload(dirs, seed=1, n=14))
 
@@ -86,7 +85,7 @@ def test_narrow_adapter_pages_under_a_float32_model(lora_dtype, adapters, tmp_pa
     base, dirs, oracle = adapters["llama"]
     dtype = getattr(torch, lora_dtype)
     rounded = {name: _rounded_copy(d, tmp_path / name, dtype) for name, d in dirs.items()}
-    llm = LLM(str(base), device="cpu", dtype="float32", block_size=4, max_lora_rank=32, lora_dtype=lora_dtype)
+    llm = _llm(base, lora_dtype=lora_dtype)
     assert llm.engine.lora.pool.a[0].dtype == dtype
     assert llm.engine.lora.backend == "native"
     _run_and_check(llm, dirs, oracle, _workload(dirs, seed=3, n=10), oracle_dirs=rounded)
@@ -115,15 +114,11 @@ def test_lora_backend_and_dtype_choices_are_checked(adapters):
 
 def test_mixed_adapters_under_chunking_preemption_and_small_pool(adapters):
     base, dirs, oracle = adapters["llama"]
-    llm = LLM(
-        str(base),
-        device="cpu",
-        dtype="float32",
-        block_size=4,
+    llm = _llm(
+        base,
         num_kv_blocks=24,
         max_num_batched_tokens=9,
         max_loras=2,
-        max_lora_rank=32,
         lora_pool_pages=3,  # one rank-32 adapter needs 2 pages per module: forces pool evictions
     )
     _run_and_check(llm, dirs, oracle, _workload(dirs, seed=2, n=12))
@@ -134,7 +129,7 @@ def test_mixed_adapters_under_chunking_preemption_and_small_pool(adapters):
 
 def test_repointed_name_serves_new_weights(adapters, tmp_path):
     base, dirs, oracle = adapters["llama"]
-    llm = LLM(str(base), device="cpu", dtype="float32", block_size=4, max_lora_rank=32)
+    llm = _llm(base)
     target = tmp_path / "support-bot"
     shutil.copytree(dirs["all7-r4"], target)
     prompt = list(range(3, 23))  # 5 full blocks: prefix caching would reuse them if keys collided
@@ -151,7 +146,7 @@ def test_repointed_name_serves_new_weights(adapters, tmp_path):
 
 def test_same_prompt_two_adapters_never_share_kv(adapters):
     base, dirs, oracle = adapters["llama"]
-    llm = LLM(str(base), device="cpu", dtype="float32", block_size=4, max_lora_rank=32)
+    llm = _llm(base)
     prompt = list(range(10, 34))
     params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
     names = ["all7-r4", "qv-r8-rslora", None]
