@@ -35,7 +35,7 @@ from engine.lora.adapter_checkpoint import (
 from engine.lora.backend import select_lora_backend
 from engine.lora.cpu_cache import CpuAdapterCache
 from engine.lora.pool import AdapterPool, ResidentAdapter
-from engine.lora.step_context import TorchLoRAContext, TritonLoRAContext, token_segments
+from engine.lora.step_context import CpuLoRAContext, TritonLoRAContext, token_segments
 from engine.lora_request import LoRARequest
 from engine.scheduler.output import ScheduledRequest
 
@@ -264,7 +264,7 @@ class LoRAManager:
         counts = [it.num_tokens for it in items]
         if self.backend != "triton":
             native = self.backend == "native"
-            return TorchLoRAContext(self.pool, token_segments(counts, adapters), native=native)
+            return CpuLoRAContext(self.pool, token_segments(counts, adapters), native=native)
         slots = [
             (-1 if a is None else a.slot) for a, n in zip(adapters, counts, strict=True) for _ in range(n)
         ]

@@ -6,7 +6,7 @@ every slice s of a packed projection::
 
     y[t, slice s] += scaling[layer, s, slot(t)] * (x[t] @ A_{slot(t), s, layer}.T) @ B_{slot(t), s, layer}.T
 
-- `TorchLoRAContext` (CPU), plans built once per batch composition and shared by all layers
+- `CpuLoRAContext` (CPU), plans built once per batch composition and shared by all layers
   (`cpu_plans.py`); no padding to the largest rank. With the native backend, one call of the compiled
   BGMV kernel per slice applies every run (decode tokens and prefill chunks), reading each (run, page)
   pair's pages in place (`kernels/lora_bgmv_cpu.py`). With the torch backend, rows of short runs
@@ -29,7 +29,7 @@ import torch
 from engine.lora.cpu_plans import GatherPlan, NativePlan, Segment, cached_plan, gather_plan, native_plan
 from engine.lora.pool import MODULE_INDEX, AdapterPool, ResidentAdapter
 
-__all__ = ["Segment", "TorchLoRAContext", "TritonLoRAContext", "token_segments"]
+__all__ = ["CpuLoRAContext", "Segment", "TritonLoRAContext", "token_segments"]
 
 
 def token_segments(token_counts: Sequence[int], adapters: Sequence[ResidentAdapter | None]) -> list[Segment]:
@@ -46,12 +46,12 @@ def token_segments(token_counts: Sequence[int], adapters: Sequence[ResidentAdapt
     return segs
 
 
-# Runs shorter than this many rows (decode tokens) are applied row by row (gathered / native kernel);
+# Torch backend: runs shorter than this many rows (decode tokens) are applied row by row (gathered);
 # longer runs (prefill chunks, many decodes on one adapter) multiply the shared pages as GEMMs.
 GATHER_MAX_ROWS = 4
 
 
-class TorchLoRAContext:
+class CpuLoRAContext:
     """The CPU LoRA path (see the module docstring); per-step index tensors are built once here.
 
     With `native`, every run goes through the compiled BGMV kernel (`kernels.lora_bgmv_cpu`), which
@@ -107,6 +107,7 @@ class TorchLoRAContext:
         calls = self.native.calls[layer]
         if x.stride(-1) != 1:
             x = x.contiguous()
+        assert y.stride(-1) == 1 and y.dtype == x.dtype == torch.float32, "native LoRA: float32, unit stride"
         off = 0
         for m in mods:
             call = calls[m]

@@ -10,7 +10,7 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import ModelConfig
 from engine.lora.adapter_checkpoint import PROJECTIONS, AdapterCheckpoint, LoRAModuleWeights, module_features
 from engine.lora.pool import AdapterPool
-from engine.lora.step_context import TorchLoRAContext, token_segments
+from engine.lora.step_context import CpuLoRAContext, token_segments
 from kernels.lora_meta import build_lora_batch_meta
 from kernels.reference import (
     lora_expand_ref,
@@ -56,7 +56,7 @@ LAYOUTS = {
 )
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("group", [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("down_proj",)])
-def test_torch_lora_context_matches_reference(group, native, pool_dtype, layout):
+def test_cpu_lora_context_matches_reference(group, native, pool_dtype, layout):
     """Both CPU paths (torch gather + bmm, native kernel), float32 activations over pages of any dtype."""
     gen = torch.Generator().manual_seed(0)
     pool = AdapterPool(CFG, num_pages=12, page_rank=4, max_lora_rank=12, dtype=pool_dtype, device="cpu")
@@ -72,7 +72,7 @@ def test_torch_lora_context_matches_reference(group, native, pool_dtype, layout)
     y0 = torch.randn(x.shape[0], width, generator=gen)
     layer = 1
     y = y0.clone()
-    ctx = TorchLoRAContext(pool, token_segments(counts, adapters), native=native)
+    ctx = CpuLoRAContext(pool, token_segments(counts, adapters), native=native)
     if native:  # every run through the kernel
         assert ctx.native is not None and not ctx.segments and ctx.gather is None
     else:  # long runs as GEMMs, short ones row by row

@@ -87,6 +87,28 @@ def test_matches_reference(token_slots: list[int], page_rank: int, runs: bool, d
     assert not torch.isnan(y).any()  # NaN rows of pages beyond each rank, and NaN x rows, never read
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("runs", [False, True], ids=["rows", "runs"])
+def test_odd_sizes_take_the_scalar_tails(dtype: torch.dtype, runs: bool) -> None:
+    """In/out features and ranks that are not multiples of 8 (the vector loops' scalar remainders)."""
+    if dtype not in supported_dtypes():
+        pytest.skip(f"the C compiler here has no {dtype}")
+    h_outs = [13, 9]
+    case = make_case([[5, 16, 11], [3, 0, 20]], [0, 0, 0, 1, -1, 2, 2], 37, h_outs, 8, dtype)
+    x = case.x.float()
+    y0 = torch.randn(x.shape[0], sum(h_outs), generator=torch.Generator().manual_seed(5))
+    y = y0.clone()
+    for s, off in ((0, 0), (1, h_outs[0])):
+        a, b = case.a_pools[s].contiguous(), case.b_pools[s].contiguous()
+        lora_bgmv_cpu(x, y[:, off : off + h_outs[s]], a, b, *_pairs(case, s, 8, runs))
+    v = torch.empty(2, x.shape[0], case.max_rank)
+    lora_shrink_ref(x, case.a_pools, case.page_table, case.ranks, case.meta, v)
+    ref = y0.clone()
+    lora_expand_ref(v, case.b_pools, case.page_table, case.ranks, case.scalings, case.meta, ref)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(y[4], y0[4])
+
+
 def test_wide_features_use_vector_paths() -> None:
     """Feature sizes that are multiples of 8 (the vectorized shrink and eight-outputs-at-once expand)."""
     case = make_case([[16, 32, 8]], [0, 1, 2, -1, 1], 64, [96], 16, torch.float32)
