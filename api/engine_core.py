@@ -56,6 +56,8 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, stats_int
                     vocab_size=engine.model_config.vocab_size,
                     device=str(engine.device),
                     dtype=str(engine.dtype).removeprefix("torch."),
+                    lora_backend=engine.lora.backend if engine.lora else "",
+                    lora_dtype=str(engine.lora.pool.dtype).removeprefix("torch.") if engine.lora else "",
                 )
             )
         )

@@ -54,6 +54,8 @@ class Ready(msgspec.Struct, tag="ready"):
     vocab_size: int
     device: str
     dtype: str
+    lora_backend: str = ""  # how LoRA is applied: "native", "torch", "triton" ("" when LoRA is off)
+    lora_dtype: str = ""  # the adapter pool's dtype
 
 
 class RequestDelta(msgspec.Struct, tag="delta"):

@@ -206,3 +206,10 @@ def test_dashboard_json_reports_engine_and_pool(admin):
     assert data["engine"]["kv_blocks_total"] > 0 and data["lora"]["pages_total"] > 0
     assert data["chart_svg"].startswith("<svg")
     assert set(data["tier_counts"]) == {"device", "loading", "cpu", "disk"}
+
+
+def test_dashboard_names_the_lora_path(admin):
+    """The base-model card says how LoRA is applied (on CPU: the native kernel over float32 pages)."""
+    client, _ = admin
+    html = client.get("/admin").text
+    assert "LoRA path</dt><dd>native · float32 pages</dd>" in html
