@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -68,19 +69,27 @@ def test_sigterm_finishes_in_flight_request_and_exits(text_model, tmp_path):
     url = f"http://127.0.0.1:{port}"
     try:
         assert wait_until(lambda: _healthy(url), timeout=180), "server did not start"
-        result: dict = {}
-        body = {"prompt": "bye", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
-
-        def request() -> None:
-            result["resp"] = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-
-        t = threading.Thread(target=request)
-        t.start()
-        assert wait_until(lambda: _running(url) > 0, timeout=30)
-        proc.send_signal(signal.SIGTERM)
-        t.join(timeout=120)
-        assert result["resp"].status_code == 200
-        assert len(result["resp"].json()["choices"][0]["token_ids"]) == 200
+        body = {
+            "prompt": "bye",
+            "max_tokens": 200,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        chunks = []
+        # Streaming: once the first chunk is here the request is in flight for sure (a poll of the
+        # running-requests gauge could miss a request the tiny model finishes in a fraction of a second).
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunks.append(json.loads(line.removeprefix("data: ")))
+                if len(chunks) == 1:
+                    proc.send_signal(signal.SIGTERM)
+        assert chunks[-1]["usage"]["completion_tokens"] == 200  # finished after the signal
+        assert chunks[-2]["choices"][0]["finish_reason"] == "length"
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
@@ -95,10 +104,3 @@ def _healthy(url: str) -> bool:
         return httpx.get(f"{url}/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def _running(url: str) -> float:
-    """Sequences the engine reports running (from the Prometheus gauge)."""
-    text = httpx.get(f"{url}/metrics", timeout=5).text
-    line = next(x for x in text.splitlines() if x.startswith("loraplex_num_requests_running "))
-    return float(line.split()[1])
