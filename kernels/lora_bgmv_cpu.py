@@ -53,18 +53,15 @@ def lora_bgmv_cpu(
     row_counts: Tensor,  # [K] int32: rows in that run
     scale: Tensor,  # [K] float32
     num_threads: int = 1,
-    checked: bool = True,
 ) -> None:
     """For each pair k, r = page_ranks[k], and each row t of its run:
     ``y[t] += scale[k] * (A_k[:r] @ x[t]) @ B_k[:, :r].T``.
 
     Checks are on shapes, dtypes and layout only; page and row indices are trusted (the engine's plan
-    builds them from the pool's page tables). `checked=False` skips even those, for a caller that
-    built the arguments itself (the engine, on every layer of every step).
+    builds them from the pool's page tables). The engine calls `PreparedBGMV`, checked once per plan.
     """
     kernels = _kernels()
-    if checked:
-        _check(kernels, x, y, a_pages, b_pages, page_rows, page_ranks, row_starts, row_counts, scale)
+    _check(kernels, x, y, a_pages, b_pages, page_rows, page_ranks, row_starts, row_counts, scale)
     pr, fin, fout = a_pages.shape[1], a_pages.shape[2], b_pages.shape[1]
     rc = kernels[a_pages.dtype](
         x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), a_pages.data_ptr(), b_pages.data_ptr(),

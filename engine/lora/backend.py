@@ -1,9 +1,10 @@
 """Which code applies LoRA in the engine's steps: `select_lora_backend`.
 
 - ``triton`` (CUDA): SGMV shrink/expand kernels over the page tables (`kernels/lora_shrink.py`, ...).
-- ``native`` (CPU): decode rows by the compiled BGMV kernel (`kernels/lora_bgmv_cpu.py`), which reads
-  the pool's pages in place; prefill chunks by torch GEMMs.
-- ``torch`` (CPU): everything in torch (decode rows gathered, then `bmm`); needs no C compiler.
+- ``native`` (CPU): every run (decode tokens, prefill chunks) by the compiled BGMV kernel
+  (`kernels/lora_bgmv_cpu.py`), which reads the pool's pages in place.
+- ``torch`` (CPU): everything in torch (decode rows gathered, then `bmm`; prefill chunks as GEMMs);
+  needs no C compiler.
 
 ``auto`` picks triton on CUDA, and on CPU native when the kernel builds here and fits the dtypes
 (float32 activations), torch otherwise.
