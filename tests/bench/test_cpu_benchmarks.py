@@ -31,19 +31,14 @@ def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("bench")
 
 
+def _tiny_offline(workdir, **kwargs):
+    """Benchmark 1 on the tiny model, one repeat; `kwargs` override the sizes and options."""
+    sizes = {"adapters": 3, "requests": 4, "rank": 8, "prompt_len": 8, "new_tokens": 4}
+    return run_offline(**(sizes | kwargs), repeats=1, gemm_repeats=1, spec=TINY, workdir=workdir, quiet=True)
+
+
 def test_offline_tiny(workdir, tmp_path):
-    r = run_offline(
-        adapters=3,
-        requests=4,
-        rank=8,
-        prompt_len=8,
-        new_tokens=4,
-        repeats=1,
-        gemm_repeats=1,
-        spec=TINY,
-        workdir=workdir,
-        quiet=True,
-    )
+    r = _tiny_offline(workdir)
     assert r.mixed.output_tokens == r.base.output_tokens == 4 * 4
     assert r.mixed.decode_steps == r.base.decode_steps == 3 and r.base.decode_batches == [4, 4, 4]
     assert r.hf_token_match == 1.0  # same greedy tokens as HF PEFT on the same mixed batch
@@ -57,19 +52,8 @@ def test_offline_tiny(workdir, tmp_path):
 @pytest.mark.parametrize(("backend", "lora_dtype"), [("torch", "auto"), ("native", "float16")])
 def test_offline_lora_options(workdir, backend, lora_dtype):
     """`--lora-backend` / `--lora-dtype` reach the engine and are named in the result."""
-    r = run_offline(
-        adapters=2,
-        requests=2,
-        rank=8,
-        prompt_len=8,
-        new_tokens=3,
-        repeats=1,
-        gemm_repeats=1,
-        hf=False,
-        spec=TINY,
-        workdir=workdir,
-        quiet=True,
-        lora=LoRAOptions(backend, lora_dtype),
+    r = _tiny_offline(
+        workdir, adapters=2, requests=2, new_tokens=3, hf=False, lora=LoRAOptions(backend, lora_dtype)
     )
     assert r.lora_backend == backend
     assert r.lora_dtype == ("float32" if lora_dtype == "auto" else lora_dtype)
@@ -94,6 +78,7 @@ def test_scaling_tiny(workdir, tmp_path):
         spec=TINY,
         workdir=workdir,
         quiet=True,
+        repeats=2,
     )
     assert [p.adapters for p in r.points] == [1, 4, 12]
     assert [p.requests for p in r.points] == [4, 4, 12]
