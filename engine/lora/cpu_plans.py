@@ -124,11 +124,12 @@ def gather_plan(pool: AdapterPool, segments: list[Segment]) -> GatherPlan:
     )
 
 
-def native_plan(pool: AdapterPool, segments: list[Segment]) -> NativePlan:
-    """The `NativePlan` for `segments`: [layer][module] prepared kernel calls over the pool's pages."""
+def native_plan(pool: AdapterPool, segments: list[Segment], threads: int = 1) -> NativePlan:
+    """The `NativePlan` for `segments`: [layer][module] prepared kernel calls over the pool's pages, each
+    on `threads` OpenMP threads."""
     from kernels.lora_bgmv_cpu import PreparedBGMV
 
-    dev, pr, threads = pool.device, pool.page_rank, torch.get_num_threads()
+    dev, pr = pool.device, pool.page_rank
     starts = torch.tensor([seg.start for seg in segments], dtype=torch.int64, device=dev)
     counts = torch.tensor([seg.end - seg.start for seg in segments], dtype=torch.int32, device=dev)
     adapters = [seg.adapter for seg in segments]

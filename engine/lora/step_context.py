@@ -64,7 +64,8 @@ class CpuLoRAContext:
         self.gather: GatherPlan | None = None
         self.segments: list[Segment] = []  # long runs for `_apply_segments`
         if native:
-            self.native = cached_plan(pool, "cpu_native", segments, native_plan)
+            threads = torch.get_num_threads()  # part of the cache key: a plan's calls fix their threads
+            self.native = cached_plan(pool, "cpu_native", segments, native_plan, threads)
             return
         self.segments = [s for s in segments if s.end - s.start >= GATHER_MAX_ROWS]
         short = [s for s in segments if s.end - s.start < GATHER_MAX_ROWS]

@@ -10,6 +10,7 @@ import pytest
 
 from bench import history
 from bench.cold_load import run_cold_load
+from bench.kernels_cpu import run_kernels_cpu
 from bench.offline import run_offline
 from bench.plots import plot_cold_load, plot_offline, plot_scaling
 from bench.scaling import run_scaling
@@ -107,3 +108,19 @@ def test_cold_load_tiny(workdir, tmp_path):
         assert run.window_steps >= 1 and run.ttft_s > 0 and run.baseline_step_s > 0
     assert math.isfinite(r.load_cost_steps)
     plot_cold_load(r, tmp_path / "cold.png")
+
+
+def test_kernels_cpu_tiny():
+    """Every CPU LoRA path on a tiny shape: same outputs as the float32 torch path, sane timings."""
+    r = run_kernels_cpu(adapters=3, rows=5, threads=(1, 2), repeats=1, spec=TINY)
+    assert len(r.timings) == 2 * 4 * 2  # steps x paths x thread counts
+    for t in r.timings:
+        assert t.ms > 0
+        tol = 1e-5 if t.dtype == "float32" else 5e-3  # half pages hold rounded weights
+        assert t.max_abs_diff <= tol, t
+    decode = [t for t in r.timings if t.step == "decode"]
+    assert all(t.page_bytes > 0 and t.gb_per_s > 0 for t in decode)
+    native = {t.dtype: t for t in decode if t.path == "native"}
+    f32, f16 = native["float32"], native["float16"]
+    assert f16.page_bytes * 2 == f32.page_bytes
+    assert all(g > 0 for g in r.read_gb_per_s.values()) and "torch.sum" in r.markdown()
