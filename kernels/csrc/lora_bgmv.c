@@ -101,6 +101,15 @@ static int64_t split_at_run(const int64_t *row_starts, int64_t num_pairs, int t,
 
 /* One kernel per weight type W, with LOAD(p) (8 lanes) and SCALAR(p) reading W. */
 #define DEFINE_BGMV(NAME, W, LOAD, SCALAR)                                                                    \
+    /* dot(w[0:n], x[0:n]): eight lanes, then their sum, then the remainder in order. */                     \
+    static inline float NAME##_dot(const W *w, const float *x, int64_t n) {                                  \
+        int64_t n8 = n & ~(int64_t)7;                                                                         \
+        v8f s = {0};                                                                                          \
+        for (int64_t i = 0; i < n8; i += 8) s += LOAD(w + i) * load_f32(x + i);                              \
+        float r = hsum8(s);                                                                                   \
+        for (int64_t i = n8; i < n; i++) r += SCALAR(w + i) * x[i];                                           \
+        return r;                                                                                             \
+    }                                                                                                         \
     /* out[j] = dot(a[j, 0:n], x) for j in [0, rows); rows of a are n elements apart. */                      \
     static void NAME##_shrink(const W *a, const W *pa, const float *x, int64_t rows, int64_t n, float *out) { \
         int64_t n8 = n & ~(int64_t)7, j = 0; /* n: the slice's input features */                            \
@@ -129,14 +138,7 @@ static int64_t split_at_run(const int64_t *row_starts, int64_t num_pairs, int t,
             }                                                                                                 \
             out[j] = r0, out[j + 1] = r1, out[j + 2] = r2, out[j + 3] = r3;                                   \
         }                                                                                                     \
-        for (; j < rows; j++) {                                                                               \
-            const W *aj = a + j * n;                                                                          \
-            v8f s = {0};                                                                                      \
-            for (int64_t i = 0; i < n8; i += 8) s += LOAD(aj + i) * load_f32(x + i);                          \
-            float r = hsum8(s);                                                                               \
-            for (int64_t i = n8; i < n; i++) r += SCALAR(aj + i) * x[i];                                      \
-            out[j] = r;                                                                                       \
-        }                                                                                                     \
+        for (; j < rows; j++) out[j] = NAME##_dot(a + j * n, x, n);                                           \
     }                                                                                                         \
     /* y[o] += dot(b[o, 0:n], v) for o in [0, fout); rows of b are pr elements apart. */                      \
     static void NAME##_expand(const W *b, const W *pb, const float *v, int64_t fout, int64_t pr, int64_t n,  \
@@ -155,14 +157,7 @@ static int64_t split_at_run(const int64_t *row_starts, int64_t num_pairs, int t,
                 memcpy(y + o, &acc, sizeof acc);                                                              \
             }                                                                                                 \
         }                                                                                                     \
-        for (; o < fout; o++) {                                                                               \
-            const W *bo = b + o * pr;                                                                         \
-            v8f s = {0};                                                                                      \
-            for (int64_t j = 0; j < n8; j += 8) s += LOAD(bo + j) * load_f32(v + j);                          \
-            float r = hsum8(s);                                                                               \
-            for (int64_t j = n8; j < n; j++) r += SCALAR(bo + j) * v[j];                                      \
-            y[o] += r;                                                                                        \
-        }                                                                                                     \
+        for (; o < fout; o++) y[o] += NAME##_dot(b + o * pr, v, n);                                           \
     }                                                                                                         \
     /* Two rows at once (x0, x1 -> out0, out1): each page element loaded once for both. */                  \
     static void NAME##_shrink2(const W *a, const float *x0, const float *x1, int64_t rows, int64_t n,       \
