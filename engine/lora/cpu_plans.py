@@ -34,14 +34,15 @@ class Segment:
 
 @dataclass(slots=True)
 class ModulePairs:
-    """The (row, page) pairs of one module (a row whose adapter does not target the module has none)."""
+    """The (entry, page) pairs of one module (an entry whose adapter does not target it has none).
+
+    `entry_index[k]` is the entry (row or run) of pair k; None when there is one pair per entry, in order.
+    """
 
     page_rows: torch.Tensor  # [L, K] int64: row `page * L + layer` of `pool.a[m].view(-1, pr, in)`
     page_ranks: torch.Tensor  # [L, K] int32: rank rows of the pair's page at that layer (0: not adapted)
     scale: torch.Tensor  # [L, K] float32: scaling[layer, m, slot] (0 where the layer is not adapted)
-    row_index: (
-        torch.Tensor | None
-    )  # [K] int64: the entry (row or run) of each pair; None if one each, in order
+    entry_index: torch.Tensor | None  # [K] int64
 
 
 @dataclass(slots=True)
@@ -80,20 +81,20 @@ def _module_pairs(pool: AdapterPool, adapters: list[ResidentAdapter], m: int) ->
     pairs = [(t, j, page) for t, ad in enumerate(adapters) for j, page in enumerate(ad.pages[m])]
     if not pairs:
         return None
-    row = torch.tensor([t for t, _, _ in pairs], dtype=torch.int64, device=dev)
+    entry = torch.tensor([t for t, _, _ in pairs], dtype=torch.int64, device=dev)
     pages = torch.tensor([p for _, _, p in pairs], dtype=torch.int64, device=dev)
     page_ranks = [
         [min(pr, max(0, adapters[t].layer_ranks[layer][m] - j * pr)) for t, j, _ in pairs]
         for layer in range(layers)
     ]
     slots = torch.tensor([ad.slot for ad in adapters], dtype=torch.int64, device=dev)
-    scale = pool.scalings[:, m].index_select(1, slots).index_select(1, row)  # [L, K]
+    scale = pool.scalings[:, m].index_select(1, slots).index_select(1, entry)  # [L, K]
     one_each = [t for t, _, _ in pairs] == list(range(len(adapters)))
     return ModulePairs(
         page_rows=pages[None, :] * layers + torch.arange(layers, dtype=torch.int64, device=dev)[:, None],
         page_ranks=torch.tensor(page_ranks, dtype=torch.int32, device=dev),
         scale=scale.contiguous(),
-        row_index=None if one_each else row,
+        entry_index=None if one_each else entry,
     )
 
 
@@ -106,7 +107,7 @@ def gather_plan(pool: AdapterPool, segments: list[Segment]) -> GatherPlan:
     row_t = torch.tensor(rows, dtype=torch.int64, device=dev)
     modules = [_module_pairs(pool, adapters, m) for m in range(len(pool.a))]
     pair_rows = [
-        None if mp is None else (row_t if mp.row_index is None else row_t[mp.row_index]) for mp in modules
+        None if mp is None else (row_t if mp.entry_index is None else row_t[mp.entry_index]) for mp in modules
     ]
     a_size = b_size = 0
     for m, mp in enumerate(modules):
@@ -118,7 +119,7 @@ def gather_plan(pool: AdapterPool, segments: list[Segment]) -> GatherPlan:
         rows=slice(rows[0], rows[0] + n) if contiguous else row_t,
         modules=modules,
         pair_rows=pair_rows,
-        slice_add=[mp is not None and mp.row_index is None and contiguous for mp in modules],
+        slice_add=[mp is not None and mp.entry_index is None and contiguous for mp in modules],
         a_ws=torch.empty(a_size, dtype=pool.dtype, device=dev),
         b_ws=torch.empty(b_size, dtype=pool.dtype, device=dev),
     )
@@ -137,8 +138,8 @@ def native_plan(pool: AdapterPool, segments: list[Segment], threads: int = 1) ->
     for m in range(len(pool.a)):
         mp = _module_pairs(pool, adapters, m)
         if mp is not None:
-            run_starts = starts if mp.row_index is None else starts[mp.row_index]
-            run_counts = counts if mp.row_index is None else counts[mp.row_index]
+            run_starts = starts if mp.entry_index is None else starts[mp.entry_index]
+            run_counts = counts if mp.entry_index is None else counts[mp.entry_index]
             a = pool.a[m].view(-1, pr, pool.a[m].shape[3])
             b = pool.b[m].view(-1, pool.b[m].shape[2], pr)
         for layer, row in enumerate(calls):

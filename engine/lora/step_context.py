@@ -135,7 +135,7 @@ class CpuLoRAContext:
                 k, fin = idx.shape[0], a.shape[3]
                 a_g = g.a_ws[: k * pr * fin].view(k, pr, fin)
                 torch.index_select(a.view(-1, pr, fin), 0, idx, out=a_g)
-                xk = xg if mp.row_index is None else xg.index_select(0, mp.row_index)
+                xk = xg if mp.entry_index is None else xg.index_select(0, mp.entry_index)
                 v = torch.bmm(xk, a_g.to(x.dtype).transpose(1, 2)).mul_(mp.scale[layer].view(k, 1, 1))
                 b_g = g.b_ws[: k * width * pr].view(k, width, pr)
                 torch.index_select(b.view(-1, width, pr), 0, idx, out=b_g)
