@@ -43,7 +43,7 @@ class EngineConfig:
 
         for name in ("dtype", "lora_dtype"):
             value = getattr(self, name)
-            if value != "auto" and value not in dtype_names():
+            if not isinstance(value, torch.dtype) and value != "auto" and value not in dtype_names():
                 raise ValueError(f"{name} {value!r} is not supported; use auto, {', '.join(dtype_names())}")
         if self.lora_backend not in BACKENDS:
             raise ValueError(f"lora backend must be one of {', '.join(BACKENDS)}; got {self.lora_backend!r}")
