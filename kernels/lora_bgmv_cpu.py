@@ -73,42 +73,58 @@ def lora_bgmv_cpu(
 
 
 class PreparedBGMV:
-    """`lora_bgmv_cpu` with everything but x and y fixed (pages, pairs, scales), checked once.
+    """`lora_bgmv_cpu` for one slice at every layer, with everything but x and y fixed, checked once.
 
-    For a caller that applies the same pairs many times (the engine: every layer of every step while the
-    batch composition holds): a call then costs one foreign-function call, no tensor work. It keeps
-    references to its tensors, so the pointers it holds stay valid.
+    The pairs' runs are the same at every layer; their pages, page ranks and scales are given per layer
+    (`[L, K]`, row l for layer l). For a caller that applies the same pairs many times (the engine:
+    every layer of every step while the batch composition holds): a call is then one foreign-function
+    call, no tensor work. It keeps references to its tensors, so the pointers it holds stay valid.
     """
 
     def __init__(
         self,
-        a_pages: Tensor,
-        b_pages: Tensor,
-        page_rows: Tensor,
-        page_ranks: Tensor,
-        row_starts: Tensor,
-        row_counts: Tensor,
-        scale: Tensor,
+        a_pages: Tensor,  # [P, page_rank, fin] contiguous
+        b_pages: Tensor,  # [P, fout, page_rank] contiguous
+        page_rows: Tensor,  # [L, K] int64, contiguous
+        page_ranks: Tensor,  # [L, K] int32, contiguous
+        row_starts: Tensor,  # [K] int64
+        row_counts: Tensor,  # [K] int32
+        scale: Tensor,  # [L, K] float32, contiguous
         num_threads: int = 1,
     ) -> None:
         kernels = _kernels()
         pr, fin, fout = a_pages.shape[1], a_pages.shape[2], b_pages.shape[1]
+        for name, t in (("page_rows", page_rows), ("page_ranks", page_ranks), ("scale", scale)):
+            if t.dim() != 2 or t.shape != page_rows.shape or not t.is_contiguous():
+                raise ValueError(f"{_OP}: {name} must be contiguous [layers, pairs] like page_rows")
         x, y = torch.empty(1, fin), torch.empty(1, fout)  # shape probes for the checks
-        pairs = (page_rows, page_ranks, row_starts, row_counts, scale)
-        _check(kernels, x, y, a_pages, b_pages, *pairs)
-        self._keep = (a_pages, b_pages, *pairs)
+        _check(kernels, x, y, a_pages, b_pages, page_rows[0], page_ranks[0], row_starts, row_counts, scale[0])
+        self._keep = (a_pages, b_pages, page_rows, page_ranks, row_starts, row_counts, scale)
         self._fn = kernels[a_pages.dtype]
         self.fin, self.fout = fin, fout
-        self._args = (
-            a_pages.data_ptr(), b_pages.data_ptr(), page_rows.data_ptr(), page_ranks.data_ptr(),
-            row_starts.data_ptr(), row_counts.data_ptr(), scale.data_ptr(), page_rows.shape[0], pr, fin, fout,
-            num_threads,
-        )  # fmt: skip
+        k = page_rows.shape[1]
+        self._args = [
+            (
+                a_pages.data_ptr(),
+                b_pages.data_ptr(),
+                page_rows[layer].data_ptr(),
+                page_ranks[layer].data_ptr(),
+                row_starts.data_ptr(),
+                row_counts.data_ptr(),
+                scale[layer].data_ptr(),
+                k,
+                pr,
+                fin,
+                fout,
+                num_threads,
+            )
+            for layer in range(page_rows.shape[0])
+        ]
 
-    def __call__(self, x: Tensor, y: Tensor, col: int = 0) -> None:
-        """Add the LoRA of the pairs into ``y[:, col : col + fout]``; x is ``[T, fin]`` float32 with unit
-        column stride, y float32 with unit column stride (not checked: the caller owns both)."""
-        self._fn(x.data_ptr(), x.stride(0), y.data_ptr() + 4 * col, y.stride(0), *self._args)
+    def __call__(self, layer: int, x: Tensor, y: Tensor, col: int = 0) -> None:
+        """Add the LoRA of the pairs at `layer` into ``y[:, col : col + fout]``; x is ``[T, fin]`` float32
+        with unit column stride, y float32 with unit column stride (not checked: the caller owns both)."""
+        self._fn(x.data_ptr(), x.stride(0), y.data_ptr() + 4 * col, y.stride(0), *self._args[layer])
 
 
 def _check(kernels: dict, x: Tensor, y: Tensor, a_pages: Tensor, b_pages: Tensor, *pair_args: Tensor) -> None:

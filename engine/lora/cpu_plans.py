@@ -4,8 +4,8 @@ Rows of the flat batch that share an adapter form a run (`Segment`). Both plans 
 (entry, page) pairs: one per page the entry's adapter holds on that module, ordered by entry, then page,
 so mixed ranks need no padding to the largest rank.
 
-- `NativePlan` (native backend): entries are runs, any length; per layer and module a prepared call of
-  the native kernel (`kernels.lora_bgmv_cpu.PreparedBGMV`).
+- `NativePlan` (native backend): entries are runs, any length; per module a prepared call of the
+  native kernel for every layer (`kernels.lora_bgmv_cpu.PreparedBGMV`).
 - `GatherPlan` (torch backend): entries are the rows of short runs (decode tokens), each on its own,
   with workspaces the pages are gathered into.
 
@@ -61,7 +61,7 @@ class GatherPlan:
 class NativePlan:
     """All runs, through the native kernel (see the module docstring)."""
 
-    calls: list[list]  # [layer][module]: PreparedBGMV, or None where no run's adapter targets the module
+    calls: list  # per module: PreparedBGMV over all layers, or None where no run's adapter targets it
 
 
 def cached_plan(pool: AdapterPool, kind: str, segments: list[Segment], build: Callable, *args):
@@ -82,17 +82,16 @@ def _module_pairs(pool: AdapterPool, adapters: list[ResidentAdapter], m: int) ->
     if not pairs:
         return None
     entry = torch.tensor([t for t, _, _ in pairs], dtype=torch.int64, device=dev)
+    page_index = torch.tensor([j for _, j, _ in pairs], dtype=torch.int32, device=dev)
     pages = torch.tensor([p for _, _, p in pairs], dtype=torch.int64, device=dev)
-    page_ranks = [
-        [min(pr, max(0, adapters[t].layer_ranks[layer][m] - j * pr)) for t, j, _ in pairs]
-        for layer in range(layers)
-    ]
-    slots = torch.tensor([ad.slot for ad in adapters], dtype=torch.int64, device=dev)
-    scale = pool.scalings[:, m].index_select(1, slots).index_select(1, entry)  # [L, K]
+    slots = torch.tensor([ad.slot for ad in adapters], dtype=torch.int64, device=dev).index_select(0, entry)
+    ranks = pool.ranks[:, m].index_select(1, slots)  # [L, K] true rank of each pair's adapter per layer
+    page_ranks = (ranks - page_index * pr).clamp_(0, pr)  # rank rows in use of each page
+    scale = pool.scalings[:, m].index_select(1, slots)  # [L, K]
     one_each = [t for t, _, _ in pairs] == list(range(len(adapters)))
     return ModulePairs(
         page_rows=pages[None, :] * layers + torch.arange(layers, dtype=torch.int64, device=dev)[:, None],
-        page_ranks=torch.tensor(page_ranks, dtype=torch.int32, device=dev),
+        page_ranks=page_ranks.to(torch.int32).contiguous(),
         scale=scale.contiguous(),
         entry_index=None if one_each else entry,
     )
@@ -126,26 +125,23 @@ def gather_plan(pool: AdapterPool, segments: list[Segment]) -> GatherPlan:
 
 
 def native_plan(pool: AdapterPool, segments: list[Segment], threads: int = 1) -> NativePlan:
-    """The `NativePlan` for `segments`: [layer][module] prepared kernel calls over the pool's pages, each
-    on `threads` OpenMP threads."""
+    """The `NativePlan` for `segments`: per module, prepared kernel calls over the pool's pages, each on
+    `threads` OpenMP threads."""
     from kernels.lora_bgmv_cpu import PreparedBGMV
 
     dev, pr = pool.device, pool.page_rank
     starts = torch.tensor([seg.start for seg in segments], dtype=torch.int64, device=dev)
     counts = torch.tensor([seg.end - seg.start for seg in segments], dtype=torch.int32, device=dev)
     adapters = [seg.adapter for seg in segments]
-    calls: list[list] = [[] for _ in range(pool.cfg.num_layers)]
+    calls = []
     for m in range(len(pool.a)):
         mp = _module_pairs(pool, adapters, m)
-        if mp is not None:
-            run_starts = starts if mp.entry_index is None else starts[mp.entry_index]
-            run_counts = counts if mp.entry_index is None else counts[mp.entry_index]
-            a = pool.a[m].view(-1, pr, pool.a[m].shape[3])
-            b = pool.b[m].view(-1, pool.b[m].shape[2], pr)
-        for layer, row in enumerate(calls):
-            if mp is None:
-                row.append(None)
-                continue
-            pairs = (mp.page_rows[layer], mp.page_ranks[layer], run_starts, run_counts, mp.scale[layer])
-            row.append(PreparedBGMV(a, b, *pairs, num_threads=threads))
+        if mp is None:
+            calls.append(None)
+            continue
+        idx = mp.entry_index
+        a = pool.a[m].view(-1, pr, pool.a[m].shape[3])
+        b = pool.b[m].view(-1, pool.b[m].shape[2], pr)
+        runs = (starts, counts) if idx is None else (starts[idx], counts[idx])
+        calls.append(PreparedBGMV(a, b, mp.page_rows, mp.page_ranks, *runs, mp.scale, num_threads=threads))
     return NativePlan(calls)

@@ -105,15 +105,14 @@ class CpuLoRAContext:
 
     def _apply_native(self, layer: int, mods: range, x: torch.Tensor, y: torch.Tensor) -> None:
         """All runs through the native kernel: one prepared call per slice, pages read where they lie."""
-        calls = self.native.calls[layer]
         if x.stride(-1) != 1:
             x = x.contiguous()
         assert y.stride(-1) == 1 and y.dtype == x.dtype == torch.float32, "native LoRA: float32, unit stride"
         off = 0
         for m in mods:
-            call = calls[m]
+            call = self.native.calls[m]
             if call is not None:
-                call(x, y, off)
+                call(layer, x, y, off)
             off += self.pool.b[m].shape[2]
 
     def _apply_gathered(self, layer: int, mods: range, x: torch.Tensor, y: torch.Tensor) -> None:

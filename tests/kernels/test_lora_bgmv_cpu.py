@@ -160,7 +160,9 @@ def test_prepared_call_matches_and_writes_only_its_columns() -> None:
     expected = y0.clone()
     lora_bgmv_cpu(x, expected[:, col : col + H_OUTS[s]], a, b, *_pairs(case, s, 8))
     y = y0.clone()
-    PreparedBGMV(a, b, *_pairs(case, s, 8))(x, y, col)
+    rows, ranks, starts, counts, scale = _pairs(case, s, 8)
+    prepared = PreparedBGMV(a, b, rows[None], ranks[None], starts, counts, scale[None])  # one layer
+    prepared(0, x, y, col)
     assert torch.equal(y, expected)
     outside = torch.ones(y.shape[1], dtype=torch.bool)
     outside[col : col + H_OUTS[s]] = False
