@@ -160,9 +160,14 @@ class ModelConfig:
         )
 
 
-def dtype_names() -> tuple[str, ...]:
-    """The dtype names `dtype` and `lora_dtype` accept besides "auto"."""
-    return tuple(_DTYPES)
+def check_dtype_name(what: str, value: str | torch.dtype) -> None:
+    """ValueError unless `value` is a supported torch dtype, "auto" or one of its names; `what` names the
+    setting in the message ("dtype", "lora_dtype")."""
+    if isinstance(value, torch.dtype):
+        if value not in _DTYPES.values():
+            raise ValueError(f"{what} {value} is not supported; use float32, bfloat16 or float16")
+    elif value != "auto" and value not in _DTYPES:
+        raise ValueError(f"{what} {value!r} is not supported; use auto, float32, bfloat16 or float16")
 
 
 def resolve_dtype(dtype: str | torch.dtype, model: ModelConfig, device: torch.device) -> torch.dtype:
@@ -171,34 +176,24 @@ def resolve_dtype(dtype: str | torch.dtype, model: ModelConfig, device: torch.de
     On CPU, float16 "auto" becomes float32 (CPU half matmuls are slow and lossy); an explicit choice is
     honoured.
     """
+    check_dtype_name("dtype", dtype)
     if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
-            raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
         return dtype
     if dtype == "auto":
         chosen = model.checkpoint_dtype
         if device.type == "cpu" and chosen == torch.float16:
             return torch.float32
         return chosen
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported; use auto, float32, bfloat16 or float16")
     return _DTYPES[dtype]
 
 
 def resolve_lora_dtype(lora_dtype: str | torch.dtype, model_dtype: torch.dtype) -> torch.dtype:
     """The adapter pool's dtype: `"auto"` is the model's; adapters may be kept narrower (e.g. float16
     pages under a float32 model, half the memory traffic per decode step) and are widened when applied."""
+    check_dtype_name("lora_dtype", lora_dtype)
     if isinstance(lora_dtype, torch.dtype):
-        if lora_dtype not in _DTYPES.values():
-            raise ValueError(f"lora_dtype {lora_dtype} is not supported; use float32, bfloat16 or float16")
         return lora_dtype
-    if lora_dtype == "auto":
-        return model_dtype
-    if lora_dtype not in _DTYPES:
-        raise ValueError(
-            f"lora_dtype {lora_dtype!r} is not supported; use auto, float32, bfloat16 or float16"
-        )
-    return _DTYPES[lora_dtype]
+    return model_dtype if lora_dtype == "auto" else _DTYPES[lora_dtype]
 
 
 def cdiv(a: int, b: int) -> int:

@@ -37,29 +37,27 @@ class EngineConfig:
     def check_choices(self) -> None:
         """Raise ValueError for a named choice that does not exist (dtypes, backends, device, policy),
         before anything is loaded: a server refuses bad options up front, not in its engine process."""
-        from engine.config import dtype_names
-        from engine.lora.backend import BACKENDS
+        from engine.attention.backend import validate_attention_backend
+        from engine.config import check_dtype_name
+        from engine.lora.backend import validate_lora_backend
         from engine.scheduler.policy import validate_policy
 
-        for name in ("dtype", "lora_dtype"):
-            value = getattr(self, name)
-            if not isinstance(value, torch.dtype) and value != "auto" and value not in dtype_names():
-                raise ValueError(f"{name} {value!r} is not supported; use auto, {', '.join(dtype_names())}")
-        if self.lora_backend not in BACKENDS:
-            raise ValueError(f"lora backend must be one of {', '.join(BACKENDS)}; got {self.lora_backend!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            got = self.attention_backend
-            raise ValueError(f"attention_backend must be auto, torch or triton; got {got!r}")
+        check_dtype_name("dtype", self.dtype)
+        check_dtype_name("lora_dtype", self.lora_dtype)
+        validate_lora_backend(self.lora_backend)
+        validate_attention_backend(self.attention_backend)
+        self._check_device_name()
+        validate_policy(self.scheduling_policy)
+
+    def _check_device_name(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda; got {self.device!r}")
-        validate_policy(self.scheduling_policy)
 
     def resolve_device(self) -> torch.device:
         """`auto` picks CUDA when available, else CPU."""
+        self._check_device_name()
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be auto, cpu or cuda; got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("device='cuda' was requested but CUDA is not available")
         return torch.device(self.device)

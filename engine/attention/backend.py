@@ -57,16 +57,24 @@ class AttentionBackend(ABC):
         ...
 
 
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+def validate_attention_backend(name: str) -> str:
+    """`name` if it is one of ATTENTION_BACKENDS; else ValueError."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be auto, torch or triton; got {name!r}")
+    return name
+
+
 def select_backend(device: torch.device, name: str = "auto") -> AttentionBackend:
     """`auto`: the Triton kernels on CUDA, the torch implementation elsewhere; or force one by name."""
-    if name == "auto":
+    if validate_attention_backend(name) == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "triton":
         from engine.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
-    if name == "torch":
-        from engine.attention.torch_backend import TorchAttentionBackend
+    from engine.attention.torch_backend import TorchAttentionBackend
 
-        return TorchAttentionBackend()
-    raise ValueError(f"attention_backend must be auto, torch or triton; got {name!r}")
+    return TorchAttentionBackend()

@@ -21,13 +21,18 @@ log = logging.getLogger(__name__)
 BACKENDS = ("auto", "torch", "native", "triton")
 
 
+def validate_lora_backend(name: str) -> str:
+    """`name` if it is one of BACKENDS; else ValueError."""
+    if name not in BACKENDS:
+        raise ValueError(f"lora backend must be one of {', '.join(BACKENDS)}; got {name!r}")
+    return name
+
+
 def select_lora_backend(
     name: str, device: torch.device, pool_dtype: torch.dtype, compute_dtype: torch.dtype
 ) -> str:
     """The backend to use for `name` on `device`; raises ValueError when the choice cannot work."""
-    if name not in BACKENDS:
-        raise ValueError(f"lora backend must be one of {', '.join(BACKENDS)}; got {name!r}")
-    if name == "auto":
+    if validate_lora_backend(name) == "auto":
         name = "triton" if device.type == "cuda" else _cpu_default(pool_dtype, compute_dtype)
     if name == "triton" and pool_dtype != compute_dtype:
         raise ValueError(
