@@ -82,17 +82,7 @@ class KernelsCpuResult:
 def _config(spec: ModelSpec):
     from engine.config import ModelConfig
 
-    return ModelConfig.from_dict(
-        {
-            "architectures": ["LlamaForCausalLM"],
-            "hidden_size": spec.hidden_size,
-            "intermediate_size": spec.intermediate_size,
-            "num_hidden_layers": spec.num_layers,
-            "num_attention_heads": spec.num_heads,
-            "num_key_value_heads": spec.num_kv_heads,
-            "vocab_size": spec.vocab_size,
-        }
-    )
+    return ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], **spec.hf_config()})
 
 
 def _pool(cfg, adapters: int, rank: int, dtype: torch.dtype, seed: int = 0):

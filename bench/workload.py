@@ -43,6 +43,18 @@ class ModelSpec:
     num_kv_heads: int = 2
     max_position_embeddings: int = 512
 
+    def hf_config(self) -> dict[str, int]:
+        """The shape as Hugging Face `LlamaConfig` fields."""
+        return {
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "max_position_embeddings": self.max_position_embeddings,
+        }
+
     def projection_dims(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of each of the 7 projections."""
         h, i = self.hidden_size, self.intermediate_size
@@ -63,15 +75,7 @@ def build_base(root: Path, spec: ModelSpec = ModelSpec(), seed: int = 0) -> Path
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        max_position_embeddings=spec.max_position_embeddings,
-    )
+    cfg = LlamaConfig(**spec.hf_config())
     out = root / "base"
     LlamaForCausalLM(cfg).save_pretrained(out)
     return out
