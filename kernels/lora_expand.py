@@ -16,6 +16,7 @@ from kernels._common import (
     check_tensor,
     dot_precision,
     is_interpreted,
+    launch,
     next_pow2,
     pointer_table,
 )
@@ -117,8 +118,7 @@ def expand_config(
     return resolve_config(_OP, problem, default)
 
 
-@torch.library.custom_op("loraplex::lora_expand", mutates_args=("y",))
-def _lora_expand_op(
+def _launch_expand(
     v: Tensor,
     b_pools: list[Tensor],
     page_table: Tensor,
@@ -172,6 +172,9 @@ def _lora_expand_op(
     )
 
 
+_lora_expand_op = torch.library.custom_op("loraplex::lora_expand", _launch_expand, mutates_args=("y",))
+
+
 @_lora_expand_op.register_fake
 def _(v, b_pools, page_table, ranks, scalings, token_idx, slot_ids, counts, starts, max_tokens, y) -> None:
     return None
@@ -217,7 +220,7 @@ def lora_expand(
     for name in ("token_indices_sorted", "slot_ids", "slot_token_counts", "slot_token_starts"):
         check_tensor(_OP, f"meta.{name}", getattr(meta, name), ndim=1, dtypes=(torch.int32,), device=dev)
     check_runnable(_OP, dev, is_interpreted(_lora_expand_kernel))
-    _lora_expand_op(
+    launch(_lora_expand_op, _launch_expand)(
         v,
         list(b_pools),
         page_table,

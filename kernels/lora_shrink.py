@@ -16,6 +16,7 @@ from kernels._common import (
     check_tensor,
     dot_precision,
     is_interpreted,
+    launch,
     next_pow2,
     pointer_table,
 )
@@ -128,8 +129,7 @@ def shrink_config(
     return resolve_config(_OP, problem, default)
 
 
-@torch.library.custom_op("loraplex::lora_shrink", mutates_args=("out",))
-def _lora_shrink_op(
+def _launch_shrink(
     x: Tensor,
     a_pools: list[Tensor],
     page_table: Tensor,
@@ -185,6 +185,9 @@ def _lora_shrink_op(
     )
 
 
+_lora_shrink_op = torch.library.custom_op("loraplex::lora_shrink", _launch_shrink, mutates_args=("out",))
+
+
 @_lora_shrink_op.register_fake
 def _(x, a_pools, page_table, ranks, token_indices_sorted, slot_ids, counts, starts, max_tokens, out) -> None:
     return None
@@ -224,7 +227,7 @@ def lora_shrink(
     for name in ("token_indices_sorted", "slot_ids", "slot_token_counts", "slot_token_starts"):
         check_tensor(_OP, f"meta.{name}", getattr(meta, name), ndim=1, dtypes=(torch.int32,), device=dev)
     check_runnable(_OP, dev, is_interpreted(_lora_shrink_kernel))
-    _lora_shrink_op(
+    launch(_lora_shrink_op, _launch_shrink)(
         x,
         list(a_pools),
         page_table,

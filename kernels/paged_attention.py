@@ -7,7 +7,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels._common import FLOAT_DTYPES, check_runnable, check_shape, check_tensor, is_interpreted, next_pow2
+from kernels._common import (
+    FLOAT_DTYPES,
+    check_runnable,
+    check_shape,
+    check_tensor,
+    is_interpreted,
+    launch,
+    next_pow2,
+)
 from kernels.tuning import resolve_config
 
 _I32 = (torch.int32,)
@@ -107,8 +115,9 @@ def attention_config(max_query_len: int, group: int, head_dim: int, block_size: 
     return resolve_config("paged_attention", problem, default)
 
 
-@torch.library.custom_op("loraplex::write_kv", mutates_args=("k_cache", "v_cache"))
-def _write_kv_op(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+def _launch_write_kv(
+    key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+) -> None:
     num_tokens, num_heads, head_dim = key.shape
     if num_tokens == 0:
         return
@@ -121,13 +130,17 @@ def _write_kv_op(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, s
     )  # fmt: skip
 
 
+_write_kv_op = torch.library.custom_op(
+    "loraplex::write_kv", _launch_write_kv, mutates_args=("k_cache", "v_cache")
+)
+
+
 @_write_kv_op.register_fake
 def _(key, value, k_cache, v_cache, slot_mapping) -> None:
     return None
 
 
-@torch.library.custom_op("loraplex::paged_attention", mutates_args=("out",))
-def _attention_op(
+def _launch_attention(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
@@ -157,6 +170,9 @@ def _attention_op(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DECODE=decode,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
+
+
+_attention_op = torch.library.custom_op("loraplex::paged_attention", _launch_attention, mutates_args=("out",))
 
 
 @_attention_op.register_fake
@@ -223,7 +239,7 @@ def write_kv(
     )
     check_shape(op, "slot_mapping", slot_mapping, (key.shape[0],))
     check_runnable(op, key.device, is_interpreted(_write_kv_kernel))
-    _write_kv_op(key, value, k_cache, v_cache, slot_mapping)
+    launch(_write_kv_op, _launch_write_kv)(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention_decode(
@@ -239,7 +255,9 @@ def paged_attention_decode(
     and all query heads of its group, so every K/V block is read once per KV head."""
     _check_attention("paged_attention_decode", q, k_cache, v_cache, block_tables, seq_lens, q.shape[0])
     out = torch.empty_like(q)
-    _attention_op(q, k_cache, v_cache, block_tables, seq_lens, seq_lens, float(scale), 1, True, out)
+    launch(_attention_op, _launch_attention)(
+        q, k_cache, v_cache, block_tables, seq_lens, seq_lens, float(scale), 1, True, out
+    )
     return out
 
 
@@ -263,7 +281,7 @@ def paged_attention_prefill(
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item()) if num_seqs else 0
     out = torch.empty_like(q)
-    _attention_op(
+    launch(_attention_op, _launch_attention)(
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, float(scale), max_query_len, False, out
     )
     return out
