@@ -27,6 +27,15 @@ import torch
 from bench.workload import ModelSpec, RunTiming, best, build_adapter, make_prompts, timed_run
 
 SIZES = {
+    "tiny": ModelSpec(  # smoke tests of this script on CPU
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        max_position_embeddings=128,
+    ),
     "bench": ModelSpec(),
     # TinyLlama-1.1B's shape: 1.1 B parameters.
     "1b": ModelSpec(
@@ -104,13 +113,15 @@ class ParityResult:
     base_match: float  # the same for the base-model requests (no adapter)
 
 
-def run_parity(workdir: Path, device: str, adapters: int, new_tokens: int) -> ParityResult:
+def run_parity(
+    workdir: Path, device: str, adapters: int, new_tokens: int, size: str = "bench"
+) -> ParityResult:
     """loraplex vs HF + PEFT, both in float32 on `device`, on one mixed batch; base requests included."""
     from bench.hf_peft import load_peft_model
     from engine import LoRARequest, SamplingParams
 
-    spec = SIZES["bench"]
-    root = workdir / "parity"
+    spec = SIZES[size]
+    root = workdir / f"parity-{size}"
     base = build_base_on_device(root, spec, torch.float32)
     dirs = build_adapters(root, spec, adapters, 16)
     prompts = make_prompts(2 * adapters, 32, spec.vocab_size, seed=7)
@@ -269,6 +280,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kv-gib", type=float, default=16.0, help="KV cache budget of the throughput engine")
     ap.add_argument("--parity-adapters", type=int, default=8)
+    ap.add_argument("--parity-size", choices=sorted(SIZES), default="bench")
     ap.add_argument("--skip-parity", action="store_true")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/loraplex-gpu-e2e"))
@@ -285,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, object] = {}
     ok = True
     if not args.skip_parity:
-        parity = run_parity(args.workdir, args.device, args.parity_adapters, new_tokens=24)
+        parity = run_parity(args.workdir, args.device, args.parity_adapters, 24, args.parity_size)
         results["parity"] = asdict(parity)
         print(f"| parity (float32, {args.device}) vs HF + PEFT | requests | greedy tokens equal |")
         print("|---|---|---|")

@@ -124,3 +124,20 @@ def test_kernels_cpu_tiny():
     f32, f16 = native["float32"], native["float16"]
     assert f16.page_bytes * 2 == f32.page_bytes
     assert all(g > 0 for g in r.read_gb_per_s.values()) and "torch.sum" in r.markdown()
+
+
+def test_gpu_e2e_script_on_cpu(tmp_path):
+    """`bench.gpu_e2e` (run by bench/gpu_check.sh on a GPU) works end to end at a tiny size on CPU: the
+    parity part agrees with HF + PEFT, and the throughput part times both runs on the same batch."""
+    from bench import gpu_e2e
+
+    out = tmp_path / "e2e.json"
+    sizes = ["--size", "tiny", "--parity-size", "tiny", "--dtype", "float32", "--requests", "4"]
+    runs = ["--adapters", "2", "--prompt-len", "8", "--new-tokens", "4", "--repeats", "1"]
+    argv = ["--device", "cpu", *sizes, *runs, "--parity-adapters", "2", "--workdir", str(tmp_path)]
+    assert gpu_e2e.main([*argv, "--kv-gib", "0.05", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["parity"]["token_match"] == 1.0 and result["parity"]["base_match"] == 1.0
+    tp = result["throughput"]
+    assert tp["mixed"]["output_tokens"] == tp["base"]["output_tokens"] == 4 * 4
+    assert tp["mixed"]["decode_steps"] == 3 and tp["lora_overhead"] > 0
