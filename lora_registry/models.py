@@ -5,6 +5,8 @@ adapter_versions  immutable: content digest, blobs, rank/alpha/targets, base-mod
 api_keys          hashed keys with scopes ("admin" or "adapter:<name>")
 audit_log         who did which admin action to what, when
 registry_meta     small key/value facts (e.g. the base model the registry was set up with)
+blobs             content-addressed blobs kept in the database (the "database" blob store backend)
+blob_chunks       their bytes, in chunks of at most 8 MiB
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from sqlalchemy import (
     DateTime,
     ForeignKey,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Text,
@@ -148,6 +151,27 @@ class RegistryMeta(Base):
 
     key: Mapped[str] = mapped_column(String(64), primary_key=True)
     value: Mapped[str] = mapped_column(Text)
+
+
+class Blob(Base):
+    """A blob of the database blob store: its sha256 hex digest, size and number of chunks."""
+
+    __tablename__ = "blobs"
+
+    digest: Mapped[str] = mapped_column(String(64), primary_key=True)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    num_chunks: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class BlobChunk(Base):
+    __tablename__ = "blob_chunks"
+
+    digest: Mapped[str] = mapped_column(
+        ForeignKey("blobs.digest", ondelete="CASCADE"), primary_key=True, autoincrement=False
+    )
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 @event.listens_for(AdapterVersion, "before_update")

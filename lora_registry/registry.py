@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import Engine
 
-from lora_registry.blobstore import LocalBlobStore
+from lora_registry.blobstore import BlobStore, LocalBlobStore
 from lora_registry.db import make_engine, make_session_factory
 from lora_registry.errors import RegistryUnavailable, first_line
 from lora_registry.events import EventBus, InProcessBus
@@ -38,6 +38,17 @@ def make_bus(settings: RegistrySettings) -> EventBus:
     return InProcessBus()
 
 
+def make_blob_store(settings: RegistrySettings, sessions) -> BlobStore:
+    """Local files under the data dir (default), or blobs in the registry database (shared by replicas
+    on different machines, cached under the data dir)."""
+    cache = LocalBlobStore(settings.data_dir / "blobs")
+    if settings.blob_store == "database":
+        from lora_registry.db_blobstore import DatabaseBlobStore
+
+        return DatabaseBlobStore(sessions, cache)
+    return cache
+
+
 def open_registry(
     settings: RegistrySettings | None = None, *, bus: EventBus | None = None, auto_upgrade: bool | None = None
 ) -> Registry:
@@ -65,7 +76,7 @@ def open_registry(
         ) from exc
     bus = bus or make_bus(settings)
     sessions = make_session_factory(engine)
-    blobs = LocalBlobStore(settings.data_dir / "blobs")
+    blobs = make_blob_store(settings, sessions)
     return Registry(
         settings, engine, bus, RegistryService(sessions, blobs, bus, settings), KeyService(sessions, bus)
     )

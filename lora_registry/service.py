@@ -17,7 +17,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, selectinload, sessionmaker
 
 from lora_registry import events as ev
-from lora_registry.blobstore import LocalBlobStore
+from lora_registry.blobstore import BlobStore
 from lora_registry.dbsession import transaction
 from lora_registry.errors import Conflict, NotFound, RegistryError
 from lora_registry.events import EventBus, RegistryEvent
@@ -52,7 +52,7 @@ class RegistryService:
     def __init__(
         self,
         sessions: sessionmaker[Session],
-        blobs: LocalBlobStore,
+        blobs: BlobStore,
         bus: EventBus,
         settings: RegistrySettings,
     ) -> None:

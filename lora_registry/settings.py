@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+BLOB_STORES = ("local", "database")
+
 
 @dataclass(slots=True, frozen=True)
 class RegistrySettings:
@@ -21,6 +23,7 @@ class RegistrySettings:
     model_path: Path | None = None
     redis_url: str | None = None
     redis_channel: str = "loraplex:events"
+    blob_store: str = "local"  # "local": files under data_dir/blobs; "database": in the registry database
     max_lora_rank: int = 64
     max_upload_bytes: int = 2 * 1024**3
     max_unpacked_bytes: int = 4 * 1024**3
@@ -34,7 +37,7 @@ class RegistrySettings:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RegistrySettings:
         """Settings from `LORAPLEX_DATA_DIR`, `LORAPLEX_DATABASE_URL`, `LORAPLEX_MODEL`, `LORAPLEX_REDIS_URL`,
-        `LORAPLEX_MAX_LORA_RANK` and `LORAPLEX_MAX_UPLOAD_BYTES`."""
+        `LORAPLEX_MAX_LORA_RANK`, `LORAPLEX_MAX_UPLOAD_BYTES` and `LORAPLEX_BLOB_STORE`."""
         env = os.environ if env is None else env
         data_dir = Path(env.get("LORAPLEX_DATA_DIR") or "./data").expanduser().absolute()
         model = env.get("LORAPLEX_MODEL")
@@ -49,8 +52,14 @@ class RegistrySettings:
                     kwargs[field] = int(env[key])
                 except ValueError as exc:
                     raise ValueError(f"{key}: expected an integer, got {env[key]!r}") from exc
+        blob_store = env.get("LORAPLEX_BLOB_STORE") or "local"
+        if blob_store not in BLOB_STORES:
+            raise ValueError(
+                f"LORAPLEX_BLOB_STORE: expected one of {', '.join(BLOB_STORES)}, got {blob_store!r}"
+            )
         return cls(
             data_dir=data_dir,
+            blob_store=blob_store,
             database_url=env.get("LORAPLEX_DATABASE_URL") or default_database_url(data_dir),
             model_path=Path(model).expanduser().absolute() if model else None,
             redis_url=env.get("LORAPLEX_REDIS_URL") or None,

@@ -17,7 +17,7 @@ from lora_registry.registry import open_registry
 from lora_registry.settings import RegistrySettings
 from tests.lora_registry.pg import postgres_database
 
-TABLES = {"adapters", "adapter_versions", "api_keys", "audit_log", "registry_meta"}
+TABLES = {"adapters", "adapter_versions", "api_keys", "audit_log", "registry_meta", "blobs", "blob_chunks"}
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
