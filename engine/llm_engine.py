@@ -307,4 +307,11 @@ class LLMEngine:
             num_steps=self._steps,
             prompt_tokens_total=self._prompt_tokens,
             generation_tokens_total=self._generation_tokens,
+            running_loras=_adapter_names(self.scheduler.running),
+            waiting_loras=_adapter_names(self.scheduler.waiting),
         )
+
+
+def _adapter_names(requests) -> list[str]:
+    """Distinct adapter names of `requests`, sorted (the base model is left out)."""
+    return sorted({r.lora_request.name for r in requests if r.lora_request is not None})

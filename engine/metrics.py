@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -21,3 +21,5 @@ class EngineStats:
     num_steps: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    running_loras: list[str] = field(default_factory=list)  # adapter names of running requests
+    waiting_loras: list[str] = field(default_factory=list)  # adapter names of waiting requests
