@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,12 +52,13 @@ class AppState:
         return self.client.info
 
 
-def create_app(settings: ServerSettings) -> FastAPI:
-    """The server's ASGI app; nothing starts until the lifespan runs."""
+def create_app(settings: ServerSettings, client_factory: Callable[[Any], Any] | None = None) -> FastAPI:
+    """The server's ASGI app; nothing starts until the lifespan runs. `client_factory(engine_config)`
+    replaces the local engine process (`EngineClient`), e.g. by Ray Serve replicas (`api.cluster`)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state = await _start(settings)
+        state = await _start(settings, client_factory or EngineClient)
         app.state.loraplex = state
         resync = asyncio.create_task(_resync_forever(state.follower, settings.registry_resync_seconds))
         try:
@@ -93,13 +94,13 @@ def _mount_admin_ui(app: FastAPI) -> None:
     mount(app)
 
 
-async def _start(settings: ServerSettings) -> AppState:
+async def _start(settings: ServerSettings, client_factory: Callable[[Any], Any]) -> AppState:
     reg_settings = settings.registry
     assert reg_settings is not None
     registry = await asyncio.to_thread(open_registry, reg_settings)
     admin_auth, _ = ensure_admin_token(reg_settings.data_dir, settings.admin_token)
     tokenizer = await asyncio.to_thread(load_tokenizer, settings.model)
-    client = EngineClient(settings.engine)
+    client = client_factory(settings.engine)
     try:
         await client.start()
     except BaseException:

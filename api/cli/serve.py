@@ -35,6 +35,16 @@ def serve(
         str, typer.Option(help="Adapter pool dtype: auto (= --dtype), float32, float16 or bfloat16.")
     ] = "auto",
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+    replicas: Annotated[
+        int | None,
+        typer.Option(help="Serve with N engine replicas on Ray Serve (adapter-affinity routing).", min=1),
+    ] = None,
+    ray_address: Annotated[
+        str | None, typer.Option(help="With --replicas: join this Ray cluster (default: start a local one).")
+    ] = None,
+    ray_num_cpus: Annotated[
+        int | None, typer.Option(help="With --replicas: CPUs of the local Ray cluster.", min=1)
+    ] = None,
 ) -> None:
     """Start the server: one resident base model, every active adapter of the registry."""
     from api.auth import ensure_admin_token
@@ -78,5 +88,21 @@ def serve(
         err.print(f"  Admin token  [bold yellow]{generated}[/]  (shown once; stored hashed)")
     elif settings.admin_token is None:
         err.print("  Admin token  set earlier (stored hashed); set LORAPLEX_ADMIN_TOKEN to choose one")
-    run(settings, log_level=log_level)
+    if replicas is not None:
+        _serve_replicas(settings, replicas, ray_address, ray_num_cpus)
+    else:
+        run(settings, log_level=log_level)
     err.print("loraplex stopped")
+
+
+def _serve_replicas(settings, replicas: int, ray_address: str | None, num_cpus: int | None) -> None:
+    from api.cluster.ray_api import RayMissing, require_ray
+    from api.cluster.run import ClusterOptions, serve_cluster
+
+    try:
+        require_ray()
+    except RayMissing as exc:
+        fail(str(exc))
+    where = ray_address or "a local Ray cluster"
+    stderr().print(f"  Replicas     {replicas} engine replicas on {where} (Ray Serve, adapter affinity)")
+    serve_cluster(settings, ClusterOptions(replicas, ray_address, num_cpus))

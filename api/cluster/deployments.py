@@ -1,0 +1,102 @@
+"""The Ray Serve application: an ingress deployment and an engine deployment with N replicas.
+
+`build_application(settings, replicas)` returns the bound app for `ray_api.run`. The ingress runs the same
+FastAPI app as `loraplex serve` (`api.app.create_app`), with a `RemoteEngineClient` in place of the local
+engine process. The engine deployment's multiplexed loader keeps up to `pool_capacity(config)` adapters
+per replica (what its device pool holds), and Ray routes each adapter's requests to a replica holding it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from api.cluster import ray_api
+from api.settings import ServerSettings
+from engine.engine_config import EngineConfig
+
+ENGINE_DEPLOYMENT = "EngineReplica"
+INGRESS_DEPLOYMENT = "Ingress"
+
+
+def pool_capacity(config: EngineConfig) -> int:
+    """Adapters of the largest allowed rank that fit in the device pool at once (the multiplexing LRU's
+    size, instead of Ray's default of 3)."""
+    per_adapter = -(-config.max_lora_rank // config.lora_page_rank)
+    pages = config.lora_pool_pages or 2 * config.max_loras * per_adapter
+    return max(1, pages // per_adapter)
+
+
+def engine_deployment(settings: ServerSettings, replicas: int) -> Any:
+    """The engine deployment class (one `EngineReplica` per Serve replica)."""
+    from api.cluster.replica import EngineReplica, LoadedAdapter
+
+    class EngineDeployment:
+        async def __init__(self) -> None:
+            self.replica = EngineReplica(settings, ray_api.replica_id())
+            await self.replica.start()
+
+        @ray_api.multiplexed(pool_capacity(settings.engine))
+        async def adapter(self, digest: str) -> LoadedAdapter:
+            return await self.replica.load(digest)
+
+        async def generate(self, payload: bytes):
+            digest = ray_api.multiplexed_model_id()
+            adapter = None
+            if digest:
+                try:
+                    adapter = await self.adapter(digest)
+                except LookupError:
+                    adapter = None  # refused by `EngineReplica.generate` with its reason
+            async for item in self.replica.generate(payload, adapter):
+                yield item
+
+        def describe(self) -> dict[str, Any]:
+            return self.replica.describe()
+
+        async def check_health(self) -> None:
+            if not self.replica.client.healthy and self.replica.client.restarts == 0:
+                raise RuntimeError("engine process is down")
+
+        async def __del__(self) -> None:
+            await self.replica.stop()
+
+    return ray_api.deployment(
+        EngineDeployment,
+        name=ENGINE_DEPLOYMENT,
+        num_replicas=replicas,
+        max_ongoing_requests=max(8, settings.engine.max_num_seqs),
+        health_check_period_s=2,
+        graceful_shutdown_timeout_s=10,
+    )
+
+
+def ingress_deployment(settings: ServerSettings) -> Any:
+    """The HTTP ingress: `create_app` with a client that reaches the engine deployment through Ray."""
+
+    def build_app():
+        from api.app import create_app
+        from api.cluster.remote_client import RemoteEngineClient
+        from api.cluster.replica_header import ReplicaHeaderMiddleware
+        from api.cluster.routes import router
+
+        app = create_app(settings, client_factory=lambda cfg: RemoteEngineClient(cfg, ENGINE_DEPLOYMENT))
+        app.include_router(router)
+        app.add_middleware(ReplicaHeaderMiddleware)
+        return app
+
+    class IngressDeployment:
+        def __init__(self, engine: Any = None) -> None:
+            self.engine = engine  # bound so that Serve deploys the engine with the ingress
+
+    return ray_api.deployment(
+        ray_api.ingress(build_app)(IngressDeployment),
+        name=INGRESS_DEPLOYMENT,
+        num_replicas=1,
+        max_ongoing_requests=1000,
+    )
+
+
+def build_application(settings: ServerSettings, replicas: int) -> Any:
+    """The bound application: the ingress, with the engine deployment as its dependency."""
+    engine = engine_deployment(settings, replicas).bind()
+    return ingress_deployment(settings).bind(engine)

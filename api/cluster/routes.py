@@ -1,0 +1,34 @@
+"""`GET /admin/api/cluster` (admin token): every engine replica as it reports itself, read now."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from api.engine_protocol import decode_from_engine
+from api.routes.admin_api import Admin
+
+router = APIRouter(prefix="/admin/api", tags=["admin"])
+
+
+@router.get("/cluster")
+async def cluster_status(request: Request, _: Admin) -> dict:
+    """Per replica: id, health, in-flight requests, the active adapters it follows (name → digest),
+    adapters made resident by its multiplexed loader, and its adapter pool (loads, residency by tier)."""
+    client = request.app.state.loraplex.client
+    await client.poll()
+    out = []
+    for r in client.replicas:
+        stats = decode_from_engine(r["stats"]) if r["stats"] else None
+        out.append(
+            {
+                "replica": r["replica"],
+                "healthy": r["healthy"],
+                "restarts": r["restarts"],
+                "in_flight": r["in_flight"],
+                "active": r["active"],
+                "multiplexed_loads": r["multiplexed_loads"],
+                "lora": stats.lora if stats else None,
+                "adapters": stats.adapters if stats else [],
+            }
+        )
+    return {"replicas": sorted(out, key=lambda r: r["replica"])}
