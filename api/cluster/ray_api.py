@@ -50,7 +50,7 @@ def start_http(host: str, port: int) -> None:
     """Start Serve with its HTTP proxy on `host:port` (one proxy, on the head node)."""
     from ray import serve
 
-    serve.start(http_options={"host": host, "port": port, "location": "HeadOnly"})
+    serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly")
 
 
 def run(app: Any, route_prefix: str = "/") -> Any:

@@ -1,0 +1,109 @@
+"""One local Ray cluster per test module: `loraplex serve --replicas 2` on the demo model, with the
+registry in a throw-away PostgreSQL database (blobs in the database), events on Redis."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from api.settings import ServerSettings
+from lora_registry import open_registry
+from lora_registry.migrate import upgrade
+from tests.helpers.live_server import ADMIN_TOKEN, free_port, wait_until
+from tests.lora_registry.pg import postgres_database
+
+DEMO = Path(__file__).resolve().parents[3] / "demo"
+ADAPTERS = ("upper", "reverse", "rot13", "novowels")
+REDIS_URL = os.environ.get("LORAPLEX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def _rot13(s: str) -> str:
+    return s.translate(str.maketrans("abcdefghijklmnopqrstuvwxyz", "nopqrstuvwxyzabcdefghijklm"))
+
+
+# What each demo model computes (demo/README.md); None is the base model (echo).
+EXPECTED = {
+    None: lambda s: s,
+    "upper": str.upper,
+    "reverse": lambda s: s[::-1],
+    "rot13": _rot13,
+    "novowels": lambda s: "".join(c for c in s if c not in "aeiou"),
+}
+
+
+@dataclass
+class Cluster:
+    url: str
+    settings: ServerSettings
+
+    def admin(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=60)
+
+    def replicas(self) -> list[dict]:
+        with self.admin() as c:
+            r = c.get("/admin/api/cluster")
+            assert r.status_code == 200, r.text
+            return r.json()["replicas"]
+
+
+def _require_redis() -> None:
+    try:
+        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=3).ping()
+    except redis.RedisError as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"Redis at {REDIS_URL} is unreachable: {exc}")
+        pytest.skip(f"Redis at {REDIS_URL} is unreachable: {exc}")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    from api.cluster import ray_api
+    from api.cluster.run import ClusterOptions, start_cluster
+
+    _require_redis()
+    data_dir = tmp_path_factory.mktemp("cluster") / "data"
+    with postgres_database() as db_url:
+        upgrade(db_url)
+        env = {
+            "LORAPLEX_DATA_DIR": str(data_dir),
+            "LORAPLEX_DATABASE_URL": db_url,
+            "LORAPLEX_REDIS_URL": REDIS_URL,
+            "LORAPLEX_BLOB_STORE": "database",
+            "LORAPLEX_MODEL": str(DEMO / "base"),
+        }
+        engine = dict(device="cpu", dtype="float32", num_threads=1, num_kv_blocks=128, max_loras=4)
+        settings = ServerSettings.build(
+            str(DEMO / "base"), env=env, admin_token=ADMIN_TOKEN, engine_kwargs=engine
+        )
+        settings.registry = dataclasses.replace(
+            settings.registry, redis_channel=f"loraplex-test-{secrets.token_hex(4)}"
+        )
+        settings.registry_resync_seconds = 5.0
+        settings.port = free_port()
+        reg = open_registry(settings.registry)
+        try:
+            for name in ADAPTERS:
+                reg.adapters.register(name, DEMO / "adapters" / name, activate=True)
+        finally:
+            reg.close()
+        try:
+            start_cluster(settings, ClusterOptions(replicas=2, num_cpus=2))
+            url = f"http://127.0.0.1:{settings.port}"
+            assert wait_until(lambda: _healthy(url), timeout=120), "the cluster did not become healthy"
+            yield Cluster(url, settings)
+        finally:
+            ray_api.shutdown()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -1,0 +1,177 @@
+"""`loraplex serve --replicas 2` on a local Ray cluster: exact answers, adapter affinity, registry
+consistency across replicas, failover when a replica dies, and the metrics contract."""
+
+from __future__ import annotations
+
+import io
+import time
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from api.cluster import ray_api
+from api.cluster.deployments import ENGINE_DEPLOYMENT
+from tests.api.cluster.conftest import ADAPTERS, DEMO, EXPECTED, Cluster
+from tests.helpers.live_server import wait_until
+
+pytestmark = pytest.mark.slow
+TEXTS = ("hello world", "ray serve", "many lora")
+BODY = {"max_tokens": 32, "temperature": 0, "stop": ["\n"]}
+
+
+def _complete(url: str, adapter: str | None, text: str, timeout: float = 60) -> httpx.Response:
+    path = f"/v1/adapters/{adapter}/completions" if adapter else "/v1/completions"
+    return httpx.post(url + path, json=BODY | {"prompt": f"{text}="}, timeout=timeout)
+
+
+def test_every_answer_exact_streaming_and_not(cluster: Cluster) -> None:
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+    for adapter in (None, *ADAPTERS):
+        model = adapter or cluster.settings.served_model_name
+        for text in TEXTS:
+            want = EXPECTED[adapter](text)
+            out = client.completions.create(model=model, prompt=f"{text}=", **BODY)
+            assert out.choices[0].text == want, (adapter, text)
+            chunks = client.completions.create(model=model, prompt=f"{text}=", stream=True, **BODY)
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == want, (adapter, text)
+        chat = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hello world="}], max_tokens=32, temperature=0
+        )
+        assert chat.choices[0].message.content is not None
+    missing = httpx.post(cluster.url + "/v1/completions", json=BODY | {"model": "nope", "prompt": "a="})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_affinity_each_adapter_stays_on_one_replica(cluster: Cluster) -> None:
+    for name in ADAPTERS:  # warm-up: one request each, one after the other
+        assert _complete(cluster.url, name, "warm up").status_code == 200
+    time.sleep(0.5)  # replicas report their multiplexed ids to Serve's router
+    loads_before = sum(r["lora"]["loads"] for r in cluster.replicas())
+    jobs = [(name, text) for name in ADAPTERS for text in TEXTS * 3]
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda job: (job[0], _complete(cluster.url, *job)), jobs))
+    served_by: dict[str, set[str]] = {}
+    for name, r in answers:
+        assert r.status_code == 200, r.text
+        served_by.setdefault(name, set()).add(r.headers["x-loraplex-replica"])
+    assert all(len(s) == 1 for s in served_by.values()), served_by
+    replicas = cluster.replicas()
+    assert len(replicas) == 2
+    # no ping-pong: nothing was loaded again while the traffic ran
+    assert sum(r["lora"]["loads"] for r in replicas) == loads_before
+    for name, ids in served_by.items():
+        (rid,) = ids
+        holder = next(r for r in replicas if r["replica"] == rid)
+        assert any(name in a["names"] and a["tier"] == "device" for a in holder["adapters"])
+
+
+def _zip(name: str) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for f in ("adapter_config.json", "adapter_model.safetensors"):
+            z.write(DEMO / "adapters" / name / f, f)
+    return buf.getvalue()
+
+
+def _follow(cluster: Cluster, name: str, active: bool) -> float:
+    """Seconds until every replica's registry view has `name` active (or not)."""
+    t0 = time.monotonic()
+    ok = wait_until(lambda: all((name in r["active"]) == active for r in cluster.replicas()), 5, 0.05)
+    assert ok, cluster.replicas()
+    return time.monotonic() - t0
+
+
+def test_registry_changes_reach_every_replica_within_a_second(cluster: Cluster) -> None:
+    with cluster.admin() as admin:
+        files = {"file": ("shout.zip", _zip("upper"), "application/zip")}
+        r = admin.post("/admin/api/adapters", data={"name": "shout", "activate": "true"}, files=files)
+        assert r.status_code == 201, r.text
+        assert _follow(cluster, "shout", True) < 1.0
+        assert _complete(cluster.url, "shout", "hello world").json()["choices"][0]["text"] == "HELLO WORLD"
+        assert admin.post("/admin/api/adapters/shout/deactivate").status_code == 200
+        assert _follow(cluster, "shout", False) < 1.0
+        assert _complete(cluster.url, "shout", "hello world").status_code == 404
+        assert admin.post("/admin/api/adapters/shout/activate").status_code == 200
+        assert _follow(cluster, "shout", True) < 1.0
+        assert _complete(cluster.url, "shout", "ray serve").json()["choices"][0]["text"] == "RAY SERVE"
+        assert admin.delete("/admin/api/adapters/shout").status_code == 200
+        assert _follow(cluster, "shout", False) < 1.0
+
+
+def _stream(url: str, adapter: str, text: str) -> tuple[int, str, bool]:
+    """(status, text, ended with an error event) of one streamed completion."""
+    body = BODY | {"prompt": f"{text}=", "stream": True}
+    with httpx.stream("POST", f"{url}/v1/adapters/{adapter}/completions", json=body, timeout=60) as r:
+        if r.status_code != 200:
+            r.read()
+            return r.status_code, r.text, False
+        import json
+
+        text_out, error = "", False
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                error = True
+            elif event["choices"]:
+                text_out += event["choices"][0]["text"]
+        return 200, text_out, error
+
+
+def test_failover_when_a_replica_dies(cluster: Cluster) -> None:
+    names = ray_api.replica_actor_names(ENGINE_DEPLOYMENT)
+    assert len(names) == 2
+    jobs = [(ADAPTERS[i % 4], TEXTS[i % 3], i % 2 == 0) for i in range(24)]
+
+    def run(job):
+        adapter, text, stream = job
+        if stream:
+            return adapter, text, _stream(cluster.url, adapter, text)
+        r = _complete(cluster.url, adapter, text)
+        body = r.json()
+        got = body["choices"][0]["text"] if r.status_code == 200 else body["error"]["message"]
+        return adapter, text, (r.status_code, got, False)
+
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(run, job) for job in jobs]
+        time.sleep(1.0)
+        ray_api.kill_actor(names[0])
+        results = [f.result(timeout=90) for f in futures]  # none hangs
+    for adapter, text, (status, got, error) in results:
+        if status == 200 and not error:
+            assert got == EXPECTED[adapter](text)
+        else:
+            assert status == 503 or error, (adapter, status, got)
+    # Serve restarts the replica; then every adapter answers correctly again
+    assert wait_until(lambda: len(_healthy_replicas(cluster)) == 2, timeout=90, interval=0.5)
+    assert names[0] not in ray_api.replica_actor_names(ENGINE_DEPLOYMENT)
+    for adapter in ADAPTERS:
+        r = _complete(cluster.url, adapter, "hello world")
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == EXPECTED[adapter]("hello world")
+
+
+def _healthy_replicas(cluster: Cluster) -> list[dict]:
+    try:
+        return [r for r in cluster.replicas() if r["healthy"]]
+    except (httpx.HTTPError, AssertionError):
+        return []
+
+
+def test_metrics_carry_the_gateway_gauges(cluster: Cluster) -> None:
+    assert _complete(cluster.url, "rot13", "hello world").status_code == 200
+    time.sleep(1.0)  # the ingress polls the replicas twice a second
+    text = httpx.get(cluster.url + "/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
+        assert families[name].type == "gauge" and len(families[name].samples) == 1
+    (info,) = families["vllm:lora_requests_info"].samples
+    assert set(info.labels) == {"max_lora", "running_lora_adapters", "waiting_lora_adapters"}
+    assert info.labels["max_lora"] == "4"
+    resident = families["loraplex_lora_adapter_resident"].samples
+    assert all(set(s.labels) == {"adapter", "digest", "tier", "pinned"} for s in resident)
+    assert any(s.labels["adapter"] == "rot13" and s.labels["tier"] in ("device", "cpu") for s in resident)
