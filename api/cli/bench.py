@@ -19,6 +19,10 @@ BENCHMARKS = {
     "scaling": ("bench.scaling", "Throughput and pool hit rate vs number of distinct adapters."),
     "cold-load": ("bench.cold_load", "Cold adapter load: first-token latency and the running batch's steps."),
     "serve": ("bench.online", "Online serving: Poisson arrivals, power-law adapter popularity, TTFT/TPOT."),
+    "cluster": (
+        "bench.cluster",
+        "Ray Serve replicas: adapter loads and throughput, multiplexed routing vs plain load balancing.",
+    ),
     "kernels-cpu": (
         "bench.kernels_cpu",
         "CPU LoRA: torch path vs native kernel, one decode and one prefill step.",

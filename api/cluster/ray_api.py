@@ -53,7 +53,7 @@ def start_http(host: str, port: int) -> None:
     serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly")
 
 
-def run(app: Any, route_prefix: str = "/") -> Any:
+def run(app: Any, route_prefix: str | None = "/") -> Any:
     """Deploy the bound application and return its ingress handle once every replica is up."""
     from ray import serve
 

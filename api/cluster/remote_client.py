@@ -31,9 +31,15 @@ log = logging.getLogger("loraplex.cluster")
 
 class RemoteEngineClient:
     def __init__(
-        self, config: EngineConfig, deployment: str, poll_seconds: float = 0.5, retries: int = 1
+        self,
+        config: EngineConfig,
+        deployment: str,
+        poll_seconds: float = 0.5,
+        retries: int = 1,
+        affinity: bool = True,
     ) -> None:
         self.config = config
+        self.affinity = affinity  # False: no multiplexed id, Ray's plain load balancing (for comparison)
         self.deployment = deployment
         self.poll_seconds = poll_seconds
         self.retries = retries
@@ -96,7 +102,8 @@ class RemoteEngineClient:
             for attempt in range(self.retries + 1):
                 started = False
                 try:
-                    call = ray_api.stream(self._handle, "generate", req.lora_digest, payload)
+                    model_id = req.lora_digest if self.affinity else None
+                    call = ray_api.stream(self._handle, "generate", model_id, payload)
                     async with contextlib.aclosing(ray_api.iterate(call)) as items:
                         async for raw in items:
                             item = decode_item(raw)
