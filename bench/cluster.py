@@ -44,7 +44,7 @@ class PhaseResult:
     output_tokens: int
     host_loads: int
     device_uploads: int
-    per_replica_requests: dict[str, int]
+    multiplexed_loads: int  # LRU misses of Ray's multiplexed loaders (0 without affinity)
 
     @property
     def requests_per_s(self) -> float:
@@ -118,7 +118,6 @@ async def run_phase(client, routing: str, adapters, args, tokenizer) -> PhaseRes
     weights = popularity(len(adapters), args.alpha)
     await client.poll()
     before = _pool_counters(client)
-    served: dict[str, int] = {}
     ok = tokens = 0
 
     async def one(i: int, name: str, digest: str) -> None:
@@ -161,8 +160,6 @@ async def run_phase(client, routing: str, adapters, args, tokenizer) -> PhaseRes
     seconds = time.monotonic() - t0
     await client.poll()
     after = _pool_counters(client)
-    for r in client.replicas:
-        served[r["replica"]] = r["multiplexed_loads"]
     return PhaseResult(
         routing,
         args.requests,
@@ -171,19 +168,21 @@ async def run_phase(client, routing: str, adapters, args, tokenizer) -> PhaseRes
         tokens,
         after[0] - before[0],
         after[1] - before[1],
-        served,
+        after[2] - before[2],
     )
 
 
-def _pool_counters(client) -> tuple[int, int]:
+def _pool_counters(client) -> tuple[int, int, int]:
+    """(host loads, device uploads, multiplexed loader misses) summed over the live replicas."""
     from api.engine_protocol import decode_from_engine
 
-    loads = uploads = 0
+    loads = uploads = misses = 0
     for r in client.replicas:
+        misses += r["multiplexed_loads"]
         lora = decode_from_engine(r["stats"]).lora if r["stats"] else None
         if lora:
             loads, uploads = loads + lora["loads"], uploads + lora["device_uploads"]
-    return loads, uploads
+    return loads, uploads, misses
 
 
 async def _drive(settings, phases_adapters, args) -> list[PhaseResult]:

@@ -37,7 +37,9 @@ def engine_deployment(settings: ServerSettings, replicas: int) -> Any:
 
         @ray_api.multiplexed(pool_capacity(settings.engine))
         async def adapter(self, digest: str) -> LoadedAdapter:
-            return await self.replica.load(digest)
+            loaded = await self.replica.load(digest)
+            self.replica.multiplexed_loads += 1
+            return loaded
 
         async def generate(self, payload: bytes):
             digest = ray_api.multiplexed_model_id()
@@ -53,9 +55,8 @@ def engine_deployment(settings: ServerSettings, replicas: int) -> Any:
         def describe(self) -> dict[str, Any]:
             return self.replica.describe()
 
-        async def check_health(self) -> None:
-            if not self.replica.client.healthy and self.replica.client.restarts == 0:
-                raise RuntimeError("engine process is down")
+        def check_health(self) -> None:
+            self.replica.check_health()
 
         async def __del__(self) -> None:
             await self.replica.stop()

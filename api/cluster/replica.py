@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -56,7 +57,8 @@ class EngineReplica:
         self.client = EngineClient(settings.engine)
         self.registry: Registry | None = None
         self.follower: RegistryFollower | None = None
-        self.loads = 0  # adapters made resident through the multiplexed loader
+        self.multiplexed_loads = 0  # adapters loaded by Ray's multiplexed loader (its LRU misses)
+        self._unhealthy_since: float | None = None
 
     async def start(self) -> None:
         """Open the registry, start the engine, follow the registry (events + a short resync)."""
@@ -119,7 +121,6 @@ class EngineReplica:
         assert self.registry is not None
         path = await asyncio.to_thread(self.registry.adapters.adapter_path, digest)
         await self.client.adapter_call("add", active.name, str(path), digest)
-        self.loads += 1
         return LoadedAdapter(active.name, digest, str(path))
 
     # ---- requests --------------------------------------------------------------------------------
@@ -141,6 +142,17 @@ class EngineReplica:
         async for delta in self.client.generate(req):
             yield _item(self.replica_id, delta=encode(delta))
 
+    def check_health(self, grace_seconds: float = 120.0) -> None:
+        """Raise when the engine has been down longer than `grace_seconds` (its client restarts a dead
+        engine by itself; Serve replaces a replica whose check keeps failing)."""
+        if self.client.healthy:
+            self._unhealthy_since = None
+            return
+        now = time.monotonic()
+        self._unhealthy_since = self._unhealthy_since or now
+        if now - self._unhealthy_since > grace_seconds:
+            raise RuntimeError(f"engine down for more than {grace_seconds:.0f} s")
+
     def describe(self) -> dict[str, Any]:
         """This replica's state: engine info and stats, active adapters as it sees them, multiplexed loads."""
         c = self.client
@@ -153,7 +165,7 @@ class EngineReplica:
             "info": encode(c.info) if c.info is not None else None,
             "stats": encode(stats) if stats is not None else None,
             "active": {n: a.digest for n, a in (self.follower.snapshot() if self.follower else {}).items()},
-            "multiplexed_loads": self.loads,
+            "multiplexed_loads": self.multiplexed_loads,
         }
 
 

@@ -1,0 +1,55 @@
+"""The Ray-free parts of `api.cluster`: pool capacity, merged replica statistics, the replica header."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from api.cluster.deployments import pool_capacity
+from api.cluster.remote_client import merge_stats
+from api.cluster.replica_header import HEADER, ReplicaHeaderMiddleware, note_replica
+from api.engine_protocol import EngineStatsMsg
+from engine.engine_config import EngineConfig
+
+
+def test_multiplexed_capacity_follows_the_pool() -> None:
+    assert pool_capacity(EngineConfig(model=".", max_loras=8, max_lora_rank=64)) == 16
+    assert pool_capacity(EngineConfig(model=".", max_loras=4, max_lora_rank=16)) == 8
+    assert pool_capacity(EngineConfig(model=".", max_lora_rank=32, lora_pool_pages=7)) == 3
+
+
+def _stats(running: int, used: int, total: int, names: list[str], loads: int) -> EngineStatsMsg:
+    engine = {"num_running": running, "kv_blocks_used": used, "kv_blocks_total": total, "kv_usage": 0.0}
+    engine["running_loras"] = names
+    adapters = [{"digest": n, "names": [n], "tier": "device", "pinned": False} for n in names]
+    return EngineStatsMsg(engine, {"loads": loads, "pages_used": 1}, adapters)
+
+
+def test_merge_stats_sums_and_unions() -> None:
+    merged = merge_stats([_stats(2, 10, 100, ["a"], 3), _stats(1, 30, 100, ["b", "a"], 4)])
+    assert merged is not None and merge_stats([]) is None
+    assert merged.engine["num_running"] == 3 and merged.engine["kv_usage"] == pytest.approx(0.2)
+    assert merged.engine["running_loras"] == ["a", "b"]
+    assert merged.lora == {"loads": 7, "pages_used": 2} and len(merged.adapters) == 3
+
+
+@pytest.mark.anyio
+async def test_header_names_the_replicas_that_served() -> None:
+    app = FastAPI()
+
+    @app.get("/one")
+    async def one() -> dict:
+        note_replica("r1")
+        note_replica("r2")
+        note_replica("r1")
+        return {}
+
+    @app.get("/none")
+    async def none() -> dict:
+        return {}
+
+    app.add_middleware(ReplicaHeaderMiddleware)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        assert (await c.get("/one")).headers[HEADER] == "r1,r2"
+        assert HEADER not in (await c.get("/none")).headers
