@@ -246,7 +246,8 @@ def run(args: argparse.Namespace) -> list[PhaseResult]:
         ray_api.init(None, args.ray_num_cpus)
         try:
             ray_api.start_http("127.0.0.1", port)
-            ray_api.run(engine_deployment(settings, args.replicas).bind(), route_prefix=None)
+            app = engine_deployment(settings, args.replicas, args.max_ongoing).bind()
+            ray_api.run(app, route_prefix=None)
             return asyncio.run(_drive(settings, phases, args))
         finally:
             ray_api.shutdown()
@@ -263,6 +264,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-loras", type=int, default=4, help="per replica (pool: 2x as many adapters)")
     ap.add_argument("--max-cpu-loras", type=int, default=8, help="per replica host cache")
     ap.add_argument("--threads", type=int, default=1, help="engine threads per replica")
+    ap.add_argument(
+        "--max-ongoing", type=int, default=None, help="requests per replica before Ray spills (default: 256)"
+    )
     ap.add_argument("--ray-num-cpus", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)

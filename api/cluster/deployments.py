@@ -26,8 +26,10 @@ def pool_capacity(config: EngineConfig) -> int:
     return max(1, pages // per_adapter)
 
 
-def engine_deployment(settings: ServerSettings, replicas: int) -> Any:
-    """The engine deployment class (one `EngineReplica` per Serve replica)."""
+def engine_deployment(settings: ServerSettings, replicas: int, max_ongoing: int | None = None) -> Any:
+    """The engine deployment class (one `EngineReplica` per Serve replica). `max_ongoing` requests per
+    replica (default: the engine's `max_num_seqs`): past it, Ray sends an adapter's requests to another
+    replica even though that one must load the adapter (load balance over affinity)."""
     from api.cluster.replica import EngineReplica, LoadedAdapter
 
     class EngineDeployment:
@@ -65,7 +67,7 @@ def engine_deployment(settings: ServerSettings, replicas: int) -> Any:
         EngineDeployment,
         name=ENGINE_DEPLOYMENT,
         num_replicas=replicas,
-        max_ongoing_requests=max(8, settings.engine.max_num_seqs),
+        max_ongoing_requests=max_ongoing or max(8, settings.engine.max_num_seqs),
         health_check_period_s=2,
         graceful_shutdown_timeout_s=10,
     )
