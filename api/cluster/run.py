@@ -26,6 +26,8 @@ def start_cluster(settings: ServerSettings, options: ClusterOptions) -> None:
         raise ValueError("--replicas must be at least 1")
     ray_api.require_ray()
     assert settings.registry is not None
+    if not settings.registry.redis_url:  # no events between processes: re-read the registry every second
+        settings.registry_resync_seconds = min(settings.registry_resync_seconds, 1.0)
     open_registry(settings.registry).close()  # create or upgrade the default SQLite schema once, up front
     ray_api.init(options.ray_address, options.num_cpus)
     ray_api.start_http(settings.host, settings.port)
