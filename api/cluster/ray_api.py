@@ -14,6 +14,11 @@ from typing import Any
 APP_NAME = "loraplex"
 NAMESPACE = "loraplex"
 
+# Serve's router gives a replica 0.1 s to report its queue length; a replica that misses it counts as
+# busy and the request falls back to the replica with the fewest models, which must then load the
+# adapter. Engine replicas share their machine with an engine process, so give them longer.
+ROUTER_ENV = {"RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "0.5"}
+
 
 class RayMissing(RuntimeError):
     """Ray Serve is not installed."""
@@ -33,17 +38,18 @@ def init(address: str | None, num_cpus: int | None, object_store_bytes: int = 10
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    for key, value in ROUTER_ENV.items():  # this process routes too (handles created by the driver)
+        os.environ.setdefault(key, value)
+    common = dict(
+        namespace=NAMESPACE,
+        ignore_reinit_error=True,
+        log_to_driver=False,
+        runtime_env={"env_vars": ROUTER_ENV},
+    )
     if address:
-        ray.init(address=address, namespace=NAMESPACE, ignore_reinit_error=True, log_to_driver=False)
+        ray.init(address=address, **common)
     else:
-        ray.init(
-            num_cpus=num_cpus,
-            include_dashboard=False,
-            object_store_memory=object_store_bytes,
-            namespace=NAMESPACE,
-            ignore_reinit_error=True,
-            log_to_driver=False,
-        )
+        ray.init(num_cpus=num_cpus, include_dashboard=False, object_store_memory=object_store_bytes, **common)
 
 
 def start_http(host: str, port: int) -> None:
