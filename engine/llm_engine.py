@@ -23,12 +23,14 @@ from engine.lora_request import LoRARequest
 from engine.metrics import EngineStats
 from engine.model.loader import load_model
 from engine.model_runner import ModelRunner, kv_block_bytes
+from engine.output_processor import SequenceText
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.request_group import RequestGroup
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+from engine.scheduler.output import RunnerOutput, SchedulerOutput
+from engine.tokenizer import load_tokenizer
 
 
 class LLMEngine:
@@ -167,8 +169,8 @@ class LLMEngine:
             seqs.append(
                 Request(seq_id, ids, params, arrival, priority, lora_request, lora_key, gen, max_total)
             )
-        detoks = [self._detokenizer() for _ in seqs]
-        self._groups[request_id] = RequestGroup(request_id, text, ids, seqs, detoks)
+        texts = [self._sequence_text(params) for _ in seqs]
+        self._groups[request_id] = RequestGroup(request_id, text, ids, seqs, texts)
         for s in seqs:
             self._seq_to_group[s.request_id] = request_id
             self.scheduler.add_request(s)
@@ -232,16 +234,15 @@ class LLMEngine:
             err = failed.get(first.lora_key or "") or failed.get(path_key(first.lora_request))
             if err is None:
                 continue
-            self.abort_request(gid)
-            out = group.output()
-            out.error = f"adapter {group.seqs[0].lora_request.name!r} could not be loaded: {err}"
+            name = group.seqs[0].lora_request.name
+            out = self._end_with_error(gid, f"adapter {name!r} could not be loaded: {err}")
             outputs.append(out)
         return outputs
 
-    def _detokenizer(self) -> IncrementalDetokenizer | None:
+    def _sequence_text(self, params: SamplingParams) -> SequenceText | None:
         if self.tokenizer is None or not self.config.detokenize:
             return None
-        return IncrementalDetokenizer(self.tokenizer)
+        return SequenceText(self.tokenizer, params.stop)
 
     def abort_request(self, request_id: str | Sequence[str]) -> None:
         """Stop the request(s) now, freeing their KV blocks; unknown or finished ids are ignored."""
@@ -262,14 +263,23 @@ class LLMEngine:
 
     # ---- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step and return the state of every request that produced a token."""
-        failed = self._fail_adapter_requests()
+        """Run one scheduling step and return the state of every request that produced a token.
+
+        An exception raised for one request (its sampling, its adapter, its detokenization) ends only
+        that request, reported with `error` set; its KV blocks and adapter pin are released and every
+        other request carries on.
+        """
+        outputs = self._fail_adapter_requests()
         plan = self.scheduler.schedule()
         self._steps += 1
         self._last_step_tokens = plan.num_batched_tokens
         if plan.empty:
-            return failed
-        out = self.runner.run(plan)
+            return outputs
+        try:
+            out = self.runner.run(plan)
+        except Exception:
+            plan, out, failed = self._run_isolated(plan)
+            outputs += failed
         progressed = self.scheduler.update(plan, out)
         self._generation_tokens += len(progressed)
         touched: dict[str, RequestGroup] = {}
@@ -278,17 +288,59 @@ class LLMEngine:
             if gid is None:
                 continue
             group = self._groups[gid]
-            group.detokenize(seq, self.scheduler.finish_request)
+            try:
+                group.detokenize(seq, self.scheduler.finish_request)
+            except Exception as exc:
+                outputs.append(self._end_with_error(gid, f"detokenization failed: {exc!r}"))
+                touched.pop(gid, None)
+                continue
             touched[gid] = group
-        outputs = failed
         for gid, group in touched.items():
+            if gid not in self._groups:
+                continue
             ro = group.output()
             outputs.append(ro)
             if ro.finished:
-                self._groups.pop(gid, None)
-                for s in group.seqs:
-                    self._seq_to_group.pop(s.request_id, None)
+                self._forget(gid)
         return outputs
+
+    def _run_isolated(
+        self, plan: SchedulerOutput
+    ) -> tuple[SchedulerOutput, RunnerOutput, list[RequestOutput]]:
+        """The batch raised: run each scheduled sequence alone, end those that raise again with an error,
+        and return the plan and output of the ones that ran."""
+        kept, sampled, failed = [], [], []
+        for item in plan.scheduled:
+            seq = item.request
+            if seq.is_finished:
+                continue
+            try:
+                one = self.runner.run(SchedulerOutput([item], item.num_tokens))
+            except Exception as exc:
+                gid = self._seq_to_group.get(seq.request_id)
+                if gid is not None:
+                    failed.append(self._end_with_error(gid, f"request failed in the engine: {exc!r}"))
+                else:
+                    self.scheduler.finish_request(seq, RequestStatus.FINISHED_ABORTED)
+                continue
+            kept.append(item)
+            sampled.append(one.sampled[0])
+        tokens = sum(it.num_tokens for it in kept)
+        return SchedulerOutput(kept, tokens, plan.preempted), RunnerOutput(sampled), failed
+
+    def _end_with_error(self, gid: str, error: str) -> RequestOutput:
+        """End every sequence of group `gid` (freeing its KV blocks and adapter pin) and report `error`."""
+        group = self._groups[gid]
+        self.abort_request(gid)
+        out = group.output()
+        out.error = error
+        return out
+
+    def _forget(self, gid: str) -> None:
+        group = self._groups.pop(gid, None)
+        if group is not None:
+            for s in group.seqs:
+                self._seq_to_group.pop(s.request_id, None)
 
     def get_stats(self) -> EngineStats:
         kv = self.kv.stats()
