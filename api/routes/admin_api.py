@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Annotated
 
 import msgspec
-from fastapi import APIRouter, Depends, File, Form, Request, UploadFile
+from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
@@ -166,7 +166,7 @@ async def pool_status(request: Request, _: Admin) -> dict:
 
 
 @router.get("/audit")
-async def audit_log(request: Request, _: Admin, limit: int = 100) -> dict:
+async def audit_log(request: Request, _: Admin, limit: Annotated[int, Query(ge=1, le=10_000)] = 100) -> dict:
     rows = await call_registry(request.app.state.loraplex.registry.adapters.audit_log, limit)
     return {"data": [r.to_dict() for r in rows]}
 

@@ -1,11 +1,13 @@
-"""`GET /v1/models` (base model + every active adapter) and `GET /v1/adapters/{name}/models`."""
+"""`GET /v1/models` (the base model + the active adapters the caller may use) and
+`GET /v1/adapters/{name}/models`."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from api.auth import authenticate, authorize
-from api.errors import APIError
+from api.auth import authenticate, authorize, may_use
+from api.errors import APIError, error_responses
+from api.openai_protocol import AdapterName, ModelList
 
 router = APIRouter(tags=["openai"])
 
@@ -21,19 +23,21 @@ def _model(id_: str, created: int, parent: str | None = None) -> dict:
     }
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", response_model=ModelList, responses=error_responses(401))
 async def list_models(request: Request) -> dict:
+    """The models this caller may use: a key scoped to named adapters sees only those adapters."""
     state = request.app.state.loraplex
-    await authenticate(request)
+    key = await authenticate(request)
     base = state.settings.served_model_name
     created = int(state.started_at)
-    data = [_model(base, created)]
-    data += [_model(name, created, base) for name in sorted(state.follower.snapshot())]
+    data = [_model(base, created)] if may_use(key, None) else []
+    data += [_model(name, created, base) for name in sorted(state.follower.snapshot()) if may_use(key, name)]
     return {"object": "list", "data": data}
 
 
-@router.get("/v1/adapters/{name}/models")
-async def adapter_models(name: str, request: Request) -> dict:
+@router.get("/v1/adapters/{name}/models", response_model=ModelList, responses=error_responses(401, 403, 404))
+async def adapter_models(name: AdapterName, request: Request) -> dict:
+    """The adapter `name` as a one-model list (404 when it is not active)."""
     state = request.app.state.loraplex
     authorize(await authenticate(request), name)
     if name not in state.follower.snapshot():
