@@ -85,10 +85,30 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail))
 
+    _openapi_without_422(app)
+
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=exc)
         return error_response(500, "internal error")
+
+
+def _openapi_without_422(app: FastAPI) -> None:
+    """Validation errors are answered 400 with the OpenAI body, so drop FastAPI's generated 422 entries
+    from the OpenAPI schema (each route declares its real error responses with `error_responses`)."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        cached = app.openapi_schema is not None
+        schema = generate()
+        if not cached:
+            for item in schema.get("paths", {}).values():
+                for op in item.values():
+                    if isinstance(op, dict):
+                        op.get("responses", {}).pop("422", None)
+        return schema
+
+    app.openapi = openapi
 
 
 def error_responses(*statuses: int) -> dict[int | str, dict]:

@@ -24,7 +24,12 @@ from api.serving import (
 from api.sse import sse_response
 
 router = APIRouter(tags=["openai"])
-ERRORS = error_responses(400, 401, 403, 404, 413, 429, 500, 503)
+ERRORS = error_responses(400, 401, 403, 404, 413, 429, 500, 503) | {
+    200: {
+        "content": {"text/event-stream": {}},
+        "description": "JSON, or with `stream: true` server-sent events",
+    }
+}
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)

@@ -118,3 +118,15 @@ def test_completion_text_offsets_index_the_returned_text(keyed):
         assert choice["text"].startswith(token, offset) or token in ("<s>", "</s>", "<pad>", "<unk>")
     for top, token in zip(lp["top_logprobs"], lp["tokens"], strict=True):
         assert token in top and len(top) in (2, 3)  # chosen + the 2 most likely (chosen may be one)
+
+
+def test_openapi_declares_the_real_responses(keyed):
+    srv, _ = keyed
+    spec = _get(srv, "/openapi.json", ADMIN_TOKEN).json()
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/adapters/{name}/completions"):
+        responses = spec["paths"][path]["post"]["responses"]
+        assert {"200", "400", "401", "403", "404", "413", "429", "503"} <= set(responses)
+        assert "422" not in responses  # validation errors are 400 with the OpenAI body
+        assert responses["400"]["content"]["application/json"]["schema"]["$ref"].endswith("ErrorResponse")
+    top_k = spec["components"]["schemas"]["CompletionRequest"]["properties"]["top_k"]
+    assert top_k["maximum"] < 2**63 and top_k["minimum"] == -1
