@@ -85,4 +85,4 @@ def test_bounds_hold_on_the_wire():
     with pytest.raises(msgspec.ValidationError, match="top_k"):
         msgspec.msgpack.decode(bad, type=SamplingParams)
     with pytest.raises(msgspec.ValidationError):
-        msgspec.msgpack.decode(msgspec.msgpack.encode({"name": "a", "path": ""}), type=LoRARequest)
+        msgspec.msgpack.decode(msgspec.msgpack.encode({"name": "", "path": "p"}), type=LoRARequest)
