@@ -2,14 +2,18 @@
 
 One call applies one projection slice at one layer for a list of (run, page) pairs — a run is rows of the
 flat batch on one adapter (a decode token, a prefill chunk) — reading the adapter pages in place (see the
-C source for the exact formula). Semantics match ``kernels.reference``: ``lora_shrink_ref``, the
-scaling, then ``lora_expand_ref``.
+C source for the exact formula). Activations and pages are each float32, bfloat16 or float16. Semantics
+match ``kernels.reference``: ``lora_shrink_ref``, the scaling, then ``lora_expand_ref``.
+
+The library holds the kernel at several instruction-set levels (x86-64: generic, AVX2, AVX-512 BF16);
+the best one this CPU runs is picked when it is loaded (`best_isa`), a lower one on request (`isa=`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import platform
 
 import torch
 from torch import Tensor
@@ -18,33 +22,81 @@ from kernels._common import check_tensor
 from kernels.native_build import build_library
 
 _OP = "lora_bgmv_cpu"
-_ENTRY = {torch.float32: "lora_bgmv_f32", torch.float16: "lora_bgmv_f16", torch.bfloat16: "lora_bgmv_bf16"}
+_SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 _I64, _VP = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_VP, _I64, _VP, _I64, _VP, _VP, _VP, _VP, _VP, _VP, _VP, _I64, _I64, _I64, _I64, ctypes.c_int]
 
+# Instruction-set levels the library is built for on x86-64, lowest first: (name, extra compiler flags).
+# Each is the whole kernel compiled for that level; the best one the CPU runs is used.
+_X86_ISAS = (
+    ("generic", ("-DLORA_ISA=generic", "-DLORA_ISA_LEVEL=0")),
+    ("avx2", ("-DLORA_ISA=avx2", "-DLORA_ISA_LEVEL=1", "-mavx2", "-mfma", "-mf16c")),
+    (
+        "avx512bf16",
+        (
+            "-DLORA_ISA=avx512bf16",
+            "-DLORA_ISA_LEVEL=2",
+            "-mavx2",
+            "-mfma",
+            "-mf16c",
+            "-mavx512f",
+            "-mavx512bw",
+        )
+        + ("-mavx512vl", "-mavx512bf16"),
+    ),
+)
+
 
 @functools.cache
-def _kernels() -> dict[torch.dtype, ctypes._CFuncPtr]:
-    """The compiled entry points by weight dtype (built on first use). Raises NativeBuildError."""
-    lib = build_library("lora_bgmv.c")
+def _library() -> tuple[ctypes.CDLL, tuple[str, ...]]:
+    """The compiled library and the ISA names it has that this CPU runs, lowest first (built on first use).
+    Raises NativeBuildError."""
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        lib = build_library("lora_bgmv.c", [flags for _, flags in _X86_ISAS])
+        runs = tuple(name for level, (name, _) in enumerate(_X86_ISAS) if lib.lora_bgmv_isa_supported(level))
+        return lib, runs
+    return build_library("lora_bgmv.c"), ("generic",)  # built for this CPU (-march=native)
+
+
+def available_isas() -> tuple[str, ...]:
+    """The kernel's instruction-set levels this CPU runs, lowest first (e.g. generic, avx2, avx512bf16)."""
+    return _library()[1]
+
+
+def best_isa() -> str:
+    """The level the engine uses: the highest in `available_isas()`."""
+    return available_isas()[-1]
+
+
+@functools.cache
+def _kernels(isa: str | None = None) -> dict[tuple[torch.dtype, torch.dtype], ctypes._CFuncPtr]:
+    """Entry points by (activation dtype, page dtype) at `isa` (default: the best).
+
+    Raises NativeBuildError."""
+    lib, runs = _library()
+    isa = isa or runs[-1]
+    if isa not in runs:
+        raise ValueError(f"{_OP}: instruction set {isa!r} is not available here (have {', '.join(runs)})")
     out = {}
-    for dtype, name in _ENTRY.items():
-        if dtype == torch.float16 and not lib.lora_bgmv_has_f16():
-            continue  # the compiler has no _Float16: float16 pools take the torch path
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
-        out[dtype] = fn
+    for x_dtype, x_name in _SHORT.items():
+        for w_dtype, w_name in _SHORT.items():
+            if torch.float16 in (x_dtype, w_dtype) and not lib.lora_bgmv_has_f16():
+                continue  # the compiler has no _Float16
+            fn = getattr(lib, f"lora_bgmv_{x_name}_{w_name}_{isa}")
+            fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+            out[(x_dtype, w_dtype)] = fn
     return out
 
 
-def supported_dtypes() -> frozenset[torch.dtype]:
-    """Pool dtypes the native kernel handles here (builds it on first use; raises NativeBuildError)."""
-    return frozenset(_kernels())
+def supported_dtypes(activations: torch.dtype = torch.float32) -> frozenset[torch.dtype]:
+    """Pool dtypes the native kernel handles here for `activations` (builds it on first use; raises
+    NativeBuildError)."""
+    return frozenset(w for x, w in _kernels() if x == activations)
 
 
 def lora_bgmv_cpu(
-    x: Tensor,  # [T, fin] float32, rows may be strided
-    y: Tensor,  # [T, fout] float32 (e.g. one slice's columns of a packed output), updated in place
+    x: Tensor,  # [T, fin] float32, bfloat16 or float16; rows may be strided
+    y: Tensor,  # [T, fout] x's dtype (e.g. one slice's columns of a packed output), updated in place
     a_pages: Tensor,  # [P, page_rank, fin] contiguous
     b_pages: Tensor,  # [P, fout, page_rank] contiguous
     page_rows: Tensor,  # [K] int64: page of pair k (index into the first dim of a_pages/b_pages)
@@ -53,23 +105,27 @@ def lora_bgmv_cpu(
     row_counts: Tensor,  # [K] int32: rows in that run
     scale: Tensor,  # [K] float32
     num_threads: int = 1,
+    isa: str | None = None,  # instruction-set level (`available_isas()`); None: the best
 ) -> None:
     """For each pair k, r = page_ranks[k], and each row t of its run:
-    ``y[t] += scale[k] * (A_k[:r] @ x[t]) @ B_k[:, :r].T``.
+    ``y[t] += scale[k] * (A_k[:r] @ x[t]) @ B_k[:, :r].T`` (float32 sums; a half-precision y row rounded
+    once per pair).
 
     Checks are on shapes, dtypes and layout only; page and row indices are trusted (the engine's plan
     builds them from the pool's page tables). The engine calls `PreparedBGMV`, checked once per plan.
     """
-    kernels = _kernels()
+    kernels = _kernels(isa)
     _check(kernels, x, y, a_pages, b_pages, page_rows, page_ranks, row_starts, row_counts, scale)
     pr, fin, fout = a_pages.shape[1], a_pages.shape[2], b_pages.shape[1]
-    rc = kernels[a_pages.dtype](
+    rc = kernels[(x.dtype, a_pages.dtype)](
         x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), a_pages.data_ptr(), b_pages.data_ptr(),
         page_rows.data_ptr(), page_ranks.data_ptr(), row_starts.data_ptr(), row_counts.data_ptr(),
         scale.data_ptr(), page_rows.shape[0], pr, fin, fout, num_threads,
     )  # fmt: skip
-    if rc != 0:
+    if rc == -1:
         raise ValueError(f"{_OP}: page_rank {pr} out of range (1..256)")
+    if rc != 0:
+        raise ValueError(f"{_OP}: a run has more than 64 pages or 1024 rank rows on one slice")
 
 
 class PreparedBGMV:
@@ -91,17 +147,18 @@ class PreparedBGMV:
         row_counts: Tensor,  # [K] int32
         scale: Tensor,  # [L, K] float32, contiguous
         num_threads: int = 1,
+        activations: torch.dtype = torch.float32,  # dtype of the x and y it will be called with
     ) -> None:
         kernels = _kernels()
         pr, fin, fout = a_pages.shape[1], a_pages.shape[2], b_pages.shape[1]
         for name, t in (("page_rows", page_rows), ("page_ranks", page_ranks), ("scale", scale)):
             if t.dim() != 2 or t.shape != page_rows.shape or not t.is_contiguous():
                 raise ValueError(f"{_OP}: {name} must be contiguous [layers, pairs] like page_rows")
-        x, y = torch.empty(1, fin), torch.empty(1, fout)  # shape probes for the checks
+        x, y = torch.empty(1, fin, dtype=activations), torch.empty(1, fout, dtype=activations)  # probes
         _check(kernels, x, y, a_pages, b_pages, page_rows[0], page_ranks[0], row_starts, row_counts, scale[0])
         self._keep = (a_pages, b_pages, page_rows, page_ranks, row_starts, row_counts, scale)
-        self._fn = kernels[a_pages.dtype]
-        self.fin, self.fout = fin, fout
+        self._fn = kernels[(activations, a_pages.dtype)]
+        self.fin, self.fout, self._esize = fin, fout, x.element_size()
         k = page_rows.shape[1]
         self._args = [
             (
@@ -122,16 +179,16 @@ class PreparedBGMV:
         ]
 
     def __call__(self, layer: int, x: Tensor, y: Tensor, col: int = 0) -> None:
-        """Add the LoRA of the pairs at `layer` into ``y[:, col : col + fout]``; x is ``[T, fin]`` float32
-        with unit column stride, y float32 with unit column stride (not checked: the caller owns both)."""
-        self._fn(x.data_ptr(), x.stride(0), y.data_ptr() + 4 * col, y.stride(0), *self._args[layer])
+        """Add the LoRA of the pairs at `layer` into ``y[:, col : col + fout]``; x is ``[T, fin]``, x and y
+        of the `activations` dtype with unit column stride (not checked: the caller owns both)."""
+        self._fn(x.data_ptr(), x.stride(0), y.data_ptr() + self._esize * col, y.stride(0), *self._args[layer])
 
 
 def _check(kernels: dict, x: Tensor, y: Tensor, a_pages: Tensor, b_pages: Tensor, *pair_args: Tensor) -> None:
-    check_tensor(_OP, "x", x, ndim=2, dtypes=(torch.float32,))
-    check_tensor(_OP, "y", y, ndim=2, dtypes=(torch.float32,))
-    if a_pages.dtype not in kernels:
-        raise ValueError(f"{_OP}: no native kernel for {a_pages.dtype} pages on this machine")
+    check_tensor(_OP, "x", x, ndim=2, dtypes=tuple(_SHORT))
+    check_tensor(_OP, "y", y, ndim=2, dtypes=(x.dtype,))
+    if (x.dtype, a_pages.dtype) not in kernels:
+        raise ValueError(f"{_OP}: no native kernel for {x.dtype} activations and {a_pages.dtype} pages here")
     check_tensor(_OP, "a_pages", a_pages, ndim=3, dtypes=(a_pages.dtype,), contiguous=True)
     check_tensor(_OP, "b_pages", b_pages, ndim=3, dtypes=(a_pages.dtype,), contiguous=True)
     pr, fin, fout = a_pages.shape[1], a_pages.shape[2], b_pages.shape[1]

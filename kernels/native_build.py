@@ -1,10 +1,15 @@
 """Compile a C source of this package into a shared library once per machine, and load it.
 
 The library is built with the system C compiler (``$CC``, else ``cc``/``gcc``: the same one Triton's
-runtime needs) for the CPU it runs on (``-march=native``), and cached under
-``$XDG_CACHE_HOME/loraplex/native`` (default ``~/.cache``) by a key over the source, the flags, the
-compiler's version and the CPU's feature flags, so a changed source or another CPU gets a fresh build.
-Concurrent builds (several test workers) are safe: each writes a private file and renames it into place.
+runtime needs), and cached under ``$XDG_CACHE_HOME/loraplex/native`` (default ``~/.cache``) by a key over
+the sources (the ``.c`` file and the headers beside it), the flags, the compiler's version and the CPU's
+feature flags, so a changed source or another CPU gets a fresh build. Concurrent builds (several test
+workers) are safe: each writes a private file and renames it into place.
+
+A source can be built in *variants*: the same file compiled once per set of extra flags (e.g. one per
+instruction-set level, ``-DLORA_ISA=avx2 -mavx2 ...``) and linked into one library, whose caller picks
+the variant the CPU runs at load time. Without variants the source is built for the CPU at hand
+(``-march=native``).
 
 OpenMP (``-fopenmp``) links ``libgomp.so.1``, the soname of the runtime torch's CPU build ships, so the
 library shares torch's OpenMP runtime and threads. When that build fails or does not load, it is
@@ -20,10 +25,12 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 CSRC = Path(__file__).with_name("csrc")
-BASE_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11")
+BASE_FLAGS = ("-O3", "-fPIC", "-std=gnu11")
+NATIVE = ("-march=native",)
 
 
 class NativeBuildError(RuntimeError):
@@ -60,43 +67,48 @@ def _compiler_version(cc: str) -> str:
         raise NativeBuildError(f"C compiler {cc!r} does not run: {exc}") from exc
 
 
-def build_library(source_name: str) -> ctypes.CDLL:
-    """Compile ``csrc/<source_name>`` (or reuse the cached build) and load it. Raises NativeBuildError."""
+def build_library(source_name: str, variants: Sequence[tuple[str, ...]] = (NATIVE,)) -> ctypes.CDLL:
+    """Compile ``csrc/<source_name>`` once per entry of `variants` (extra flags), link the objects into one
+    library (or reuse the cached build) and load it. Raises NativeBuildError."""
     source = CSRC / source_name
     cc = compiler()
     version = _compiler_version(cc)
+    sources = b"".join(p.read_bytes() for p in (source, *sorted(CSRC.glob("*.h"))))
     errors = []
     for extra in (("-fopenmp",), ()):
         flags = (*BASE_FLAGS, *extra)
         key = hashlib.sha256(
             b"\0".join(
                 s.encode() if isinstance(s, str) else s
-                for s in (source.read_bytes(), " ".join(flags), version, _cpu_flags(), platform.machine())
+                for s in (sources, " ".join(flags), repr(variants), version, _cpu_flags(), platform.machine())
             )
         ).hexdigest()[:16]
         target = cache_dir() / f"{source.stem}-{key}.so"
         try:
             if not target.exists():
-                _compile(cc, source, flags, target)
+                _compile(cc, source, flags, variants, target)
             return ctypes.CDLL(str(target))
         except (NativeBuildError, OSError) as exc:  # OSError: built, but it does not load here
             errors.append(str(exc))
     raise NativeBuildError(f"could not build {source_name}:\n" + "\n".join(errors))
 
 
-def _compile(cc: str, source: Path, flags: tuple[str, ...], target: Path) -> None:
+def _compile(
+    cc: str, source: Path, flags: tuple[str, ...], variants: Sequence[tuple[str, ...]], target: Path
+) -> None:
+    """One object per variant in a private temporary directory, linked into `target` (renamed into place)."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.stem}-", suffix=".so")
-    os.close(fd)
-    try:
-        proc = subprocess.run(
-            [cc, *flags, "-o", tmp, str(source)], capture_output=True, text=True, timeout=300
-        )
-        if proc.returncode != 0:
-            raise NativeBuildError(f"{cc} {' '.join(flags)} {source.name}: {proc.stderr.strip()}")
-        os.replace(tmp, target)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise NativeBuildError(f"{cc} {source.name}: {exc}") from exc
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.stem}-") as tmp:
+        objects = [f"{tmp}/{i}.o" for i in range(len(variants))]
+        commands = [
+            [cc, *flags, *v, "-c", "-o", o, str(source)] for v, o in zip(variants, objects, strict=True)
+        ]
+        commands.append([cc, *flags, "-shared", "-o", f"{tmp}/lib.so", *objects])
+        for cmd in commands:
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            except (OSError, subprocess.SubprocessError) as exc:
+                raise NativeBuildError(f"{cc} {source.name}: {exc}") from exc
+            if proc.returncode != 0:
+                raise NativeBuildError(f"{' '.join(cmd[:-1])} {source.name}: {proc.stderr.strip()}")
+        os.replace(f"{tmp}/lib.so", target)

@@ -141,7 +141,7 @@ def test_bad_inputs_are_refused() -> None:
     pairs = _pairs(case, 0, 16)
     x = case.x.float()
     with pytest.raises(ValueError, match="x has dtype"):
-        lora_bgmv_cpu(x.half(), torch.zeros(1, 16), a, b, *pairs)
+        lora_bgmv_cpu(x.double(), torch.zeros(1, 16), a, b, *pairs)
     with pytest.raises(ValueError, match="shapes do not agree"):
         lora_bgmv_cpu(x, torch.zeros(1, 17), a, b, *pairs)
     with pytest.raises(ValueError, match="must be contiguous"):
