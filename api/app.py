@@ -110,6 +110,12 @@ async def _start(settings: ServerSettings, client_factory: Callable[[Any], Any])
     except BaseException:
         registry.close()
         raise
+    info = client.info
+    if info is not None:  # on uvicorn's logger, so it shows in the startup log
+        logging.getLogger("uvicorn.error").info(
+            "engine ready: %s, %s (%s); LoRA %s, %s pages",
+            info.device, info.dtype, info.dtype_reason, info.lora_backend or "off", info.lora_dtype or "-",
+        )  # fmt: skip
     loop = asyncio.get_running_loop()
 
     def on_change(name: str, adapter: ActiveAdapter | None) -> None:

@@ -62,6 +62,7 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, stats_int
                     dtype=str(engine.dtype).removeprefix("torch."),
                     lora_backend=engine.lora.backend if engine.lora else "",
                     lora_dtype=str(engine.lora.pool.dtype).removeprefix("torch.") if engine.lora else "",
+                    dtype_reason=engine.dtype_reason,
                 )
             )
         )

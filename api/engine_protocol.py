@@ -58,6 +58,7 @@ class Ready(msgspec.Struct, tag="ready"):
     dtype: str
     lora_backend: str = ""  # how LoRA is applied: "native", "torch", "triton" ("" when LoRA is off)
     lora_dtype: str = ""  # the adapter pool's dtype
+    dtype_reason: str = ""  # why the model runs in `dtype` (e.g. auto on a CPU with native bfloat16)
 
 
 class RequestDelta(msgspec.Struct, tag="delta"):

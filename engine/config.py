@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from engine.cpu_features import native_bfloat16
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -173,18 +175,33 @@ def check_dtype_name(what: str, value: str | torch.dtype) -> None:
 def resolve_dtype(dtype: str | torch.dtype, model: ModelConfig, device: torch.device) -> torch.dtype:
     """Map the user's `dtype` choice to a torch dtype; `"auto"` takes the checkpoint's.
 
-    On CPU, float16 "auto" becomes float32 (CPU half matmuls are slow and lossy); an explicit choice is
-    honoured.
+    On CPU, a half-precision checkpoint's "auto" is bfloat16 where the CPU multiplies bfloat16 natively
+    (AVX-512 BF16, AMX, Arm BF16) and float32 elsewhere (emulated half matmuls are slower than float32,
+    and float16 ones lossy); a float32 checkpoint stays float32. An explicit choice is honoured.
+    `dtype_reason` says which rule applied.
     """
     check_dtype_name("dtype", dtype)
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         chosen = model.checkpoint_dtype
-        if device.type == "cpu" and chosen == torch.float16:
-            return torch.float32
+        if device.type == "cpu" and chosen in (torch.float16, torch.bfloat16):
+            return torch.bfloat16 if native_bfloat16() else torch.float32
         return chosen
     return _DTYPES[dtype]
+
+
+def dtype_reason(dtype: str | torch.dtype, model: ModelConfig, device: torch.device) -> str:
+    """Why `resolve_dtype` chose what it did, for the startup log."""
+    if dtype != "auto":
+        return "as configured"
+    ckpt = str(model.checkpoint_dtype).removeprefix("torch.")
+    if device.type != "cpu" or model.checkpoint_dtype == torch.float32:
+        return f"auto: the checkpoint's {ckpt}"
+    flag = native_bfloat16()
+    if flag:
+        return f"auto: {ckpt} checkpoint, and this CPU computes bfloat16 natively ({flag})"
+    return f"auto: {ckpt} checkpoint, but this CPU has no native bfloat16 (no AVX-512 BF16/AMX): float32"
 
 
 def resolve_lora_dtype(lora_dtype: str | torch.dtype, model_dtype: torch.dtype) -> torch.dtype:

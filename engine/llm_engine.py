@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from engine.config import ModelConfig, cdiv, resolve_dtype, resolve_lora_dtype
+from engine.config import ModelConfig, cdiv, dtype_reason, resolve_dtype, resolve_lora_dtype
 from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.lora.manager import LoRAInfo, LoRAManager, LoRAPoolStats, path_key
@@ -43,6 +43,7 @@ class LLMEngine:
         self.device = config.resolve_device()
         self.model_config = ModelConfig.from_dir(config.model)
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
+        self.dtype_reason = dtype_reason(config.dtype, self.model_config, self.device)
         self.tokenizer = load_tokenizer(config.model)
         self.model = load_model(self.model_config, self.dtype, self.device)
         self.num_kv_blocks = self._num_blocks()

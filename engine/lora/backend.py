@@ -6,8 +6,9 @@
 - ``torch`` (CPU): everything in torch (decode rows gathered, then `bmm`; prefill chunks as GEMMs);
   needs no C compiler.
 
-``auto`` picks triton on CUDA, and on CPU native when the kernel builds here and fits the dtypes
-(float32 activations), torch otherwise.
+``auto`` picks triton on CUDA, and on CPU native when the kernel builds here and has the dtypes
+(float32, bfloat16 or float16 activations and pages; float16 needs a compiler with `_Float16`), torch
+otherwise.
 """
 
 from __future__ import annotations
@@ -58,15 +59,13 @@ def _native_problem(device: torch.device, pool_dtype: torch.dtype, compute_dtype
     """Why the native kernel cannot serve this configuration, or None when it can."""
     if device.type != "cpu":
         return f"it runs on the CPU, the engine is on {device}"
-    if compute_dtype != torch.float32:
-        return f"it needs float32 activations, the model runs in {compute_dtype}"
     from kernels.lora_bgmv_cpu import supported_dtypes
     from kernels.native_build import NativeBuildError
 
     try:
-        supported = supported_dtypes()
+        supported = supported_dtypes(compute_dtype)
     except NativeBuildError as exc:
         return str(exc)
     if pool_dtype not in supported:
-        return f"no {pool_dtype} kernel with this C compiler"
+        return f"no kernel for {compute_dtype} activations and {pool_dtype} pages with this C compiler"
     return None

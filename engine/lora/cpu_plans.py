@@ -124,9 +124,11 @@ def gather_plan(pool: AdapterPool, segments: list[Segment]) -> GatherPlan:
     )
 
 
-def native_plan(pool: AdapterPool, segments: list[Segment], threads: int = 1) -> NativePlan:
+def native_plan(
+    pool: AdapterPool, segments: list[Segment], threads: int = 1, activations: torch.dtype = torch.float32
+) -> NativePlan:
     """The `NativePlan` for `segments`: per module, prepared kernel calls over the pool's pages, each on
-    `threads` OpenMP threads."""
+    `threads` OpenMP threads, for x and y of dtype `activations`."""
     from kernels.lora_bgmv_cpu import PreparedBGMV
 
     dev, pr = pool.device, pool.page_rank
@@ -143,5 +145,16 @@ def native_plan(pool: AdapterPool, segments: list[Segment], threads: int = 1) ->
         a = pool.a[m].view(-1, pr, pool.a[m].shape[3])
         b = pool.b[m].view(-1, pool.b[m].shape[2], pr)
         runs = (starts, counts) if idx is None else (starts[idx], counts[idx])
-        calls.append(PreparedBGMV(a, b, mp.page_rows, mp.page_ranks, *runs, mp.scale, num_threads=threads))
+        calls.append(
+            PreparedBGMV(
+                a,
+                b,
+                mp.page_rows,
+                mp.page_ranks,
+                *runs,
+                mp.scale,
+                num_threads=threads,
+                activations=activations,
+            )
+        )
     return NativePlan(calls)

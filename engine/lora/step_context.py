@@ -55,7 +55,7 @@ class CpuLoRAContext:
     """The CPU LoRA path (see the module docstring); per-step index tensors are built once here.
 
     With `native`, every run goes through the compiled BGMV kernel (`kernels.lora_bgmv_cpu`), which
-    reads each pair's pages in place instead of gathering them; it needs float32 activations.
+    reads each pair's pages in place instead of gathering them (float32, bfloat16 or float16 activations).
     """
 
     def __init__(self, pool: AdapterPool, segments: list[Segment], native: bool = False) -> None:
@@ -63,9 +63,9 @@ class CpuLoRAContext:
         self.native: NativePlan | None = None
         self.gather: GatherPlan | None = None
         self.segments: list[Segment] = []  # long runs for `_apply_segments`
-        if native:
-            threads = torch.get_num_threads()  # part of the cache key: a plan's calls fix their threads
-            self.native = cached_plan(pool, "cpu_native", segments, native_plan, threads)
+        self._native_segments: list[Segment] | None = None
+        if native:  # the plan is made by the first `apply`, which knows the activations' dtype
+            self._native_segments = segments
             return
         self.segments = [s for s in segments if s.end - s.start >= GATHER_MAX_ROWS]
         short = [s for s in segments if s.end - s.start < GATHER_MAX_ROWS]
@@ -76,7 +76,7 @@ class CpuLoRAContext:
         """y[t, slice s] += scaling * (x[t] @ A.T) @ B.T for every row t with an adapter (in place)."""
         first = MODULE_INDEX[slice_names[0]]
         mods = range(first, first + len(slice_names))
-        if self.native is not None:
+        if self._native_segments is not None:
             self._apply_native(layer_index, mods, x, y)
             return
         if self.segments:
@@ -107,7 +107,11 @@ class CpuLoRAContext:
         """All runs through the native kernel: one prepared call per slice, pages read where they lie."""
         if x.stride(-1) != 1:
             x = x.contiguous()
-        assert y.stride(-1) == 1 and y.dtype == x.dtype == torch.float32, "native LoRA: float32, unit stride"
+        assert y.stride(-1) == 1 and y.dtype == x.dtype, "native LoRA: x and y of one dtype, unit stride"
+        if self.native is None:
+            # threads and the activations' dtype are part of the cache key: a plan's calls fix both
+            key = (torch.get_num_threads(), x.dtype)
+            self.native = cached_plan(self.pool, "cpu_native", self._native_segments, native_plan, *key)
         off = 0
         for m in mods:
             call = self.native.calls[m]

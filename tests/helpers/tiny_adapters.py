@@ -43,8 +43,8 @@ def build_adapter(base_dir: Path, out_dir: Path, seed: int = 0, scale: float = 0
 class PeftGreedyOracle:
     """Greedy decoding by HF transformers + PEFT, one request at a time (adapter None = base model)."""
 
-    def __init__(self, base_dir: Path) -> None:
-        self.base_dir = base_dir
+    def __init__(self, base_dir: Path, dtype: torch.dtype = torch.float32) -> None:
+        self.base_dir, self.dtype = base_dir, dtype
         self._models: dict[Path | None, Any] = {}
 
     def _model(self, adapter_dir: Path | None):
@@ -52,8 +52,9 @@ class PeftGreedyOracle:
             from peft import PeftModel
             from transformers import AutoModelForCausalLM
 
-            base = AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=torch.float32)
+            base = AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=self.dtype)
             model = base if adapter_dir is None else PeftModel.from_pretrained(base, adapter_dir)
+            model = model.to(self.dtype)  # PEFT keeps the adapter weights in float32 otherwise
             self._models[adapter_dir] = model.eval()
         return self._models[adapter_dir]
 
@@ -65,3 +66,9 @@ class PeftGreedyOracle:
             logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
             ids.append(int(logits.argmax()))
         return ids[len(prompt) :]
+
+    @torch.no_grad()
+    def logits(self, tokens: list[int], adapter_dir: Path | None) -> torch.Tensor:
+        """float32 next-token logits after each prefix of `tokens` (teacher-forced): row i follows
+        tokens[: i + 1]."""
+        return self._model(adapter_dir)(input_ids=torch.tensor([tokens])).logits[0].float()
