@@ -1,7 +1,8 @@
 """Benchmark 1 — offline mixed-adapter throughput (`loraplex bench offline`).
 
     python -m bench.offline [--adapters 32] [--requests 32] [--rank 16] [--prompt-len 64] \\
-        [--new-tokens 48] [--repeats 3] [--threads 1] [--no-hf] [--json out.json] [--plot docs/x.png]
+        [--new-tokens 48] [--repeats 3] [--threads 1] [--dtype float32] [--hog N] [--no-hf] \\
+        [--json out.json] [--plot docs/x.png]
 
 A random-weight Llama (hidden 384, 6 layers, intermediate 1024, vocab 8000, 6 heads / 2 KV heads) and
 `--adapters` random rank-`--rank` PEFT adapters on all 7 projections are written to a work directory
@@ -14,6 +15,10 @@ batch (request i on adapter i mod N):
 
 Ratios are the result: LoRA overhead (1/2), speed-up over PEFT (3/1), and the base decode's fraction
 of the GEMM limit (4 / decode time of 2).
+
+With `--hog N`, every repeat also runs 1 and 2 while N busy processes compete for the cores
+(`bench.hog`, started before and killed after each such run), so the slowdown under contention is a ratio
+measured in the same run. The load average is recorded at the start and the end.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pathlib import Path
 import torch
 
 from bench.gemm_limit import gemm_limit_seconds
+from bench.hog import cpu_hogs, load_average
 from bench.progress import progress
 from bench.workload import (
     LoRAOptions,
@@ -58,6 +64,11 @@ class OfflineResult:
     spec: dict = field(default_factory=dict)
     lora_backend: str = ""  # the engine's LoRA path ("native", "torch", "triton")
     lora_dtype: str = ""  # the adapter pool's dtype
+    dtype: str = "float32"  # the model's
+    hogs: int = 0  # busy processes competing in the hog runs
+    hog_mixed: RunTiming | None = None
+    hog_base: RunTiming | None = None
+    load_avg: list[float] = field(default_factory=list)  # 1-minute load average at the start and the end
 
     @property
     def lora_overhead(self) -> float:
@@ -74,14 +85,23 @@ class OfflineResult:
         """GEMM-limit time / base decode time over the same decode steps (goal >= 0.6)."""
         return None if self.gemm_limit_decode_s is None else self.gemm_limit_decode_s / self.base.decode_s
 
+    @property
+    def hog_retained(self) -> tuple[float, float] | None:
+        """Throughput under the hogs / quiet throughput, (mixed, base) (goal >= 1/3)."""
+        if self.hog_mixed is None or self.hog_base is None:
+            return None
+        return self.mixed.total_s / self.hog_mixed.total_s, self.base.total_s / self.hog_base.total_s
+
     def to_dict(self) -> dict:
         d = asdict(self)
-        for run in ("mixed", "base"):
-            d[run].pop("token_ids")
+        for run in ("mixed", "base", "hog_mixed", "hog_base"):
+            if d[run] is not None:
+                d[run].pop("token_ids")
         d.update(
             lora_overhead=self.lora_overhead,
             speedup_vs_hf=self.speedup_vs_hf,
             gemm_fraction=self.gemm_fraction,
+            hog_retained=self.hog_retained,
         )
         return d
 
@@ -91,13 +111,19 @@ class OfflineResult:
         lines = [
             "| run | total (s) | prefill (s) | decode (s) | output tok/s |",
             "|---|---|---|---|---|",
-            f"| loraplex, {self.adapters} adapters (rank {self.rank}, all 7 projections; "
+            f"| loraplex {self.dtype}, {self.adapters} adapters (rank {self.rank}, all 7 projections; "
             f"{self.lora_backend}, {self.lora_dtype} pages) | "
             f"{self.mixed.total_s:.2f} | {self.mixed.prefill_s:.2f} | {self.mixed.decode_s:.2f} | "
             f"{self.mixed.tokens_per_s:.0f} |",
             f"| loraplex, base model only | {self.base.total_s:.2f} | {self.base.prefill_s:.2f} | "
             f"{self.base.decode_s:.2f} | {self.base.tokens_per_s:.0f} |",
         ]
+        for name, run in (("adapters", self.hog_mixed), ("base model only", self.hog_base)):
+            if run is not None:
+                lines.append(
+                    f"| loraplex, {name}, beside {self.hogs} busy processes | {run.total_s:.2f} | "
+                    f"{run.prefill_s:.2f} | {run.decode_s:.2f} | {run.tokens_per_s:.0f} |"
+                )
         if self.hf_peft_s is not None:
             hf_tps = tok / self.hf_peft_s
             lines.append(f"| HF transformers + PEFT, mixed batch | {self.hf_peft_s:.2f} | | | {hf_tps:.0f} |")
@@ -105,7 +131,17 @@ class OfflineResult:
             n = self.base.decode_steps
             lines.append(f"| GEMM limit ({n} decode steps) | | | {self.gemm_limit_decode_s:.2f} | |")
         lines.append("")
-        lines.append(f"- LoRA overhead (mixed / base time): **{self.lora_overhead:.2f}x** (goal <= 1.15x)")
+        lines.append(f"- LoRA overhead (mixed / base time): **{self.lora_overhead:.2f}x**")
+        if self.hog_retained is not None:
+            m, b = self.hog_retained
+            lines.append(
+                f"- Beside {self.hogs} busy processes: **{m:.2f}x** (adapters) and **{b:.2f}x** (base) of "
+                f"the quiet throughput (goal >= 0.33x); {self.threads} threads"
+            )
+        if self.load_avg:
+            lines.append(
+                f"- Load average (1 min) at start / end: {' / '.join(f'{x:.1f}' for x in self.load_avg)}"
+            )
         if self.speedup_vs_hf is not None:
             lines.append(
                 f"- Speed-up over HF PEFT mixed-batch generate: **{self.speedup_vs_hf:.1f}x** (goal >= 5x); "
@@ -144,12 +180,15 @@ def run_offline(
     workdir: Path | None = None,
     quiet: bool = False,
     lora: LoRAOptions | None = None,
+    dtype: str = "float32",
+    hogs: int = 0,
 ) -> OfflineResult:
     """Run benchmark 1 (see the module docstring) and return its timings."""
     from engine import LLM, LoRARequest, SamplingParams
 
     spec = spec or ModelSpec()
     lora = lora or LoRAOptions()
+    load_start = load_average()[0]
     with bench_env(threads, workdir) as workdir:
         with progress(quiet) as bar:
             task = bar.add_task("building model and adapters", total=1)
@@ -162,7 +201,7 @@ def run_offline(
             llm = LLM(
                 str(base),
                 device="cpu",
-                dtype="float32",
+                dtype=dtype,
                 max_loras=max(1, min(adapters, requests)),
                 max_lora_rank=max(16, rank),
                 max_num_seqs=max(requests, 1),
@@ -175,13 +214,21 @@ def run_offline(
                 eng.pin_lora(eng.add_lora(lr))
             timed_run(eng, prompts[:4], params, per_req[:4], "warm-lora")
             timed_run(eng, prompts[:4], params, None, "warm-base")
-            task = bar.add_task("loraplex mixed / base (interleaved)", total=2 * repeats)
-            mixed, base_runs = [], []
+            legs = 4 if hogs else 2
+            task = bar.add_task("loraplex mixed / base (interleaved)", total=legs * repeats)
+            mixed, base_runs, hog_mixed, hog_base = [], [], [], []
             for r in range(repeats):
                 mixed.append(timed_run(eng, prompts, params, per_req, f"mixed{r}"))
                 bar.advance(task)
                 base_runs.append(timed_run(eng, prompts, params, None, f"base{r}"))
                 bar.advance(task)
+                if hogs:
+                    with cpu_hogs(hogs):
+                        hog_mixed.append(timed_run(eng, prompts, params, per_req, f"hog-mixed{r}"))
+                    bar.advance(task)
+                    with cpu_hogs(hogs):
+                        hog_base.append(timed_run(eng, prompts, params, None, f"hog-base{r}"))
+                    bar.advance(task)
             result = OfflineResult(
                 requests,
                 adapters,
@@ -194,6 +241,10 @@ def run_offline(
                 spec=asdict(spec),
                 lora_backend=eng.lora.backend,
                 lora_dtype=str(eng.lora.pool.dtype).removeprefix("torch."),
+                dtype=str(eng.dtype).removeprefix("torch."),
+                hogs=hogs,
+                hog_mixed=best(hog_mixed) if hogs else None,
+                hog_base=best(hog_base) if hogs else None,
             )
             task = bar.add_task("GEMM limit", total=1)
             result.gemm_limit_decode_s = gemm_limit_seconds(
@@ -214,6 +265,7 @@ def run_offline(
                 bar.advance(task)
             if eng.lora is not None:
                 eng.lora.shutdown()
+        result.load_avg = [load_start, load_average()[0]]
         return result
 
 
@@ -232,6 +284,10 @@ def main(argv: list[str] | None = None) -> OfflineResult:
     ap.add_argument("--workdir", type=Path, default=None, help="reuse generated model/adapters from here")
     ap.add_argument("--json", type=Path, default=None, help="also write the result as JSON here")
     ap.add_argument("--plot", type=Path, default=None, help="write a PNG bar chart of the throughputs")
+    ap.add_argument("--dtype", default="float32", help="model dtype: float32 or bfloat16 (or auto)")
+    ap.add_argument(
+        "--hog", type=int, default=0, help="also run each repeat beside N busy processes (contention)"
+    )
     LoRAOptions.add_arguments(ap)
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
@@ -249,6 +305,8 @@ def main(argv: list[str] | None = None) -> OfflineResult:
         workdir=args.workdir,
         quiet=args.quiet,
         lora=LoRAOptions.from_args(args),
+        dtype=args.dtype,
+        hogs=args.hog,
     )
     from bench.plots import plot_offline
 

@@ -61,6 +61,32 @@ def test_offline_lora_options(workdir, backend, lora_dtype):
     assert f"{backend}, {r.lora_dtype} pages" in r.markdown()
 
 
+def test_offline_beside_cpu_hogs_in_bfloat16(workdir):
+    """`--hog N` runs each repeat again beside N busy processes (gone afterwards), `--dtype` reaches the
+    engine; both show in the result."""
+    r = _tiny_offline(workdir, adapters=2, requests=2, new_tokens=3, hf=False, dtype="bfloat16", hogs=2)
+    assert r.dtype == "bfloat16" and r.lora_dtype == "bfloat16" and r.lora_backend == "native"
+    assert r.hog_mixed.output_tokens == r.mixed.output_tokens == 6
+    assert r.hog_mixed.token_ids == r.mixed.token_ids  # same work, only slower
+    mixed_kept, base_kept = r.hog_retained
+    assert 0 < mixed_kept < 10 and 0 < base_kept < 10
+    assert "beside 2 busy processes" in r.markdown() and len(r.load_avg) == 2
+
+
+def test_cpu_hogs_are_busy_and_gone_afterwards():
+    import time
+
+    from bench.hog import cpu_hogs
+
+    with cpu_hogs(2) as pids:
+        time.sleep(0.5)
+        ticks = [int(Path(f"/proc/{pid}/stat").read_text().split()[13]) for pid in pids]  # utime
+        assert all(t > 0 for t in ticks)  # spinning, not sleeping
+    assert not any(Path(f"/proc/{pid}").exists() for pid in pids)
+    with pytest.raises(ValueError, match="hog count"), cpu_hogs(-1):
+        pass
+
+
 def test_history_chart_from_the_docs_record(tmp_path):
     """The milestone chart in docs/ is drawn from docs/bench_history.json."""
     record = Path(__file__).resolve().parents[2] / "docs" / "bench_history.json"
