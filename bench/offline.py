@@ -68,6 +68,7 @@ class OfflineResult:
     hogs: int = 0  # busy processes competing in the hog runs
     hog_mixed: RunTiming | None = None
     hog_base: RunTiming | None = None
+    adaptive_threads: bool = True  # the engine's thread governor (engine/cpu_threads.py) was on
     load_avg: list[float] = field(default_factory=list)  # 1-minute load average at the start and the end
 
     @property
@@ -136,7 +137,8 @@ class OfflineResult:
             m, b = self.hog_retained
             lines.append(
                 f"- Beside {self.hogs} busy processes: **{m:.2f}x** (adapters) and **{b:.2f}x** (base) of "
-                f"the quiet throughput (goal >= 0.33x); {self.threads} threads"
+                f"the quiet throughput (goal >= 0.33x); {self.threads} threads, "
+                f"{'adaptive' if self.adaptive_threads else 'fixed'}"
             )
         if self.load_avg:
             lines.append(
@@ -182,6 +184,7 @@ def run_offline(
     lora: LoRAOptions | None = None,
     dtype: str = "float32",
     hogs: int = 0,
+    adaptive_threads: bool = True,
 ) -> OfflineResult:
     """Run benchmark 1 (see the module docstring) and return its timings."""
     from engine import LLM, LoRARequest, SamplingParams
@@ -207,6 +210,7 @@ def run_offline(
                 max_num_seqs=max(requests, 1),
                 max_num_batched_tokens=max(2048, requests * prompt_len),
                 enable_prefix_caching=False,
+                adaptive_threads=adaptive_threads,
                 **lora.engine_kwargs(),
             )
             eng = llm.engine
@@ -243,6 +247,7 @@ def run_offline(
                 lora_dtype=str(eng.lora.pool.dtype).removeprefix("torch."),
                 dtype=str(eng.dtype).removeprefix("torch."),
                 hogs=hogs,
+                adaptive_threads=adaptive_threads,
                 hog_mixed=best(hog_mixed) if hogs else None,
                 hog_base=best(hog_base) if hogs else None,
             )
@@ -288,6 +293,9 @@ def main(argv: list[str] | None = None) -> OfflineResult:
     ap.add_argument(
         "--hog", type=int, default=0, help="also run each repeat beside N busy processes (contention)"
     )
+    ap.add_argument(
+        "--fixed-threads", action="store_true", help="keep --threads under contention (no thread governor)"
+    )
     LoRAOptions.add_arguments(ap)
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
@@ -307,6 +315,7 @@ def main(argv: list[str] | None = None) -> OfflineResult:
         lora=LoRAOptions.from_args(args),
         dtype=args.dtype,
         hogs=args.hog,
+        adaptive_threads=not args.fixed_threads,
     )
     from bench.plots import plot_offline
 

@@ -31,7 +31,10 @@ class EngineConfig:
     lora_dtype: str = "auto"  # dtype of the adapter pool: auto (= dtype), float32, bfloat16, float16
     attention_backend: str = "auto"  # likewise
     detokenize: bool = True  # False: outputs carry token ids only (a server detokenizes elsewhere)
-    num_threads: int | None = None  # torch intra-op threads for this process (None: torch's default)
+    num_threads: int | None = (
+        None  # torch intra-op threads (None: torch's default, at most the CPUs we may use)
+    )
+    adaptive_threads: bool = True  # CPU: one thread while other processes take our cores (cpu_threads.py)
     seed: int = 0
 
     def check_choices(self) -> None:

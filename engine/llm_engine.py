@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from engine.config import ModelConfig, cdiv, dtype_reason, resolve_dtype, resolve_lora_dtype
+from engine.cpu_threads import ThreadGovernor, available_cpus
 from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.lora.manager import LoRAInfo, LoRAManager, LoRAPoolStats, path_key
@@ -41,6 +42,12 @@ class LLMEngine:
                 raise ValueError(f"num_threads must be >= 1, got {config.num_threads}")
             torch.set_num_threads(config.num_threads)
         self.device = config.resolve_device()
+        self.thread_governor = None
+        if self.device.type == "cpu":
+            if config.num_threads is None:  # torch's default can exceed an affinity mask or cgroup quota
+                torch.set_num_threads(min(torch.get_num_threads(), available_cpus()))
+            if config.adaptive_threads and torch.get_num_threads() > 1:
+                self.thread_governor = ThreadGovernor(torch.get_num_threads())
         self.model_config = ModelConfig.from_dir(config.model)
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
         self.dtype_reason = dtype_reason(config.dtype, self.model_config, self.device)
@@ -276,11 +283,15 @@ class LLMEngine:
         self._last_step_tokens = plan.num_batched_tokens
         if plan.empty:
             return outputs
+        if self.thread_governor is not None:
+            self.thread_governor.begin()
         try:
             out = self.runner.run(plan)
         except Exception:
             plan, out, failed = self._run_isolated(plan)
             outputs += failed
+        if self.thread_governor is not None:
+            self.thread_governor.end()
         progressed = self.scheduler.update(plan, out)
         self._generation_tokens += len(progressed)
         touched: dict[str, RequestGroup] = {}

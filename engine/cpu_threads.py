@@ -1,0 +1,111 @@
+"""How many threads a CPU engine computes with, and `ThreadGovernor`, which drops them under contention.
+
+Why: torch's CPU ops (and the native LoRA kernel) split each op between OpenMP threads that meet at a
+barrier at its end. When another process holds a core, one of the threads is descheduled and every op
+waits for it to get the core back (a scheduler time slice, milliseconds) — hundreds of times per step:
+with two threads beside two busy processes on two cores, a decode step was 5-8x slower than with one
+thread (docs/benchmarks.md). One thread has no barrier; it just gets its share of a core.
+
+- `available_cpus()`: the CPUs this process may run on (affinity mask), capped by a cgroup CPU quota
+  (a container limited to 1.5 CPUs on a 64-core host must not start 64 threads).
+- `ThreadGovernor`: per step, the process's CPU time over (wall time x threads) is its *CPU share*:
+  near 1 while its threads have their cores (time spinning at barriers counts), lower when they are
+  descheduled. Below `low` over a window, the engine drops to one thread; while at one thread with a
+  share above `high` (a whole core to itself), it tries its full count again every `retry_s` seconds.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+
+
+def available_cpus() -> int:
+    """CPUs this process may use: its affinity mask, capped by the cgroup (v2 or v1) CPU quota."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    quota = _cgroup_quota()
+    if quota is not None:
+        cpus = min(cpus, max(1, math.ceil(quota)))
+    return max(1, cpus)
+
+
+def _cgroup_quota() -> float | None:
+    """The CPU quota in CPUs (quota / period), or None when unlimited or unknown."""
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]  # cgroup v2
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        root = Path("/sys/fs/cgroup/cpu")
+        quota_us = int((root / "cpu.cfs_quota_us").read_text())
+        return None if quota_us <= 0 else quota_us / int((root / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class ThreadGovernor:
+    """Sets torch's intra-op threads between 1 and `max_threads` from the CPU share of recent steps.
+
+    Call `begin()` before and `end()` after each step; `end` may change `torch.get_num_threads()` (the
+    native LoRA plans key on it, so they follow). Decisions are made per window of at least `window_s`
+    seconds and `window_steps` steps, so a single odd step changes nothing.
+    """
+
+    def __init__(
+        self,
+        max_threads: int,
+        low: float = 0.75,
+        high: float = 0.9,
+        window_s: float = 0.25,
+        window_steps: int = 4,
+        retry_s: float = 5.0,
+    ) -> None:
+        self.max_threads, self.low, self.high = max_threads, low, high
+        self.window_s, self.window_steps, self.retry_s = window_s, window_steps, retry_s
+        self.threads = torch.get_num_threads()
+        self.changes = 0  # how often the count was changed (for stats and tests)
+        self.last_share: float | None = None
+        self._wall = self._cpu = 0.0
+        self._steps = 0
+        self._t0 = self._c0 = 0.0
+        self._dropped_at = -math.inf
+
+    def begin(self) -> None:
+        self._t0, self._c0 = time.perf_counter(), time.process_time()
+
+    def end(self) -> None:
+        self._wall += time.perf_counter() - self._t0
+        self._cpu += time.process_time() - self._c0
+        self._steps += 1
+        if self._wall < self.window_s or self._steps < self.window_steps:
+            return
+        share = self._cpu / (self._wall * self.threads)
+        self.last_share = share
+        self._wall = self._cpu = 0.0
+        self._steps = 0
+        self.decide(share, time.monotonic())
+
+    def decide(self, share: float, now: float) -> None:
+        """Apply the rule in the module docstring to one window's CPU share."""
+        if self.threads > 1 and share < self.low:
+            self._set(1)
+            self._dropped_at = now
+        elif (
+            self.threads == 1 < self.max_threads
+            and share > self.high
+            and now - self._dropped_at > self.retry_s
+        ):
+            self._set(self.max_threads)
+
+    def _set(self, n: int) -> None:
+        torch.set_num_threads(n)
+        self.threads = n
+        self.changes += 1

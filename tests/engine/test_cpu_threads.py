@@ -1,0 +1,66 @@
+"""Thread count under CPU contention: the CPUs a process may use, and the governor's rule."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from engine.cpu_threads import ThreadGovernor, available_cpus
+
+
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_available_cpus_is_within_the_affinity_mask():
+    assert 1 <= available_cpus() <= len(os.sched_getaffinity(0))
+
+
+def test_governor_drops_to_one_thread_and_retries_later(restore_threads):
+    torch.set_num_threads(2)
+    gov = ThreadGovernor(2, low=0.75, high=0.9, retry_s=5.0)
+    gov.decide(0.95, now=0.0)  # has its cores: keeps 2
+    assert torch.get_num_threads() == 2 and gov.changes == 0
+    gov.decide(0.5, now=1.0)  # threads descheduled: one thread
+    assert torch.get_num_threads() == 1 and gov.threads == 1
+    gov.decide(0.95, now=3.0)  # a whole core again, but too soon to retry
+    assert torch.get_num_threads() == 1
+    gov.decide(0.6, now=7.0)  # one thread that does not get a whole core: stays at 1
+    assert torch.get_num_threads() == 1
+    gov.decide(0.95, now=7.5)  # quiet again, retry_s after the drop: back to 2
+    assert torch.get_num_threads() == 2 and gov.changes == 2
+    gov.decide(0.4, now=8.0)  # contention again: down
+    assert torch.get_num_threads() == 1 and gov.changes == 3
+
+
+def test_governor_decides_per_window_from_measured_shares(restore_threads):
+    torch.set_num_threads(2)
+    gov = ThreadGovernor(2, window_s=0.0, window_steps=3)
+    for _ in range(2):
+        gov.begin()
+        gov.end()
+    assert gov.last_share is None  # fewer steps than a window
+    gov.begin()
+    sum(i * i for i in range(20000))  # one thread busy: at most about half of two threads' time
+    gov.end()
+    assert gov.last_share is not None and gov.last_share < 0.75
+    assert torch.get_num_threads() == 1
+
+
+def test_engine_uses_the_governor_on_cpu_unless_told_not_to(checkpoint, restore_threads):
+    from engine import LLMEngine
+
+    ckpt = checkpoint("llama")
+    eng = LLMEngine.from_args(str(ckpt), device="cpu", dtype="float32", num_threads=2)
+    assert eng.thread_governor is not None and eng.thread_governor.max_threads == 2
+    fixed = LLMEngine.from_args(
+        str(ckpt), device="cpu", dtype="float32", num_threads=2, adaptive_threads=False
+    )
+    assert fixed.thread_governor is None
+    one = LLMEngine.from_args(str(ckpt), device="cpu", dtype="float32", num_threads=1)
+    assert one.thread_governor is None  # nothing to drop
