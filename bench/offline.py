@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from bench.byte_floor import ByteFloor, adapter_page_bytes, base_weight_bytes, read_bandwidth_gb_s
 from bench.gemm_limit import gemm_limit_seconds
 from bench.hog import cpu_hogs, load_average
 from bench.progress import progress
@@ -69,6 +70,7 @@ class OfflineResult:
     hog_mixed: RunTiming | None = None
     hog_base: RunTiming | None = None
     adaptive_threads: bool = True  # the engine's thread governor (engine/cpu_threads.py) was on
+    floor: ByteFloor | None = None  # bytes a decode step must read, and the read bandwidth
     load_avg: list[float] = field(default_factory=list)  # 1-minute load average at the start and the end
 
     @property
@@ -139,6 +141,17 @@ class OfflineResult:
                 f"- Beside {self.hogs} busy processes: **{m:.2f}x** (adapters) and **{b:.2f}x** (base) of "
                 f"the quiet throughput (goal >= 0.33x); {self.threads} threads, "
                 f"{'adaptive' if self.adaptive_threads else 'fixed'}"
+            )
+        if self.floor is not None and self.mixed.decode_steps and self.base.decode_steps:
+            f = self.floor
+            mixed_step = self.mixed.decode_s / self.mixed.decode_steps
+            base_step = self.base.decode_s / self.base.decode_steps
+            lines.append(
+                f"- Decode step: {mixed_step * 1e3:.1f} ms mixed, {base_step * 1e3:.1f} ms base: overhead "
+                f"**{mixed_step / base_step:.2f}x** vs the byte floor {f.lora_overhead:.2f}x "
+                f"({f.base_bytes / 1e6:.0f} MB base + {f.adapter_bytes / 1e6:.0f} MB adapter pages at "
+                f"{f.read_gb_s:.1f} GB/s: {f.step_s(True) * 1e3:.1f} / {f.step_s(False) * 1e3:.1f} ms); "
+                f"**{mixed_step / base_step / f.lora_overhead:.2f}x** the floor"
             )
         if self.load_avg:
             lines.append(
@@ -239,7 +252,7 @@ def run_offline(
                 rank,
                 prompt_len,
                 new_tokens,
-                torch.get_num_threads(),
+                threads if threads > 0 else torch.get_num_threads(),
                 best(mixed),
                 best(base_runs),
                 spec=asdict(spec),
@@ -250,6 +263,11 @@ def run_offline(
                 adaptive_threads=adaptive_threads,
                 hog_mixed=best(hog_mixed) if hogs else None,
                 hog_base=best(hog_base) if hogs else None,
+            )
+            result.floor = ByteFloor(
+                base_weight_bytes(eng.model),
+                adapter_page_bytes(eng.lora.pool, list(eng.lora.pool.resident)),
+                read_bandwidth_gb_s(),
             )
             task = bar.add_task("GEMM limit", total=1)
             result.gemm_limit_decode_s = gemm_limit_seconds(

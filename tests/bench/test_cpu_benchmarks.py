@@ -46,6 +46,9 @@ def test_offline_tiny(workdir, tmp_path):
     assert r.mixed.token_ids != r.base.token_ids
     assert r.lora_overhead > 0 and r.speedup_vs_hf > 0 and r.gemm_fraction > 0
     assert "GEMM limit" in r.markdown()
+    # byte floor: 3 distinct rank-8 adapters on all 7 projections; their pages are read on top of the base
+    assert r.floor.adapter_bytes > 0 and r.floor.base_bytes > 0 and r.floor.read_gb_s > 0
+    assert r.floor.lora_overhead > 1 and "the byte floor" in r.markdown()
     plot_offline(r, tmp_path / "offline.png")
     assert (tmp_path / "offline.png").stat().st_size > 0
 
