@@ -28,19 +28,23 @@ import torch
 from bench.workload import ModelSpec, report
 
 SLICE_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+# (path, page dtype, activation dtype, instruction-set level of the native kernel: None = the best)
 PATHS = (
-    ("torch", torch.float32),
-    ("native", torch.float32),
-    ("native", torch.float16),
-    ("native", torch.bfloat16),
+    ("torch", torch.float32, torch.float32, None),
+    ("native", torch.float32, torch.float32, None),
+    ("native", torch.float16, torch.float32, None),
+    ("native", torch.bfloat16, torch.float32, None),
+    ("torch", torch.bfloat16, torch.bfloat16, None),
+    ("native", torch.bfloat16, torch.bfloat16, None),
+    ("native", torch.bfloat16, torch.bfloat16, "avx2"),
 )
 
 
 @dataclass(slots=True)
 class KernelTiming:
     step: str  # "decode" | "prefill"
-    path: str  # "torch" | "native"
-    dtype: str  # adapter page dtype
+    path: str  # "torch" | "native" (with the instruction-set level, e.g. "native avx2")
+    dtype: str  # adapter page dtype, and "/ bfloat16 x" for bfloat16 activations
     threads: int
     ms: float
     max_abs_diff: float  # vs the float32 torch path's output
@@ -139,6 +143,7 @@ def run_kernels_cpu(
     """Time the CPU LoRA paths on one decode and one prefill step (see the module docstring)."""
     from engine.lora.adapter_checkpoint import module_features
     from engine.lora.step_context import CpuLoRAContext, token_segments
+    from kernels.lora_bgmv_cpu import available_isas, best_isa, use_isa
 
     cfg = _config(spec or ModelSpec())
     prev = torch.get_num_threads()
@@ -150,7 +155,10 @@ def run_kernels_cpu(
             xs = {g: torch.randn(n_rows, module_features(cfg, g[0])[0], generator=gen) for g in SLICE_GROUPS}
             width = {g: sum(module_features(cfg, m)[1] for m in g) for g in SLICE_GROUPS}
             reference = None
-            for path, dtype in PATHS:
+            for path, dtype, act, isa in PATHS:
+                if path == "native" and isa is not None and isa not in available_isas():
+                    continue
+                use_isa(isa if path == "native" else None)
                 pool, resident = _pool(cfg, adapters, rank, dtype)
                 page_bytes = adapters * sum(t[0].numel() * t.element_size() for t in (*pool.a, *pool.b))
                 for n in threads:
@@ -158,19 +166,25 @@ def run_kernels_cpu(
                     ctx = CpuLoRAContext(
                         pool, token_segments([per] * adapters, resident), native=path == "native"
                     )
-                    ys = {g: torch.zeros(n_rows, width[g]) for g in SLICE_GROUPS}
+                    x_act = {g: x.to(act) for g, x in xs.items()}
+                    ys = {g: torch.zeros(n_rows, width[g], dtype=act) for g in SLICE_GROUPS}
                     for layer in range(cfg.num_layers):  # one pass for the outputs
                         for g in SLICE_GROUPS:
-                            ctx.apply(layer, g, xs[g], ys[g])
-                    out = torch.cat([ys[g] for g in SLICE_GROUPS], dim=1)
+                            ctx.apply(layer, g, x_act[g], ys[g])
+                    out = torch.cat([ys[g] for g in SLICE_GROUPS], dim=1).float()
                     reference = out if reference is None else reference
-                    ms = _time_step(ctx, cfg, xs, {g: torch.zeros_like(ys[g]) for g in SLICE_GROUPS}, repeats)
+                    zeros = {g: torch.zeros_like(ys[g]) for g in SLICE_GROUPS}
+                    ms = _time_step(ctx, cfg, x_act, zeros, repeats)
                     diff = float((out - reference).abs().max())
                     name = str(dtype).removeprefix("torch.")
+                    if act != torch.float32:
+                        name += f" / {str(act).removeprefix('torch.')} x"
+                    label = path if path == "torch" else f"native {isa or best_isa()}"
                     read = page_bytes if step == "decode" else 0
-                    result.timings.append(KernelTiming(step, path, name, n, ms, diff, read))
+                    result.timings.append(KernelTiming(step, label, name, n, ms, diff, read))
     finally:
         torch.set_num_threads(prev)
+        use_isa(None)
     return result
 
 

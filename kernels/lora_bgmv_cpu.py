@@ -58,6 +58,12 @@ def _library() -> tuple[ctypes.CDLL, tuple[str, ...]]:
     return build_library("lora_bgmv.c"), ("generic",)  # built for this CPU (-march=native)
 
 
+def forget_library() -> None:
+    """Drop the loaded library and entry points, so the next use builds (or loads) it again (tests)."""
+    _library.cache_clear()
+    _kernels_at.cache_clear()
+
+
 def available_isas() -> tuple[str, ...]:
     """The kernel's instruction-set levels this CPU runs, lowest first (e.g. generic, avx2, avx512bf16)."""
     return _library()[1]
@@ -68,8 +74,24 @@ def best_isa() -> str:
     return available_isas()[-1]
 
 
-@functools.cache
+_default_isa: str | None = None  # `use_isa`: the level calls without isa= get (None: the best)
+
+
+def use_isa(isa: str | None) -> None:
+    """Make `isa` the level for calls and plans that name none (benchmarks compare levels); None: the best.
+    Plans prepared before keep theirs."""
+    global _default_isa
+    if isa is not None and isa not in available_isas():
+        raise ValueError(f"{_OP}: instruction set {isa!r} is not available here")
+    _default_isa = isa
+
+
 def _kernels(isa: str | None = None) -> dict[tuple[torch.dtype, torch.dtype], ctypes._CFuncPtr]:
+    return _kernels_at(isa or _default_isa)
+
+
+@functools.cache
+def _kernels_at(isa: str | None) -> dict[tuple[torch.dtype, torch.dtype], ctypes._CFuncPtr]:
     """Entry points by (activation dtype, page dtype) at `isa` (default: the best).
 
     Raises NativeBuildError."""

@@ -19,9 +19,9 @@ from tests.kernels.test_lora_bgmv_cpu import DECODE_SLOTS, H_IN, H_OUTS, MIXED_R
 def fresh_cache(monkeypatch, tmp_path):
     """An empty build cache; the process's cached kernels are dropped before and after."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    lora_bgmv_cpu._kernels.cache_clear()
+    lora_bgmv_cpu.forget_library()
     yield tmp_path
-    lora_bgmv_cpu._kernels.cache_clear()
+    lora_bgmv_cpu.forget_library()
 
 
 def _fake_cc(path: Path, body: str) -> str:

@@ -18,15 +18,16 @@ def no_compiler(monkeypatch, tmp_path):
     """No cached build and a compiler that does not exist; the real build is restored afterwards."""
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    lora_bgmv_cpu._kernels.cache_clear()
+    lora_bgmv_cpu.forget_library()
     yield
-    lora_bgmv_cpu._kernels.cache_clear()
+    lora_bgmv_cpu.forget_library()
 
 
 def test_auto_picks_native_when_the_kernel_builds():
     assert select_lora_backend("auto", CPU, F32, F32) == "native"
     assert select_lora_backend("auto", CPU, torch.float16, F32) == "native"
-    assert select_lora_backend("auto", CPU, torch.bfloat16, torch.bfloat16) == "torch"  # bf16 activations
+    assert select_lora_backend("auto", CPU, torch.bfloat16, torch.bfloat16) == "native"  # bf16 activations
+    assert select_lora_backend("auto", CPU, torch.float32, torch.bfloat16) == "native"  # wider pages
 
 
 def test_auto_falls_back_to_torch_without_a_compiler(no_compiler, caplog):
