@@ -153,6 +153,11 @@ class OfflineResult:
                 f"{f.read_gb_s:.1f} GB/s: {f.step_s(True) * 1e3:.1f} / {f.step_s(False) * 1e3:.1f} ms); "
                 f"**{mixed_step / base_step / f.lora_overhead:.2f}x** the floor"
             )
+            lora_s, lora_floor = mixed_step - base_step, f.adapter_bytes / (f.read_gb_s * 1e9)
+            lines.append(
+                f"- LoRA time per decode step: {lora_s * 1e3:.1f} ms vs reading the adapter bytes at that "
+                f"bandwidth {lora_floor * 1e3:.1f} ms: **{lora_s / lora_floor:.2f}x**"
+            )
         if self.load_avg:
             lines.append(
                 f"- Load average (1 min) at start / end: {' / '.join(f'{x:.1f}' for x in self.load_avg)}"
