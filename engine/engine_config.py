@@ -38,8 +38,8 @@ class EngineConfig:
         """Raise ValueError for a named choice that does not exist (dtypes, backends, device, policy),
         before anything is loaded: a server refuses bad options up front, not in its engine process."""
         from engine.attention.backend import validate_attention_backend
-        from engine.config import check_dtype_name
         from engine.lora.backend import validate_lora_backend
+        from engine.model_config import check_dtype_name
         from engine.scheduler.policy import validate_policy
 
         check_dtype_name("dtype", self.dtype)

@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
-from engine.config import ModelConfig, cdiv, resolve_dtype, resolve_lora_dtype
 from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.lora.manager import LoRAInfo, LoRAManager, LoRAPoolStats, path_key
 from engine.lora_request import LoRARequest
 from engine.metrics import EngineStats
 from engine.model.loader import load_model
+from engine.model_config import ModelConfig, cdiv, resolve_dtype, resolve_lora_dtype
 from engine.model_runner import ModelRunner, kv_block_bytes
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus

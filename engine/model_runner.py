@@ -16,9 +16,9 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata, select_backend
-from engine.config import ModelConfig
 from engine.model.linear import LoRAStepContext
 from engine.model.llama import ForwardBatch, LlamaForCausalLM
+from engine.model_config import ModelConfig
 from engine.sampler import Sampler
 from engine.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import cdiv
 from engine.kv_cache.block_pool import BlockPool, KVBlock, hash_block
+from engine.model_config import cdiv
 from engine.request import Request
 
 

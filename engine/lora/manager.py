@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig
 from engine.lora.adapter_checkpoint import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -37,6 +36,7 @@ from engine.lora.cpu_cache import CpuAdapterCache
 from engine.lora.pool import AdapterPool, ResidentAdapter
 from engine.lora.step_context import CpuLoRAContext, TritonLoRAContext, token_segments
 from engine.lora_request import LoRARequest
+from engine.model_config import ModelConfig
 from engine.scheduler.output import ScheduledRequest
 
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import ModelConfig, cdiv
 from engine.lora.adapter_checkpoint import PROJECTIONS, AdapterCheckpoint, module_features
+from engine.model_config import ModelConfig, cdiv
 
 MODULE_INDEX = {m: i for i, m in enumerate(PROJECTIONS)}
 

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
-from engine.config import ModelConfig
 from engine.model.linear import LoRAStepContext, ProjectionLinear
 from engine.model.rope import RotaryEmbedding, apply_rope
+from engine.model_config import ModelConfig
 
 
 @dataclass(slots=True)

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
+from engine.model_config import ModelConfig
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # HF module name -> (our packed module, slice index)

@@ -7,10 +7,10 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.config import ModelConfig
 from engine.lora.adapter_checkpoint import PROJECTIONS, AdapterCheckpoint, LoRAModuleWeights, module_features
 from engine.lora.pool import AdapterPool
 from engine.lora.step_context import CpuLoRAContext, token_segments
+from engine.model_config import ModelConfig
 from kernels.lora_meta import build_lora_batch_meta
 from kernels.reference import (
     lora_expand_ref,

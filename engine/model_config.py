@@ -1,4 +1,4 @@
-"""Typed views of a Hugging Face checkpoint's `config.json` and of the engine's settings."""
+"""Typed views of a Hugging Face checkpoint's `config.json` and the dtype choices made from it."""
 
 from __future__ import annotations
 
