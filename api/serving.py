@@ -17,6 +17,7 @@ from api.errors import APIError
 from api.generation import ChoiceUpdate, Generation, SamplingSpec
 from api.openai_protocol import _SamplingFields
 from engine.lora_request import LoRARequest
+from kernels.intmath import cdiv
 
 
 @dataclass(slots=True)
@@ -92,7 +93,7 @@ def sampling_spec(
     if max_tokens is None:
         max_tokens = info.max_model_len - longest
     total = min(longest + max_tokens, info.max_model_len)
-    if -(-total // info.block_size) > info.num_kv_blocks:
+    if cdiv(total, info.block_size) > info.num_kv_blocks:
         raise APIError(
             400,
             f"prompt + max_tokens ({total} tokens) exceed the KV cache "

@@ -21,7 +21,7 @@ from engine.lora.manager import LoRAInfo, LoRAManager, LoRAPoolStats, path_key
 from engine.lora_request import LoRARequest
 from engine.metrics import EngineStats
 from engine.model.loader import load_model
-from engine.model_config import ModelConfig, cdiv, resolve_dtype, resolve_lora_dtype
+from engine.model_config import ModelConfig, resolve_dtype, resolve_lora_dtype
 from engine.model_runner import ModelRunner, kv_block_bytes
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
@@ -29,6 +29,7 @@ from engine.request_group import RequestGroup
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+from kernels.intmath import cdiv
 
 
 class LLMEngine:

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.kv_cache.block_pool import BlockPool, KVBlock, hash_block
-from engine.model_config import cdiv
 from engine.request import Request
+from kernels.intmath import cdiv
 
 
 @dataclass(slots=True)

@@ -38,6 +38,7 @@ from engine.lora.step_context import CpuLoRAContext, TritonLoRAContext, token_se
 from engine.lora_request import LoRARequest
 from engine.model_config import ModelConfig
 from engine.scheduler.output import ScheduledRequest
+from kernels.intmath import cdiv
 
 
 @dataclass(slots=True)
@@ -83,7 +84,7 @@ class LoRAManager:
     ) -> None:
         self.model, self.dtype, self.device = model, dtype, device
         self.max_lora_rank = max_lora_rank
-        pages_per_adapter = -(-max_lora_rank // page_rank)
+        pages_per_adapter = cdiv(max_lora_rank, page_rank)
         self.pool = AdapterPool(
             model, num_pages or 2 * max_loras * pages_per_adapter, page_rank, max_lora_rank, dtype, device
         )

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.lora.adapter_checkpoint import PROJECTIONS, AdapterCheckpoint, module_features
-from engine.model_config import ModelConfig, cdiv
+from engine.model_config import ModelConfig
+from kernels.intmath import cdiv
 
 MODULE_INDEX = {m: i for i, m in enumerate(PROJECTIONS)}
 

@@ -11,6 +11,7 @@ from engine.lora.adapter_checkpoint import PROJECTIONS, AdapterCheckpoint, LoRAM
 from engine.lora.pool import AdapterPool
 from engine.lora.step_context import CpuLoRAContext, token_segments
 from engine.model_config import ModelConfig
+from kernels.intmath import cdiv
 from kernels.lora_meta import build_lora_batch_meta
 from kernels.reference import (
     lora_expand_ref,
@@ -120,7 +121,7 @@ def test_torch_attention_matches_reference():
     tables = torch.zeros(4, 4, dtype=torch.int32)
     used = 0
     for b, n in enumerate(seq_lens):
-        k = -(-n // bs)
+        k = cdiv(n, bs)
         tables[b, :k] = perm[used : used + k]
         used += k
     qs = [0]
