@@ -40,7 +40,6 @@ from lora_registry.schemas import (
     VersionInfo,
 )
 from lora_registry.settings import RegistrySettings
-from lora_registry.views import adapter_info, audit, audit_record, version_info
 
 if TYPE_CHECKING:
     from lora_registry.registration import PreparedUpload

@@ -7,10 +7,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import RedirectResponse, Response
 
 from admin_ui.charts import traffic_chart
+from admin_ui.page_data import adapter_series, engine_tiers
 from admin_ui.session import CsrfSession, Session
 from admin_ui.snippets import endpoint_snippets
 from admin_ui.templating import flash, render
-from admin_ui.views import adapter_series, engine_tiers
 from api.errors import APIError
 from api.routes.admin_api import call_registry
 

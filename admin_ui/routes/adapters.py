@@ -10,9 +10,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 from starlette.datastructures import UploadFile
 
+from admin_ui.page_data import adapter_rows, filter_rows
 from admin_ui.session import AdminSession, CsrfSession, Session
 from admin_ui.templating import flash, render
-from admin_ui.views import adapter_rows, filter_rows
 from api.errors import APIError
 from api.routes.admin_api import call_registry, register_upload
 

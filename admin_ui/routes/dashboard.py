@@ -6,10 +6,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from admin_ui.charts import traffic_chart
+from admin_ui.page_data import TIER_LABELS, TIER_ORDER, dashboard
 from admin_ui.session import Session
 from admin_ui.state import ui_state
 from admin_ui.templating import render
-from admin_ui.views import TIER_LABELS, TIER_ORDER, dashboard
 
 router = APIRouter(prefix="/admin", include_in_schema=False)
 POLL_MS = 2000

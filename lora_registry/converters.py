@@ -1,4 +1,4 @@
-"""Conversions from ORM rows to API schema objects, and the audit-log writer."""
+"""ORM rows -> API schema objects (`AdapterInfo`, `VersionInfo`, ...), and the audit-log writer."""
 
 from __future__ import annotations
 
