@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections import abc
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +24,10 @@ from engine.model.loader import load_model
 from engine.model_config import ModelConfig, resolve_dtype, resolve_lora_dtype
 from engine.model_runner import ModelRunner, kv_block_bytes
 from engine.outputs import RequestOutput
-from engine.request import Request, RequestStatus
 from engine.request_group import RequestGroup
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sequence import Sequence, SequenceStatus
 from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from kernels.intmath import cdiv
 
@@ -116,7 +116,7 @@ class LLMEngine:
         return tuple(sorted(ids))
 
     # ---- requests ---------------------------------------------------------------------------------
-    def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: str | abc.Sequence[int]) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids), validating both forms."""
         if isinstance(prompt, str):
             if not prompt:
@@ -135,7 +135,7 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | Sequence[int],
+        prompt: str | abc.Sequence[int],
         params: SamplingParams | None = None,
         lora_request: LoRARequest | None = None,
         priority: int = 0,
@@ -166,12 +166,12 @@ class LLMEngine:
                 gen.manual_seed(params.seed + i)
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             seqs.append(
-                Request(seq_id, ids, params, arrival, priority, lora_request, lora_key, gen, max_total)
+                Sequence(seq_id, ids, params, arrival, priority, lora_request, lora_key, gen, max_total)
             )
         detoks = [self._detokenizer() for _ in seqs]
         self._groups[request_id] = RequestGroup(request_id, text, ids, seqs, detoks)
         for s in seqs:
-            self._seq_to_group[s.request_id] = request_id
+            self._seq_to_group[s.seq_id] = request_id
             self.scheduler.add_request(s)
         self._prompt_tokens += len(ids)
 
@@ -182,7 +182,7 @@ class LLMEngine:
             raise ValueError("a lora_request was given but the engine was created with enable_lora=False")
         return self.lora.resolve_nowait(lora_request)  # None: digest computed by the background load
 
-    def _resolve_adapter(self, req: Request) -> bool:
+    def _resolve_adapter(self, req: Sequence) -> bool:
         """Scheduler hook: whether the request's adapter digest is known (setting `lora_key` once it is)."""
         if req.lora_request is None or req.lora_key is not None:
             return True
@@ -244,7 +244,7 @@ class LLMEngine:
             return None
         return IncrementalDetokenizer(self.tokenizer)
 
-    def abort_request(self, request_id: str | Sequence[str]) -> None:
+    def abort_request(self, request_id: str | abc.Sequence[str]) -> None:
         """Stop the request(s) now, freeing their KV blocks; unknown or finished ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
@@ -252,8 +252,8 @@ class LLMEngine:
             if group is None:
                 continue
             for seq in group.seqs:
-                self._seq_to_group.pop(seq.request_id, None)
-                self.scheduler.finish_request(seq, RequestStatus.FINISHED_ABORTED)
+                self._seq_to_group.pop(seq.seq_id, None)
+                self.scheduler.finish_request(seq, SequenceStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
@@ -275,7 +275,7 @@ class LLMEngine:
         self._generation_tokens += len(progressed)
         touched: dict[str, RequestGroup] = {}
         for seq in progressed:
-            gid = self._seq_to_group.get(seq.request_id)
+            gid = self._seq_to_group.get(seq.seq_id)
             if gid is None:
                 continue
             group = self._groups[gid]
@@ -288,7 +288,7 @@ class LLMEngine:
             if ro.finished:
                 self._groups.pop(gid, None)
                 for s in group.seqs:
-                    self._seq_to_group.pop(s.request_id, None)
+                    self._seq_to_group.pop(s.seq_id, None)
         return outputs
 
     def get_stats(self) -> EngineStats:

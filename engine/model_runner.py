@@ -20,9 +20,9 @@ from engine.model.linear import LoRAStepContext
 from engine.model.llama import ForwardBatch, LlamaForCausalLM
 from engine.model_config import ModelConfig
 from engine.sampler import Sampler
-from engine.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.scheduler.output import RunnerOutput, ScheduledSequence, SchedulerOutput
 
-LoRAContextBuilder = Callable[[Sequence[ScheduledRequest]], LoRAStepContext | None]
+LoRAContextBuilder = Callable[[Sequence[ScheduledSequence]], LoRAStepContext | None]
 
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -57,18 +57,18 @@ class ModelRunner:
         # Decodes first (batched attention), each group ordered by adapter so its tokens are contiguous.
         order = sorted(
             range(len(plan.scheduled)),
-            key=lambda i: (plan.scheduled[i].num_tokens != 1, plan.scheduled[i].request.lora_key or ""),
+            key=lambda i: (plan.scheduled[i].num_tokens != 1, plan.scheduled[i].seq.lora_key or ""),
         )
         items = [plan.scheduled[i] for i in order]
         batch = self._prepare(items)
         self.last_batch = (batch.input_ids.shape[0], batch.attn.num_decodes)
         logits = self.model(batch, self.kv_layers, self.backend)
         sample_items = [it for it in items if it.sample]
-        tokens = self.sampler(logits, [it.request for it in sample_items]) if sample_items else []
+        tokens = self.sampler(logits, [it.seq for it in sample_items]) if sample_items else []
         by_item: dict[int, object] = {id(it): tok for it, tok in zip(sample_items, tokens, strict=True)}
         return RunnerOutput([by_item.get(id(it)) for it in plan.scheduled])
 
-    def _prepare(self, items: list[ScheduledRequest]) -> ForwardBatch:
+    def _prepare(self, items: list[ScheduledSequence]) -> ForwardBatch:
         bs = self.block_size
         ids: list[int] = []
         pos_parts: list[np.ndarray] = []
@@ -81,7 +81,7 @@ class ModelRunner:
             n, start = it.num_tokens, it.start
             if n == 1:
                 num_decodes += 1
-            ids.extend(it.request.all_token_ids[start : start + n])
+            ids.extend(it.seq.all_token_ids[start : start + n])
             pos = np.arange(start, start + n, dtype=np.int64)
             blocks = np.asarray(it.block_ids, dtype=np.int64)
             pos_parts.append(pos)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections import abc
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,7 @@ from engine.lora.pool import AdapterPool, ResidentAdapter
 from engine.lora.step_context import CpuLoRAContext, TritonLoRAContext, token_segments
 from engine.lora_request import LoRARequest
 from engine.model_config import ModelConfig
-from engine.scheduler.output import ScheduledRequest
+from engine.scheduler.output import ScheduledSequence
 from kernels.intmath import cdiv
 
 
@@ -247,12 +248,12 @@ class LoRAManager:
         failed, self._failed = self._failed, {}
         return failed
 
-    def step_context(self, items: Sequence[ScheduledRequest]):
+    def step_context(self, items: abc.Sequence[ScheduledSequence]):
         """The LoRA context for a step's scheduled requests (in flat-batch order), or None if none has one."""
         adapters: list[ResidentAdapter | None] = []
         any_lora = False
         for it in items:
-            key = it.request.lora_key
+            key = it.seq.lora_key
             res = self.pool.resident.get(key) if key is not None else None
             assert key is None or res is not None, "scheduled adapter must be resident"
             if res is not None:

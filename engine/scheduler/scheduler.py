@@ -22,9 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.kv_cache import KVCacheManager
-from engine.request import Request, RequestStatus
-from engine.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.scheduler.output import RunnerOutput, ScheduledSequence, SchedulerOutput
 from engine.scheduler.policy import admission_order, pick_victim, validate_policy
+from engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)
@@ -63,8 +63,8 @@ class Scheduler:
         config: SchedulerConfig,
         kv: KVCacheManager,
         eos_token_ids: tuple[int, ...] = (),
-        adapter_ready: Callable[[Request], bool] | None = None,
-        adapter_resolved: Callable[[Request], bool] | None = None,
+        adapter_ready: Callable[[Sequence], bool] | None = None,
+        adapter_resolved: Callable[[Sequence], bool] | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
@@ -72,35 +72,35 @@ class Scheduler:
         self.adapter_ready = adapter_ready or (lambda req: True)
         # False while a request's adapter identity (digest) is still being loaded; sets `lora_key`.
         self.adapter_resolved = adapter_resolved or (lambda req: True)
-        self.waiting: list[Request] = []
-        self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.seqs: dict[str, Sequence] = {}
         self.stats = SchedulerStats()
 
     # ---- queue management -------------------------------------------------------------------------
-    def add_request(self, req: Request) -> None:
-        self.requests[req.request_id] = req
+    def add_request(self, req: Sequence) -> None:
+        self.seqs[req.seq_id] = req
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def finish_request(self, req: Request, status: RequestStatus) -> None:
+    def finish_request(self, req: Sequence, status: SequenceStatus) -> None:
         """End a request (stop, length or abort) and release everything it holds."""
         if req.is_finished:
             return
-        if req.status == RequestStatus.RUNNING:
+        if req.status == SequenceStatus.RUNNING:
             self.running.remove(req)
         else:
             self.waiting.remove(req)
         req.status = status
         self.kv.free(req)
-        self.requests.pop(req.request_id, None)
+        self.seqs.pop(req.seq_id, None)
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Sequence) -> None:
         self.running.remove(req)
         self.kv.free(req)
-        req.status = RequestStatus.PREEMPTED
+        req.status = SequenceStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
@@ -109,8 +109,8 @@ class Scheduler:
     # ---- one step ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
-        preempted: list[Request] = []
+        scheduled: list[ScheduledSequence] = []
+        preempted: list[Sequence] = []
         adapters: set[str | None] = set()
 
         i = 0
@@ -142,11 +142,11 @@ class Scheduler:
         self.stats.num_batched_tokens = out.num_batched_tokens
         return out
 
-    def _admit(self, budget: int, scheduled: list[ScheduledRequest], adapters: set[str | None]) -> int:
+    def _admit(self, budget: int, scheduled: list[ScheduledSequence], adapters: set[str | None]) -> int:
         running_adapters = {r.lora_key for r in self.running} | adapters
         hit_cache: dict[int, tuple[list, int]] = {}
 
-        def cached(req: Request) -> int:
+        def cached(req: Sequence) -> int:
             if req.lora_request is not None and req.lora_key is None:
                 return 0  # its adapter digest (part of every block key) is not known yet
             if id(req) not in hit_cache:
@@ -183,23 +183,23 @@ class Scheduler:
             req.num_computed_tokens = num_cached
             self.waiting.remove(req)
             self.running.append(req)
-            req.status = RequestStatus.RUNNING
+            req.status = SequenceStatus.RUNNING
             running_adapters.add(key)
             scheduled.append(self._scheduled(req, n))
             budget -= n
         return budget
 
-    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+    def _scheduled(self, req: Sequence, n: int) -> ScheduledSequence:
         start = req.num_computed_tokens
-        return ScheduledRequest(
-            request=req,
+        return ScheduledSequence(
+            seq=req,
             start=start,
             num_tokens=n,
             block_ids=self.kv.block_ids(req),
             sample=start + n == req.num_tokens,
         )
 
-    def update(self, plan: SchedulerOutput, out: RunnerOutput) -> list[Request]:
+    def update(self, plan: SchedulerOutput, out: RunnerOutput) -> list[Sequence]:
         """Advance computed counts, append sampled tokens, and finish requests that hit a stop condition.
 
         Returns the requests that received a new token this step (finished ones included).
@@ -207,7 +207,7 @@ class Scheduler:
         now = time.monotonic()
         progressed = []
         for item, sampled in zip(plan.scheduled, out.sampled, strict=True):
-            req = item.request
+            req = item.seq
             if req.is_finished:  # aborted while the step ran
                 continue
             req.num_computed_tokens += item.num_tokens
@@ -224,12 +224,12 @@ class Scheduler:
             progressed.append(req)
         return progressed
 
-    def _check_stop(self, req: Request, token_id: int) -> None:
+    def _check_stop(self, req: Sequence, token_id: int) -> None:
         params = req.params
         if token_id in params.stop_token_ids:
             req.stop_reason = token_id
-            self.finish_request(req, RequestStatus.FINISHED_STOPPED)
+            self.finish_request(req, SequenceStatus.FINISHED_STOPPED)
         elif not params.ignore_eos and token_id in self.eos_token_ids:
-            self.finish_request(req, RequestStatus.FINISHED_STOPPED)
+            self.finish_request(req, SequenceStatus.FINISHED_STOPPED)
         elif req.num_output_tokens >= params.max_tokens or req.num_tokens >= req.max_total_tokens:
-            self.finish_request(req, RequestStatus.FINISHED_LENGTH)
+            self.finish_request(req, SequenceStatus.FINISHED_LENGTH)

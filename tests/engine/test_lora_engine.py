@@ -170,8 +170,8 @@ def test_adapter_loads_in_background_without_stalling(adapters):
     eng.step()
     eng.step()
     # The adapter is still loading: its request waits while the base request keeps stepping.
-    assert [r.request_id for r in eng.scheduler.running] == ["base"]
-    assert [r.request_id for r in eng.scheduler.waiting] == ["tuned"]
+    assert [r.seq_id for r in eng.scheduler.running] == ["base"]
+    assert [r.seq_id for r in eng.scheduler.waiting] == ["tuned"]
     gate.set()
     done = {}
     while eng.has_unfinished_requests():
@@ -277,7 +277,7 @@ def test_prefetch_loads_in_background_then_serves_without_waiting(adapters):
     params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
     eng.add_request("r", [5, 6, 7], params, lr)
     eng.step()
-    assert [r.request_id for r in eng.scheduler.running] == ["r"]  # admitted in the first step
+    assert [r.seq_id for r in eng.scheduler.running] == ["r"]  # admitted in the first step
     done = {}
     while eng.has_unfinished_requests():
         done |= {o.request_id: o for o in eng.step() if o.finished}
