@@ -17,7 +17,8 @@ import torch
 
 from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheManager
-from engine.lora.manager import LoRAInfo, LoRAManager, LoRAPoolStats, path_key
+from engine.lora.loader import path_key
+from engine.lora.manager import LoRAInfo, LoRAManager, LoRAPoolStats
 from engine.lora_request import LoRARequest
 from engine.metrics import EngineStats
 from engine.model.loader import load_model
@@ -46,26 +47,9 @@ class LLMEngine:
         self.model = load_model(self.model_config, self.dtype, self.device)
         self.num_kv_blocks = self._num_blocks()
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        sched_cfg = SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            policy=config.scheduling_policy,
-            max_loras=config.max_loras,
-        )
-        self.scheduler = Scheduler(sched_cfg, self.kv, self._eos_token_ids())
-        self.runner = ModelRunner(
-            self.model,
-            self.model_config,
-            self.num_kv_blocks,
-            config.block_size,
-            self.dtype,
-            self.device,
-            config.seed,
-            config.attention_backend,
-        )
         self.lora: LoRAManager | None = None
         if config.enable_lora:
-            self.lora = LoRAManager(
+            self.lora = LoRAManager.create(
                 self.model_config,
                 resolve_lora_dtype(config.lora_dtype, self.dtype),
                 self.device,
@@ -77,11 +61,23 @@ class LLMEngine:
                 max_loras=config.max_loras,
                 backend=config.lora_backend,
             )
-            lora = self.lora
-            self.lora.in_use = lambda: {r.lora_key for r in self.scheduler.running if r.lora_key}
-            self.scheduler.adapter_ready = lambda req: req.lora_key is None or lora.ready(req.lora_key)
-            self.scheduler.adapter_resolved = self._resolve_adapter
-            self.runner.lora_context = self.lora.step_context
+        self.scheduler = Scheduler(
+            SchedulerConfig.from_engine_config(config),
+            self.kv,
+            self._eos_token_ids(),
+            is_resident=self.lora.is_resident if self.lora is not None else None,
+        )
+        self.runner = ModelRunner(
+            self.model,
+            self.model_config,
+            self.num_kv_blocks,
+            config.block_size,
+            self.dtype,
+            self.device,
+            config.seed,
+            config.attention_backend,
+            lora_context=self.lora.step_context if self.lora is not None else None,
+        )
         self._groups: dict[str, RequestGroup] = {}
         self._seq_to_group: dict[str, str] = {}
         self._steps = 0
@@ -182,15 +178,16 @@ class LLMEngine:
             raise ValueError("a lora_request was given but the engine was created with enable_lora=False")
         return self.lora.resolve_nowait(lora_request)  # None: digest computed by the background load
 
-    def _resolve_adapter(self, req: Sequence) -> bool:
-        """Scheduler hook: whether the request's adapter digest is known (setting `lora_key` once it is)."""
-        if req.lora_request is None or req.lora_key is not None:
-            return True
-        digest = self.lora.poll_resolved(req.lora_request)
-        if digest is None:
-            return False
-        req.lora_key = digest
-        return True
+    def _prepare_adapters(self) -> None:
+        """Before scheduling: learn the digests that background loads computed, and make the adapters the
+        scheduler will want next resident (uploading from host memory, or starting their loads)."""
+        if self.lora is None or not self.scheduler.waiting:
+            return
+        in_use = self.scheduler.running_adapters()
+        for seq in self.scheduler.waiting:
+            if seq.lora_request is not None and seq.lora_key is None:
+                seq.lora_key = self.lora.poll_resolved(seq.lora_request, in_use)
+        self.lora.prepare(self.scheduler.adapters_wanted(), in_use)
 
     # ---- adapters ---------------------------------------------------------------------------------
     def _require_lora(self) -> LoRAManager:
@@ -200,17 +197,17 @@ class LLMEngine:
 
     def add_lora(self, lora_request: LoRARequest) -> str:
         """Validate and load an adapter into host memory now; returns its content digest."""
-        return self._require_lora().add_lora(lora_request)
+        return self._require_lora().add_lora(lora_request, self.scheduler.running_adapters())
 
     def prefetch_lora(self, lora_request: LoRARequest) -> None:
         """Begin loading an adapter into host memory in the background (e.g. when it is activated)."""
-        self._require_lora().prefetch(lora_request)
+        self._require_lora().prefetch(lora_request, self.scheduler.running_adapters())
 
     def remove_lora(self, name_or_digest: str) -> bool:
-        return self._require_lora().remove_lora(name_or_digest)
+        return self._require_lora().remove_lora(name_or_digest, self.scheduler.running_adapters())
 
     def pin_lora(self, name_or_digest: str, pinned: bool = True) -> bool:
-        return self._require_lora().pin_lora(name_or_digest, pinned)
+        return self._require_lora().pin_lora(name_or_digest, self.scheduler.running_adapters(), pinned)
 
     def list_loras(self) -> list[LoRAInfo]:
         return self._require_lora().list_loras()
@@ -230,7 +227,7 @@ class LLMEngine:
             first = group.seqs[0]
             if first.lora_request is None:
                 continue
-            err = failed.get(first.lora_key or "") or failed.get(path_key(first.lora_request))
+            err = failed.get(path_key(first.lora_request))
             if err is None:
                 continue
             self.abort_request(gid)
@@ -265,6 +262,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step and return the state of every request that produced a token."""
         failed = self._fail_adapter_requests()
+        self._prepare_adapters()
         plan = self.scheduler.schedule()
         self._steps += 1
         self._last_step_tokens = plan.num_batched_tokens

@@ -5,7 +5,7 @@ Per step it builds, with numpy on the host and one copy to the device:
 - the KV slot of every token (`block_ids[pos // block_size] * block_size + pos % block_size`),
 - padded block tables, context lengths and query offsets for attention,
 - the row of each sequence's last token, for the sequences that sample this step,
-and, when any scheduled request uses an adapter, the per-step LoRA context from `lora_context`.
+and, when any scheduled sequence uses an adapter, the per-step LoRA context from `lora_context`.
 """
 
 from __future__ import annotations
@@ -41,14 +41,17 @@ class ModelRunner:
         device: torch.device,
         seed: int = 0,
         attention_backend: str = "auto",
+        lora_context: LoRAContextBuilder | None = None,
     ) -> None:
+        """`lora_context(items)`: the step's LoRA context for the scheduled items in flat-batch order
+        (None when LoRA is disabled)."""
         self.model, self.cfg, self.device, self.block_size = model, cfg, device, block_size
         shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.kv_layers = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
         self.backend = select_backend(device, attention_backend)
         self.sampler = Sampler(device, seed)
-        self.lora_context: LoRAContextBuilder | None = None
+        self.lora_context = lora_context
         self.last_batch: tuple[int, int] = (0, 0)  # (tokens, decode tokens) of the last step, for benchmarks
 
     @torch.inference_mode()

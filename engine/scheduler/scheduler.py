@@ -7,12 +7,13 @@ Each step (`schedule`):
    released and it returns to the front of the queue to be recomputed later.
 2. If nothing was preempted, waiting requests are admitted in policy order while the token budget,
    `max_num_seqs`, `max_loras` and the KV pool allow, each starting after its cached prefix. A long
-   prompt is split across steps (chunked prefill) by the token budget. A request whose adapter is not
-   in the device pool yet (`adapter_resolved` / `adapter_ready` False: loading in the background) is
-   passed over without holding up the others. A request passed over `lora_starvation_steps` times
+   prompt is split across steps (chunked prefill) by the token budget. A sequence whose adapter digest
+   is not known yet (`lora_key` None) or whose adapter is not in the device pool (`is_resident` False)
+   is passed over without holding up the others. A sequence passed over `lora_starvation_steps` times
    because `max_loras` adapters are already running stops admission behind it until its adapter gets
    a slot.
-The scheduler never touches tensors; `update` applies the runner's sampled tokens.
+The scheduler never touches tensors and never loads adapters: it asks `is_resident`, and tells the
+engine which adapters it will want next (`adapters_wanted`); `update` applies the runner's sampled tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.scheduler.output import RunnerOutput, ScheduledSequence, SchedulerOutput
 from engine.scheduler.policy import admission_order, pick_victim, validate_policy
@@ -29,10 +31,12 @@ from engine.sequence import Sequence, SequenceStatus
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    policy: str = "fcfs"
-    max_loras: int = 8
+    """The scheduler's share of `EngineConfig` (whose defaults apply; see `from_engine_config`)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    policy: str
+    max_loras: int
     # After this many steps passed over for lack of an adapter slot, a request blocks admission of
     # everything behind it, so the running adapters drain and its adapter gets a slot.
     lora_starvation_steps: int = 16
@@ -45,6 +49,15 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> SchedulerConfig:
+        return cls(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            policy=config.scheduling_policy,
+            max_loras=config.max_loras,
+        )
 
 
 @dataclass(slots=True)
@@ -63,15 +76,14 @@ class Scheduler:
         config: SchedulerConfig,
         kv: KVCacheManager,
         eos_token_ids: tuple[int, ...] = (),
-        adapter_ready: Callable[[Sequence], bool] | None = None,
-        adapter_resolved: Callable[[Sequence], bool] | None = None,
+        is_resident: Callable[[str], bool] | None = None,
     ) -> None:
+        """`is_resident(digest)`: whether an adapter is in the device pool now (a pure query; the engine
+        loads adapters). None: every adapter counts as resident (no LoRA, or tests without a pool)."""
         self.config = config
         self.kv = kv
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.adapter_ready = adapter_ready or (lambda req: True)
-        # False while a request's adapter identity (digest) is still being loaded; sets `lora_key`.
-        self.adapter_resolved = adapter_resolved or (lambda req: True)
+        self.is_resident = is_resident or (lambda digest: True)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.seqs: dict[str, Sequence] = {}
@@ -84,6 +96,24 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def running_adapters(self) -> set[str]:
+        """Digests of the adapters used by running sequences (they must stay resident)."""
+        return {s.lora_key for s in self.running if s.lora_key is not None}
+
+    def adapters_wanted(self) -> list[str]:
+        """Adapters of waiting sequences that admission could take next, in admission order: at most as
+        many new ones as `max_loras` leaves beside the running adapters (policy `lpm` in queue order)."""
+        running = self.running_adapters()
+        free = self.config.max_loras - len(running)
+        wanted: list[str] = []
+        for seq in admission_order(self.config.policy, self.waiting, lambda s: 0):
+            if len(wanted) >= free:
+                break
+            key = seq.lora_key
+            if key is not None and key not in running and key not in wanted:
+                wanted.append(key)
+        return wanted
 
     def finish_request(self, req: Sequence, status: SequenceStatus) -> None:
         """End a request (stop, length or abort) and release everything it holds."""
@@ -157,8 +187,8 @@ class Scheduler:
         for req in order:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            if not self.adapter_resolved(req):
-                continue
+            if req.lora_request is not None and req.lora_key is None:
+                continue  # its adapter's digest is still being computed by a background load
             key = req.lora_key
             new_adapter = key is not None and key not in running_adapters
             if new_adapter and sum(k is not None for k in running_adapters) >= self.config.max_loras:
@@ -166,7 +196,7 @@ class Scheduler:
                 if req.num_lora_skips >= self.config.lora_starvation_steps:
                     break
                 continue
-            if not self.adapter_ready(req):
+            if key is not None and not self.is_resident(key):
                 continue
             # Look up again: blocks cached earlier in this loop (e.g. by an n>1 sibling) may now hit.
             hit_cache.pop(id(req), None)

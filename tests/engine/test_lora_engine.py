@@ -64,7 +64,7 @@ def _run_and_check(llm: LLM, dirs, oracle, reqs, oracle_dirs=None):
         assert out.outputs[0].token_ids == expected, f"adapter {name}"
     eng = llm.engine
     assert eng.get_stats().kv_blocks_used == 0
-    assert eng.lora.in_use() == set()
+    assert eng.scheduler.running_adapters() == set()
     pool = eng.lora.pool
     assert pool.pages_used() == sum(r.num_pages for r in pool.resident.values())
 
@@ -164,7 +164,7 @@ def test_adapter_loads_in_background_without_stalling(adapters):
     eng = LLMEngine.from_args(str(base), device="cpu", dtype="float32", max_lora_rank=32)
     params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
     gate = threading.Event()
-    eng.lora._submit(gate.wait)  # hold the (single) loader thread so the load below cannot finish yet
+    eng.lora.loader._submit(gate.wait)  # hold the (single) loader thread so the load below cannot finish yet
     eng.add_request("base", [5, 6, 7], params)
     eng.add_request("tuned", [5, 6, 7], params, LoRARequest("gud", str(dirs["gud-r12"])))
     eng.step()
