@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session, selectinload, sessionmaker
 
 from lora_registry import events as ev
 from lora_registry.blobstore import BlobStore
+from lora_registry.converters import adapter_info, audit, audit_record, version_info
 from lora_registry.dbsession import transaction
 from lora_registry.errors import Conflict, NotFound, RegistryError
 from lora_registry.events import EventBus, RegistryEvent
