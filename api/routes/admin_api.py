@@ -11,19 +11,19 @@ from pathlib import Path
 from typing import Annotated
 
 import msgspec
-from fastapi import APIRouter, Depends, File, Form, Request, UploadFile
+from fastapi import APIRouter, File, Form, UploadFile
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
-from api.auth import require_admin
+from api.deps import AdaptersDep, AdminActor, KeysDep, StateDep
 from api.errors import APIError
 from api.openai_protocol import LoadLoRARequest, UnloadLoRARequest
+from api.state import AppState
 from lora_registry.errors import RegistryError
 
 router = APIRouter(prefix="/admin/api", tags=["admin"])
 compat = APIRouter(tags=["admin"])
-Admin = Annotated[str, Depends(require_admin)]
 PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
@@ -67,7 +67,13 @@ async def save_upload(files: list[UploadFile], dest: Path, limit: int) -> Path:
 
 
 async def register_upload(
-    state, name: str, files: list[UploadFile], *, description: str | None, activate: bool, actor: str
+    state: AppState,
+    name: str,
+    files: list[UploadFile],
+    *,
+    description: str | None,
+    activate: bool,
+    actor: str,
 ):
     """Save an upload in a private temp dir, register it as a version of `name`, remove the temp dir.
 
@@ -96,38 +102,35 @@ async def register_upload(
 
 @router.post("/adapters", status_code=201)
 async def upload_adapter(
-    request: Request,
-    actor: Admin,
+    state: StateDep,
+    actor: AdminActor,
     name: Annotated[str, Form()],
     file: Annotated[list[UploadFile], File()],
     description: Annotated[str | None, Form()] = None,
     activate: Annotated[bool, Form()] = False,
 ):
-    state = request.app.state.loraplex
     result = await register_upload(state, name, file, description=description, activate=activate, actor=actor)
     return JSONResponse(result.to_dict(), status_code=201 if result.created else 200)
 
 
 @router.get("/adapters")
-async def list_adapters(request: Request, _: Admin) -> dict:
-    rows = await call_registry(request.app.state.loraplex.registry.adapters.list)
+async def list_adapters(adapters: AdaptersDep, _: AdminActor) -> dict:
+    rows = await call_registry(adapters.list)
     return {"data": [r.to_dict() for r in rows]}
 
 
 @router.get("/adapters/{name}")
-async def show_adapter(name: str, request: Request, _: Admin) -> dict:
-    return (await call_registry(request.app.state.loraplex.registry.adapters.show, name)).to_dict()
+async def show_adapter(name: str, adapters: AdaptersDep, _: AdminActor) -> dict:
+    return (await call_registry(adapters.show, name)).to_dict()
 
 
 @router.post("/adapters/{name}/activate")
-async def activate_adapter(name: str, request: Request, actor: Admin) -> dict:
-    svc = request.app.state.loraplex.registry.adapters
+async def activate_adapter(name: str, svc: AdaptersDep, actor: AdminActor) -> dict:
     return (await call_registry(svc.activate, name, actor=actor)).to_dict()
 
 
 @router.post("/adapters/{name}/deactivate")
-async def deactivate_adapter(name: str, request: Request, actor: Admin) -> dict:
-    svc = request.app.state.loraplex.registry.adapters
+async def deactivate_adapter(name: str, svc: AdaptersDep, actor: AdminActor) -> dict:
     return (await call_registry(svc.deactivate, name, actor=actor)).to_dict()
 
 
@@ -136,21 +139,19 @@ class RollbackBody(BaseModel):
 
 
 @router.post("/adapters/{name}/rollback")
-async def rollback_adapter(name: str, body: RollbackBody, request: Request, actor: Admin) -> dict:
-    svc = request.app.state.loraplex.registry.adapters
+async def rollback_adapter(name: str, body: RollbackBody, svc: AdaptersDep, actor: AdminActor) -> dict:
     return (await call_registry(svc.rollback, name, body.version, actor=actor)).to_dict()
 
 
 @router.delete("/adapters/{name}")
-async def delete_adapter(name: str, request: Request, actor: Admin) -> dict:
-    await call_registry(request.app.state.loraplex.registry.adapters.delete, name, actor=actor)
+async def delete_adapter(name: str, svc: AdaptersDep, actor: AdminActor) -> dict:
+    await call_registry(svc.delete, name, actor=actor)
     return {"deleted": name}
 
 
 @router.get("/pool")
-async def pool_status(request: Request, _: Admin) -> dict:
+async def pool_status(state: StateDep, _: AdminActor) -> dict:
     """The engine's KV cache and adapter pool: pages used/free, residency of each adapter by tier."""
-    state = request.app.state.loraplex
     stats = state.client.stats
     if stats is None:
         raise APIError(503, "the engine has not reported statistics yet")
@@ -166,8 +167,8 @@ async def pool_status(request: Request, _: Admin) -> dict:
 
 
 @router.get("/audit")
-async def audit_log(request: Request, _: Admin, limit: int = 100) -> dict:
-    rows = await call_registry(request.app.state.loraplex.registry.adapters.audit_log, limit)
+async def audit_log(svc: AdaptersDep, _: AdminActor, limit: int = 100) -> dict:
+    rows = await call_registry(svc.audit_log, limit)
     return {"data": [r.to_dict() for r in rows]}
 
 
@@ -178,8 +179,7 @@ class KeyBody(BaseModel):
 
 
 @router.post("/keys", status_code=201)
-async def create_key(body: KeyBody, request: Request, actor: Admin) -> dict:
-    keys = request.app.state.loraplex.registry.keys
+async def create_key(body: KeyBody, keys: KeysDep, actor: AdminActor) -> dict:
     created = await call_registry(
         keys.create, body.name, admin=body.admin, adapters=body.adapters, actor=actor
     )
@@ -187,20 +187,18 @@ async def create_key(body: KeyBody, request: Request, actor: Admin) -> dict:
 
 
 @router.get("/keys")
-async def list_keys(request: Request, _: Admin) -> dict:
-    return {"data": [k.to_dict() for k in await call_registry(request.app.state.loraplex.registry.keys.list)]}
+async def list_keys(keys: KeysDep, _: AdminActor) -> dict:
+    return {"data": [k.to_dict() for k in await call_registry(keys.list)]}
 
 
 @router.delete("/keys/{name}")
-async def revoke_key(name: str, request: Request, actor: Admin) -> dict:
-    keys = request.app.state.loraplex.registry.keys
+async def revoke_key(name: str, keys: KeysDep, actor: AdminActor) -> dict:
     return (await call_registry(keys.revoke, name, actor=actor)).to_dict()
 
 
 @compat.post("/v1/load_lora_adapter")
-async def load_lora_adapter(body: LoadLoRARequest, request: Request, actor: Admin) -> dict:
+async def load_lora_adapter(body: LoadLoRARequest, svc: AdaptersDep, actor: AdminActor) -> dict:
     """vLLM-compatible: register the adapter at a server-local path under `lora_name` and activate it."""
-    svc = request.app.state.loraplex.registry.adapters
     if not Path(body.lora_path).exists():
         raise APIError(400, f"lora_path {body.lora_path!r} does not exist on the server", param="lora_path")
     result = await call_registry(
@@ -210,7 +208,6 @@ async def load_lora_adapter(body: LoadLoRARequest, request: Request, actor: Admi
 
 
 @compat.post("/v1/unload_lora_adapter")
-async def unload_lora_adapter(body: UnloadLoRARequest, request: Request, actor: Admin) -> dict:
-    svc = request.app.state.loraplex.registry.adapters
+async def unload_lora_adapter(body: UnloadLoRARequest, svc: AdaptersDep, actor: AdminActor) -> dict:
     await call_registry(svc.deactivate, body.lora_name, actor=actor)
     return {"unloaded": body.lora_name}

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from api.auth import authenticate, authorize
+from api.deps import StateDep
 from api.errors import APIError
 
 router = APIRouter(tags=["openai"])
@@ -22,8 +23,7 @@ def _model(id_: str, created: int, parent: str | None = None) -> dict:
 
 
 @router.get("/v1/models")
-async def list_models(request: Request) -> dict:
-    state = request.app.state.loraplex
+async def list_models(request: Request, state: StateDep) -> dict:
     await authenticate(request)
     base = state.settings.served_model_name
     created = int(state.started_at)
@@ -33,8 +33,7 @@ async def list_models(request: Request) -> dict:
 
 
 @router.get("/v1/adapters/{name}/models")
-async def adapter_models(name: str, request: Request) -> dict:
-    state = request.app.state.loraplex
+async def adapter_models(name: str, request: Request, state: StateDep) -> dict:
     authorize(await authenticate(request), name)
     if name not in state.follower.snapshot():
         raise APIError(404, f"The model '{name}' does not exist or is not active", code="model_not_found")
