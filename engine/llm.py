@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -41,9 +41,7 @@ class LLM:
         the engine untouched. Any number of distinct adapters may be mixed: the scheduler rotates them
         through the `max_loras` per-step slots and the adapter pool.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # a single prompt
-        prompts = list(prompts)
+        prompts = _as_batch(prompts)
         params = _per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params")
         loras = _per_prompt(lora_request, len(prompts), "lora_request")
         prios = list(priority) if priority is not None else [0] * len(prompts)
@@ -69,6 +67,13 @@ class LLM:
             self.engine.abort_request(ids)
             raise
         return [final[rid] for rid in ids]
+
+
+def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """A list of prompts (a single prompt, text or token ids, becomes a batch of one)."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        return [cast(Prompt, prompts)]
+    return list(cast(Sequence[Prompt], prompts))
 
 
 def _per_prompt(value, n: int, name: str) -> list:

@@ -227,12 +227,13 @@ class LLMEngine:
             first = group.seqs[0]
             if first.lora_request is None:
                 continue
-            err = failed.get(path_key(first.lora_request))
+            lr = first.lora_request
+            err = failed.get(path_key(lr))
             if err is None:
                 continue
             self.abort_request(gid)
             out = group.output()
-            out.error = f"adapter {group.seqs[0].lora_request.name!r} could not be loaded: {err}"
+            out.error = f"adapter {lr.name!r} could not be loaded: {err}"
             outputs.append(out)
         return outputs
 

@@ -20,7 +20,7 @@ from engine.model.linear import LoRAStepContext
 from engine.model.llama import ForwardBatch, LlamaForCausalLM
 from engine.model_config import ModelConfig
 from engine.sampler import Sampler
-from engine.scheduler.output import RunnerOutput, ScheduledSequence, SchedulerOutput
+from engine.scheduler.output import RunnerOutput, SampledToken, ScheduledSequence, SchedulerOutput
 
 LoRAContextBuilder = Callable[[Sequence[ScheduledSequence]], LoRAStepContext | None]
 
@@ -68,7 +68,7 @@ class ModelRunner:
         logits = self.model(batch, self.kv_layers, self.backend)
         sample_items = [it for it in items if it.sample]
         tokens = self.sampler(logits, [it.seq for it in sample_items]) if sample_items else []
-        by_item: dict[int, object] = {id(it): tok for it, tok in zip(sample_items, tokens, strict=True)}
+        by_item: dict[int, SampledToken] = {id(it): tok for it, tok in zip(sample_items, tokens, strict=True)}
         return RunnerOutput([by_item.get(id(it)) for it in plan.scheduled])
 
     def _prepare(self, items: list[ScheduledSequence]) -> ForwardBatch:

@@ -9,7 +9,8 @@ admin session standing in for an API key.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import cast
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -19,7 +20,7 @@ from admin_ui.session import CsrfSession, Session
 from admin_ui.templating import render
 from api.deps import StateDep
 from api.errors import APIError
-from api.generation import Generation
+from api.generation import ChoiceUpdate, Generation
 from api.openai_protocol import CompletionRequest
 from api.serving import RequestRun, Target, adapter_target, sampling_spec, tokenize
 from api.sse import sse
@@ -72,7 +73,7 @@ async def generate(request: Request, state: StateDep, _: CsrfSession) -> Respons
 
     async def events() -> AsyncIterator[str]:
         t0 = time.monotonic()
-        updates = run.updates()
+        updates = cast(AsyncGenerator[ChoiceUpdate, None], run.updates())  # an async generator
         try:
             async for up in updates:
                 if up.text:

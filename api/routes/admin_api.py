@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
 
@@ -15,6 +16,7 @@ from fastapi import APIRouter, File, Form, UploadFile
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import UploadFile as UploadedFile  # what forms hold (FastAPI's is a subclass)
 
 from api.deps import AdaptersDep, AdminActor, KeysDep, StateDep
 from api.errors import APIError
@@ -35,7 +37,7 @@ async def call_registry(fn, *args, **kwargs):
         raise APIError(exc.status_code, str(exc)) from exc
 
 
-async def save_upload(files: list[UploadFile], dest: Path, limit: int) -> Path:
+async def save_upload(files: Sequence[UploadedFile], dest: Path, limit: int) -> Path:
     """Write the uploaded zip (one file) or PEFT pair (two files) under `dest`; 413 past `limit` bytes.
 
     Returns the path to register: the zip file, or the directory holding the two files.
@@ -69,7 +71,7 @@ async def save_upload(files: list[UploadFile], dest: Path, limit: int) -> Path:
 async def register_upload(
     state: AppState,
     name: str,
-    files: list[UploadFile],
+    files: Sequence[UploadedFile],
     *,
     description: str | None,
     activate: bool,

@@ -210,7 +210,11 @@ def _checked(ckpt: AdapterCheckpoint, digest: str) -> AdapterCheckpoint:
 
 
 def _pin_host_memory(ckpt: AdapterCheckpoint) -> AdapterCheckpoint:
-    mods = tuple(replace(m, lora_a=m.lora_a.pin_memory(), lora_b=m.lora_b.pin_memory()) for m in ckpt.modules)
+    mods = tuple(
+        replace(m, lora_a=m.lora_a.pin_memory(), lora_b=m.lora_b.pin_memory())
+        for m in ckpt.modules
+        if m.lora_a is not None and m.lora_b is not None  # loaded with weights: always both
+    )
     return replace(ckpt, modules=mods)
 
 

@@ -67,7 +67,7 @@ class Attention(nn.Module):
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q_size, kv_size = nh * d, nkv * d
         v = qkv[:, q_size + kv_size :].view(t, nkv, d)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q = apply_rope(self.q_norm(qkv[:, :q_size].view(t, nh, d)), rope_tables)
             k = apply_rope(self.k_norm(qkv[:, q_size : q_size + kv_size].view(t, nkv, d)), rope_tables)
         else:  # q and k are adjacent columns: rotate both heads' blocks in one pass
