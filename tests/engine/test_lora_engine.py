@@ -16,6 +16,8 @@ from engine import LLM, LLMEngine, LoRARequest, SamplingParams
 from engine.lora.adapter_checkpoint import AdapterError
 from tests.helpers.tiny_adapters import ADAPTER_SPECS, PeftGreedyOracle, build_adapter
 
+pytestmark = pytest.mark.slow  # the PEFT oracle on tiny models
+
 NEW = 8
 
 
