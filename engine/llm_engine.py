@@ -178,16 +178,29 @@ class LLMEngine:
             raise ValueError("a lora_request was given but the engine was created with enable_lora=False")
         return self.lora.resolve_nowait(lora_request)  # None: digest computed by the background load
 
-    def _prepare_adapters(self) -> None:
+    def _prepare_adapters(self) -> list[RequestOutput]:
         """Before scheduling: learn the digests that background loads computed, and make the adapters the
-        scheduler will want next resident (uploading from host memory, or starting their loads)."""
+        scheduler will want next resident (uploading from host memory, or starting their loads).
+
+        An adapter removed (`remove_lora`) while requests wait for it is looked up again from their
+        `LoRARequest`; if its files changed meanwhile, those requests end with an error."""
         if self.lora is None or not self.scheduler.waiting:
-            return
+            return []
         in_use = self.scheduler.running_adapters()
+        lost: dict[str, LoRARequest] = {}
         for seq in self.scheduler.waiting:
-            if seq.lora_request is not None and seq.lora_key is None:
-                seq.lora_key = self.lora.poll_resolved(seq.lora_request, in_use)
+            lr = seq.lora_request
+            if lr is None:
+                continue
+            if seq.lora_key is None:
+                seq.lora_key = self.lora.poll_resolved(lr, in_use)
+            elif not self.lora.is_known(seq.lora_key) and self.lora.resolve_nowait(lr) != seq.lora_key:
+                lost[self._seq_to_group[seq.seq_id]] = lr
         self.lora.prepare(self.scheduler.adapters_wanted(), in_use)
+        return [
+            self._end_with_error(gid, f"adapter {lr.name!r} was removed or changed while the request waited")
+            for gid, lr in lost.items()
+        ]
 
     # ---- adapters ---------------------------------------------------------------------------------
     def _require_lora(self) -> LoRAManager:
@@ -229,13 +242,17 @@ class LLMEngine:
                 continue
             lr = first.lora_request
             err = failed.get(path_key(lr))
-            if err is None:
-                continue
-            self.abort_request(gid)
-            out = group.output()
-            out.error = f"adapter {lr.name!r} could not be loaded: {err}"
-            outputs.append(out)
+            if err is not None:
+                outputs.append(self._end_with_error(gid, f"adapter {lr.name!r} could not be loaded: {err}"))
         return outputs
+
+    def _end_with_error(self, gid: str, message: str) -> RequestOutput:
+        """Abort request `gid` (freeing everything it holds) and return its final output with `message`."""
+        group = self._groups[gid]
+        self.abort_request(gid)
+        out = group.output()
+        out.error = message
+        return out
 
     def _detokenizer(self) -> IncrementalDetokenizer | None:
         if self.tokenizer is None or not self.config.detokenize:
@@ -263,7 +280,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step and return the state of every request that produced a token."""
         failed = self._fail_adapter_requests()
-        self._prepare_adapters()
+        failed += self._prepare_adapters()
         plan = self.scheduler.schedule()
         self._steps += 1
         self._last_step_tokens = plan.num_batched_tokens

@@ -187,11 +187,15 @@ class LoRAManager:
         (evicting only adapters neither in use, pinned nor wanted earlier), start loading the others."""
         protected = set(in_use)
         for digest in wanted:
-            if self._make_resident(digest, protected, blocking=False):
+            if self.loader.is_known(digest) and self._make_resident(digest, protected, blocking=False):
                 protected.add(digest)
 
     def is_resident(self, digest: str) -> bool:
         return self.residency.is_resident(digest)
+
+    def is_known(self, digest: str) -> bool:
+        """Whether the loader knows the files behind `digest` (False once `remove_lora` forgot them)."""
+        return self.loader.is_known(digest)
 
     def step_context(self, items: Sequence[ScheduledSequence]) -> LoRAStepContext | None:
         return self.residency.step_context(items)

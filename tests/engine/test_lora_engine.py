@@ -285,3 +285,31 @@ def test_prefetch_loads_in_background_then_serves_without_waiting(adapters):
         done |= {o.request_id: o for o in eng.step() if o.finished}
     assert done["r"].outputs[0].token_ids == oracle.greedy([5, 6, 7], NEW, dirs["qv-r8-rslora"])
     assert eng.get_lora_stats().loads == 1
+
+
+def test_adapter_removed_while_requests_wait(adapters, tmp_path):
+    """`remove_lora` of an adapter that only waiting requests use: unchanged files are looked up again
+    and served; files changed meanwhile end the waiting request with an error (never a crash)."""
+    base, dirs, oracle = adapters["llama"]
+    eng = LLMEngine.from_args(str(base), device="cpu", dtype="float32", max_lora_rank=32)
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    same = LoRARequest("gud", str(dirs["gud-r12"]))
+    eng.add_lora(same)
+    eng.add_request("same", [5, 6, 7], params, same)
+    assert eng.remove_lora("gud")
+    target = tmp_path / "moved"
+    shutil.copytree(dirs["all7-r4"], target)
+    changed = LoRARequest("moved", str(target))
+    eng.add_lora(changed)
+    eng.add_request("changed", [5, 6, 7], params, changed)
+    assert eng.remove_lora("moved")
+    shutil.rmtree(target)
+    shutil.copytree(dirs["qv-r8-rslora"], target)
+    done = {}
+    deadline = time.monotonic() + 60
+    while eng.has_unfinished_requests() and time.monotonic() < deadline:
+        done |= {o.request_id: o for o in eng.step() if o.finished}
+    assert done["same"].error is None
+    assert done["same"].outputs[0].token_ids == oracle.greedy([5, 6, 7], NEW, dirs["gud-r12"])
+    assert "removed or changed" in done["changed"].error
+    assert eng.get_stats().kv_blocks_used == 0
