@@ -1,6 +1,8 @@
 """Admin JSON API under `/admin/api/` (Bearer admin token), plus vLLM's load/unload LoRA routes.
 
 Every change goes through the registry service; the engine follows through the registry's events.
+Responses are the registry's records (`lora_registry.schemas`), declared as each route's response model,
+so the OpenAPI schema documents them and FastAPI serializes them (datetimes as ISO 8601).
 """
 
 from __future__ import annotations
@@ -8,12 +10,12 @@ from __future__ import annotations
 import shutil
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
 import msgspec
-from fastapi import APIRouter, File, Form, UploadFile
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, File, Form, Response, UploadFile
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile as UploadedFile  # what forms hold (FastAPI's is a subclass)
@@ -23,6 +25,35 @@ from api.errors import APIError
 from api.openai_protocol import LoadLoRARequest, UnloadLoRARequest
 from api.state import AppState
 from lora_registry.errors import RegistryError
+from lora_registry.schemas import (
+    AdapterDetail,
+    AdapterInfo,
+    ApiKeyInfo,
+    AuditRecord,
+    CreatedKey,
+    RegisterResult,
+)
+
+
+@dataclass(slots=True, frozen=True)
+class AdapterList:
+    data: list[AdapterInfo]
+
+
+@dataclass(slots=True, frozen=True)
+class KeyList:
+    data: list[ApiKeyInfo]
+
+
+@dataclass(slots=True, frozen=True)
+class AuditList:
+    data: list[AuditRecord]
+
+
+@dataclass(slots=True, frozen=True)
+class Deleted:
+    deleted: str
+
 
 router = APIRouter(prefix="/admin/api", tags=["admin"])
 compat = APIRouter(tags=["admin"])
@@ -106,34 +137,37 @@ async def register_upload(
 async def upload_adapter(
     state: StateDep,
     actor: AdminActor,
+    response: Response,
     name: Annotated[str, Form()],
     file: Annotated[list[UploadFile], File()],
     description: Annotated[str | None, Form()] = None,
     activate: Annotated[bool, Form()] = False,
-):
+) -> RegisterResult:
+    """201 with the new version; 200 when the same content was already registered under the name."""
     result = await register_upload(state, name, file, description=description, activate=activate, actor=actor)
-    return JSONResponse(result.to_dict(), status_code=201 if result.created else 200)
+    if not result.created:
+        response.status_code = 200
+    return result
 
 
 @router.get("/adapters")
-async def list_adapters(adapters: AdaptersDep, _: AdminActor) -> dict:
-    rows = await call_registry(adapters.list)
-    return {"data": [r.to_dict() for r in rows]}
+async def list_adapters(adapters: AdaptersDep, _: AdminActor) -> AdapterList:
+    return AdapterList(await call_registry(adapters.list))
 
 
 @router.get("/adapters/{name}")
-async def show_adapter(name: str, adapters: AdaptersDep, _: AdminActor) -> dict:
-    return (await call_registry(adapters.show, name)).to_dict()
+async def show_adapter(name: str, adapters: AdaptersDep, _: AdminActor) -> AdapterDetail:
+    return await call_registry(adapters.show, name)
 
 
 @router.post("/adapters/{name}/activate")
-async def activate_adapter(name: str, svc: AdaptersDep, actor: AdminActor) -> dict:
-    return (await call_registry(svc.activate, name, actor=actor)).to_dict()
+async def activate_adapter(name: str, svc: AdaptersDep, actor: AdminActor) -> AdapterInfo:
+    return await call_registry(svc.activate, name, actor=actor)
 
 
 @router.post("/adapters/{name}/deactivate")
-async def deactivate_adapter(name: str, svc: AdaptersDep, actor: AdminActor) -> dict:
-    return (await call_registry(svc.deactivate, name, actor=actor)).to_dict()
+async def deactivate_adapter(name: str, svc: AdaptersDep, actor: AdminActor) -> AdapterInfo:
+    return await call_registry(svc.deactivate, name, actor=actor)
 
 
 class RollbackBody(BaseModel):
@@ -141,14 +175,14 @@ class RollbackBody(BaseModel):
 
 
 @router.post("/adapters/{name}/rollback")
-async def rollback_adapter(name: str, body: RollbackBody, svc: AdaptersDep, actor: AdminActor) -> dict:
-    return (await call_registry(svc.rollback, name, body.version, actor=actor)).to_dict()
+async def rollback_adapter(name: str, body: RollbackBody, svc: AdaptersDep, actor: AdminActor) -> AdapterInfo:
+    return await call_registry(svc.rollback, name, body.version, actor=actor)
 
 
 @router.delete("/adapters/{name}")
-async def delete_adapter(name: str, svc: AdaptersDep, actor: AdminActor) -> dict:
+async def delete_adapter(name: str, svc: AdaptersDep, actor: AdminActor) -> Deleted:
     await call_registry(svc.delete, name, actor=actor)
-    return {"deleted": name}
+    return Deleted(name)
 
 
 @router.get("/pool")
@@ -169,9 +203,8 @@ async def pool_status(state: StateDep, _: AdminActor) -> dict:
 
 
 @router.get("/audit")
-async def audit_log(svc: AdaptersDep, _: AdminActor, limit: int = 100) -> dict:
-    rows = await call_registry(svc.audit_log, limit)
-    return {"data": [r.to_dict() for r in rows]}
+async def audit_log(svc: AdaptersDep, _: AdminActor, limit: int = 100) -> AuditList:
+    return AuditList(await call_registry(svc.audit_log, limit))
 
 
 class KeyBody(BaseModel):
@@ -181,21 +214,18 @@ class KeyBody(BaseModel):
 
 
 @router.post("/keys", status_code=201)
-async def create_key(body: KeyBody, keys: KeysDep, actor: AdminActor) -> dict:
-    created = await call_registry(
-        keys.create, body.name, admin=body.admin, adapters=body.adapters, actor=actor
-    )
-    return created.to_dict()
+async def create_key(body: KeyBody, keys: KeysDep, actor: AdminActor) -> CreatedKey:
+    return await call_registry(keys.create, body.name, admin=body.admin, adapters=body.adapters, actor=actor)
 
 
 @router.get("/keys")
-async def list_keys(keys: KeysDep, _: AdminActor) -> dict:
-    return {"data": [k.to_dict() for k in await call_registry(keys.list)]}
+async def list_keys(keys: KeysDep, _: AdminActor) -> KeyList:
+    return KeyList(await call_registry(keys.list))
 
 
 @router.delete("/keys/{name}")
-async def revoke_key(name: str, keys: KeysDep, actor: AdminActor) -> dict:
-    return (await call_registry(keys.revoke, name, actor=actor)).to_dict()
+async def revoke_key(name: str, keys: KeysDep, actor: AdminActor) -> ApiKeyInfo:
+    return await call_registry(keys.revoke, name, actor=actor)
 
 
 @compat.post("/v1/load_lora_adapter")
