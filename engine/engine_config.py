@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.intmath import cdiv
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -33,6 +35,11 @@ class EngineConfig:
     detokenize: bool = True  # False: outputs carry token ids only (a server detokenizes elsewhere)
     num_threads: int | None = None  # torch intra-op threads for this process (None: torch's default)
     seed: int = 0
+
+    def adapter_pool_pages(self) -> int:
+        """Pages per projection in the adapter pool: `lora_pool_pages`, or room for `2 * max_loras`
+        adapters of `max_lora_rank`."""
+        return self.lora_pool_pages or 2 * self.max_loras * cdiv(self.max_lora_rank, self.lora_page_rank)
 
     def check_choices(self) -> None:
         """Raise ValueError for a named choice that does not exist (dtypes, backends, device, policy),

@@ -56,7 +56,7 @@ class LLMEngine:
                 compute_dtype=self.dtype,
                 max_lora_rank=config.max_lora_rank,
                 max_cpu_loras=config.max_cpu_loras,
-                num_pages=config.lora_pool_pages,
+                num_pages=config.adapter_pool_pages(),
                 page_rank=config.lora_page_rank,
                 max_loras=config.max_loras,
                 backend=config.lora_backend,

@@ -27,7 +27,6 @@ from engine.lora_request import LoRARequest
 from engine.model.linear import LoRAStepContext
 from engine.model_config import ModelConfig
 from engine.scheduler.output import ScheduledSequence
-from kernels.intmath import cdiv
 
 
 @dataclass(slots=True)
@@ -73,16 +72,15 @@ class LoRAManager:
         compute_dtype: torch.dtype,
         max_lora_rank: int,
         max_cpu_loras: int | None,
-        num_pages: int | None,
+        num_pages: int,
         page_rank: int,
         max_loras: int,
         backend: str,
     ) -> LoRAManager:
-        """The engine's manager: a pool of `num_pages` pages per projection (default: room for
-        `2 * max_loras` adapters of `max_lora_rank`), a host cache of `max_cpu_loras` adapters (default
+        """The engine's manager: a pool of `num_pages` pages per projection
+        (`EngineConfig.adapter_pool_pages`), a host cache of `max_cpu_loras` adapters (default
         `max(64, 4 * max_loras)`). `dtype` is the pool's (adapter weights), `compute_dtype` the model's."""
-        pages = num_pages or 2 * max_loras * cdiv(max_lora_rank, page_rank)
-        pool = AdapterPool(model, pages, page_rank, max_lora_rank, dtype, device)
+        pool = AdapterPool(model, num_pages, page_rank, max_lora_rank, dtype, device)
         cpu = CpuAdapterCache(max_cpu_loras or max(64, 4 * max_loras))
         chosen = select_lora_backend(backend, device, dtype, compute_dtype)
         loader = AdapterLoader(model, max_lora_rank, pin_memory=device.type == "cuda")
