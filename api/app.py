@@ -17,9 +17,11 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from api.admission import ClientAdmission
 from api.auth import ensure_admin_token
 from api.engine_client import EngineClient
 from api.errors import install_error_handlers
+from api.guard import RequestGuard
 from api.settings import ServerSettings
 from api.state import AppState
 from engine.tokenizer import load_tokenizer
@@ -49,6 +51,7 @@ def create_app(settings: ServerSettings, client_factory: Callable[[Any], Any] | 
 
     app = FastAPI(title="loraplex", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
+    app.add_middleware(RequestGuard)
     from api.routes import admin_api, chat, completions, models, system
 
     for r in (
@@ -91,7 +94,8 @@ async def _start(settings: ServerSettings, client_factory: Callable[[Any], Any])
         loop.call_soon_threadsafe(lambda: asyncio.ensure_future(_sync_engine(state, name, adapter)))
 
     follower = RegistryFollower(registry.adapters, registry.bus, on_change)
-    state = AppState(settings, client, tokenizer, registry, follower, admin_auth)
+    admission = ClientAdmission(settings.client_seq_limit())
+    state = AppState(settings, client, tokenizer, registry, follower, admin_auth, admission)
     await asyncio.to_thread(follower.start)
     if follower.resyncs == 0:
         await asyncio.to_thread(follower.resync)

@@ -89,13 +89,19 @@ async def authenticate(request: Request):
     return key
 
 
-def authorize(key, adapter: str | None) -> None:
-    """403 unless `key` may use `adapter` (None = the base model).
+def may_use(key, adapter: str | None) -> bool:
+    """Whether `key` may use `adapter` (None = the base model).
 
-    An "admin"-scoped key may use everything; a key scoped to named adapters may use only those (not the
-    base model).
+    No key (keys not required), the admin token or an admin-scoped key may use everything; a key scoped to
+    named adapters may use only those (not the base model).
     """
-    if key is None or key == "admin" or key.is_admin or (adapter is not None and key.allows_adapter(adapter)):
-        return
-    target = f"adapter {adapter!r}" if adapter else "the base model"
-    raise APIError(403, f"this API key is not allowed to use {target}")
+    if key is None or key == "admin" or key.is_admin:
+        return True
+    return adapter is not None and key.allows_adapter(adapter)
+
+
+def authorize(key, adapter: str | None) -> None:
+    """403 unless `key` may use `adapter` (None = the base model)."""
+    if not may_use(key, adapter):
+        target = f"adapter {adapter!r}" if adapter else "the base model"
+        raise APIError(403, f"this API key is not allowed to use {target}")

@@ -8,6 +8,7 @@ Detokenization and stop strings are the API process's job; the engine returns to
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import signal
 import time
@@ -21,15 +22,18 @@ from api.engine_protocol import (
     AddRequest,
     CallResult,
     EngineStatsMsg,
+    InvalidMessage,
     Ready,
     RequestDelta,
     Shutdown,
     decode_to_engine,
     encode,
 )
-from engine import LLMEngine, LoRARequest, SamplingParams
+from engine import LLMEngine, LoRARequest
 from engine.engine_config import EngineConfig
 from engine.outputs import RequestOutput
+
+log = logging.getLogger("loraplex.engine_core")
 
 
 def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, stats_interval: float = 0.5) -> None:
@@ -84,17 +88,44 @@ class _EngineLoop:
             busy = self.engine.has_unfinished_requests()
             timeout = 0 if busy else 20
             while self.pull.poll(timeout):
-                self._handle(decode_to_engine(self.pull.recv()))
+                self._receive(self.pull.recv())
                 timeout = 0
             if not self.running:
                 break
             if self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    self._send_delta(out)
+                self._step()
             now = time.monotonic()
             if now >= next_stats:
                 self._send_stats()
                 next_stats = now + self.stats_interval
+
+    def _step(self) -> None:
+        """One engine step. Per-request failures come back as outputs with `error`; should the step
+        itself raise, the requests in flight end with an error and the loop (and process) goes on."""
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            log.exception("engine step failed; ending the requests in flight")
+            ids = list(self.sent)
+            self.engine.abort_request(ids)
+            for rid in ids:
+                self.sent.pop(rid, None)
+                self._refuse(rid, f"engine step failed: {exc!r}")
+            return
+        for out in outputs:
+            self._send_delta(out)
+
+    def _receive(self, data: bytes) -> None:
+        """Decode and handle one message; one that breaks the contract is refused (if it names a request)
+        or dropped, and the loop goes on."""
+        try:
+            msg = decode_to_engine(data)
+        except InvalidMessage as exc:
+            log.warning("refused a malformed message: %s", exc)
+            if exc.request_id is not None:
+                self._refuse(exc.request_id, f"invalid request: {exc}", status=400)
+            return
+        self._handle(msg)
 
     def _handle(self, msg) -> None:
         if isinstance(msg, AddRequest):
@@ -110,21 +141,17 @@ class _EngineLoop:
 
     def _add(self, msg: AddRequest) -> None:
         try:
-            params = SamplingParams(
-                max_tokens=msg.max_tokens,
-                temperature=msg.temperature,
-                top_p=msg.top_p,
-                top_k=msg.top_k,
-                seed=msg.seed,
-                stop_token_ids=msg.stop_token_ids,
-                ignore_eos=msg.ignore_eos,
-                logprobs=msg.logprobs,
-            )
-            lora = LoRARequest(msg.lora_name, msg.lora_path, msg.lora_digest) if msg.lora_path else None
-            self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, lora, msg.priority)
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.lora, msg.priority)
             self.sent[msg.request_id] = 0
-        except ValueError as exc:
-            self.push.send(encode(RequestDelta(msg.request_id, [], finish_reason="error", error=str(exc))))
+        except ValueError as exc:  # refused by the engine's own checks
+            self._refuse(msg.request_id, str(exc), status=400)
+        except Exception as exc:  # a request that breaks add_request ends itself, never the loop
+            log.exception("add_request failed for %s", msg.request_id)
+            self._refuse(msg.request_id, f"request failed in the engine: {exc!r}")
+
+    def _refuse(self, request_id: str, error: str, status: int = 500) -> None:
+        delta = RequestDelta(request_id, [], finish_reason="error", error=error, error_status=status)
+        self.push.send(encode(delta))
 
     def _send_delta(self, out: RequestOutput) -> None:
         comp = out.outputs[0]

@@ -11,22 +11,24 @@ from typing import Any
 
 import msgspec
 
+from engine.lora_request import LoRARequest
+from engine.sampling_params import PRIORITY_BOUND, SamplingParams
+
 
 class AddRequest(msgspec.Struct, tag="add"):
+    """One engine sequence to run. `params` and `lora` are the engine's own typed contract: decoding
+    checks every field's declared range again (`SamplingParams.__post_init__`), so the engine never trusts
+    the wire. The API sends one `AddRequest` per choice (`params.n == 1`)."""
+
     request_id: str
     prompt_token_ids: list[int]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    stop_token_ids: list[int]
-    ignore_eos: bool
-    logprobs: int | None
-    lora_name: str | None = None
-    lora_path: str | None = None
-    lora_digest: str | None = None
+    params: SamplingParams
+    lora: LoRARequest | None = None
     priority: int = 0
+
+    def __post_init__(self) -> None:
+        if not PRIORITY_BOUND.holds(self.priority):
+            raise ValueError(f"priority must be in {PRIORITY_BOUND.describe()}")
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -68,6 +70,7 @@ class RequestDelta(msgspec.Struct, tag="delta"):
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    error_status: int = 500  # HTTP status for `error`: 400 when the engine refused the request itself
 
 
 class CallResult(msgspec.Struct, tag="result"):
@@ -96,7 +99,31 @@ def encode(msg: ToEngine | FromEngine) -> bytes:
 
 
 def decode_to_engine(data: bytes) -> ToEngine:
-    return _to_engine.decode(data)
+    """The message in `data`; `InvalidMessage` (with the request id when one can be read) if it breaks
+    the contract, e.g. an out-of-range sampling field."""
+    try:
+        return _to_engine.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
+        raise InvalidMessage(str(exc), _request_id(data)) from exc
+
+
+class InvalidMessage(ValueError):
+    """A message to the engine that does not decode into the contract."""
+
+    def __init__(self, message: str, request_id: str | None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+class _AnyAdd(msgspec.Struct, tag="add"):
+    request_id: str
+
+
+def _request_id(data: bytes) -> str | None:
+    try:
+        return msgspec.msgpack.decode(data, type=_AnyAdd).request_id
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
 
 
 def decode_from_engine(data: bytes) -> FromEngine:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("loraplex.errors")
 
 _TYPES = {
     400: "invalid_request_error",
@@ -15,6 +19,8 @@ _TYPES = {
     409: "conflict_error",
     413: "request_too_large",
     422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
     503: "service_unavailable",
 }
 
@@ -22,9 +28,18 @@ _TYPES = {
 class APIError(Exception):
     """An error to return to the client with `status` and an OpenAI-style body."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
@@ -53,8 +68,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-        return error_response(exc.status, exc.message, exc.param, exc.code, headers)
+        headers = dict(exc.headers or {})
+        if exc.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return error_response(exc.status, exc.message, exc.param, exc.code, headers or None)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -67,3 +84,35 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail))
+
+    _openapi_without_422(app)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", exc_info=exc)
+        return error_response(500, "internal error")
+
+
+def _openapi_without_422(app: FastAPI) -> None:
+    """Validation errors are answered 400 with the OpenAI body, so drop FastAPI's generated 422 entries
+    from the OpenAPI schema (each route declares its real error responses with `error_responses`)."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        cached = app.openapi_schema is not None
+        schema = generate()
+        if not cached:
+            for item in schema.get("paths", {}).values():
+                for op in item.values():
+                    if isinstance(op, dict):
+                        op.get("responses", {}).pop("422", None)
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict]:
+    """OpenAPI `responses=` entry declaring that a route answers `statuses` with the OpenAI error body."""
+    from api.openai_protocol import ErrorResponse
+
+    return {s: {"model": ErrorResponse, "description": _TYPES.get(s, "error")} for s in statuses}

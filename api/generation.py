@@ -1,9 +1,10 @@
-"""One API request's generation: fan out prompts × n to the engine, detokenize, apply stop strings.
+"""One API request's generation: fan out prompts × n to the engine and follow each choice's output.
 
-Each choice is one engine request (prompt blocks are shared through the engine's prefix cache). Tokens
-arrive as ids; this module turns them into text incrementally, cuts at the first stop string (aborting
-that engine request), holds back text that may still become a stop string while streaming, and keeps
-per-token log-probabilities.
+Each choice is one engine request with `params.n == 1` (prompt blocks are shared through the engine's
+prefix cache; choice j gets seed + j). Tokens arrive as ids; each choice's text, stop strings and
+streaming hold-back come from the engine's one output path (`SequenceText`), and a stop string ends the
+choice (leaving the engine stream aborts that engine request). Per-token log-probabilities keep the
+token's own bytes and its offset in the returned text.
 """
 
 from __future__ import annotations
@@ -13,55 +14,53 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
+
+import msgspec
 
 from api.engine_client import EngineClient
 from api.engine_protocol import AddRequest, RequestDelta
 from engine.lora_request import LoRARequest
-from engine.tokenizer import IncrementalDetokenizer, find_stop
+from engine.output_processor import SequenceText
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import token_bytes, token_text
 
 
 @dataclass(slots=True)
-class SamplingSpec:
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    stop: list[str]
-    stop_token_ids: list[int]
-    ignore_eos: bool
-    logprobs: int | None
-    priority: int = 0
+class TokenInfo:
+    """One token as a client sees it: text (with `\\xNN` for a partial character) and own bytes."""
+
+    text: str
+    raw: bytes
 
 
 @dataclass(slots=True)
 class TokenLogprob:
-    token: str
+    """A generated token's log-probability, the k most likely tokens at its position (rank order) and
+    where its text starts in the choice's returned text."""
+
+    token: TokenInfo
     logprob: float
-    top: list[tuple[str, float]]
+    top: list[tuple[TokenInfo, float]]
+    text_offset: int
 
 
 @dataclass(slots=True)
 class Choice:
     index: int
     prompt_index: int
-    detok: IncrementalDetokenizer | None
-    stops: list[str]
-    text: str = ""
-    emitted: int = 0  # characters of `text` already streamed
+    out: SequenceText
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    error_status: int = 500
     num_cached_tokens: int = 0
 
-    def releasable(self) -> str:
-        """Text that can be streamed now: all of it once finished, else all but a possible stop prefix."""
-        end = len(self.text) if self.finish_reason else len(self.text) - _held_back(self.text, self.stops)
-        out = self.text[self.emitted : end] if end > self.emitted else ""
-        self.emitted = max(self.emitted, end)
-        return out
+    @property
+    def text(self) -> str:
+        return self.out.text
 
 
 @dataclass(slots=True)
@@ -73,17 +72,6 @@ class ChoiceUpdate:
     finished: bool
 
 
-def _held_back(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
-
-
 class Generation:
     """Runs all choices of one request and yields `ChoiceUpdate`s as they progress."""
 
@@ -92,48 +80,30 @@ class Generation:
         client: EngineClient,
         tokenizer: Any,
         prompts: list[list[int]],
-        spec: SamplingSpec,
+        params: SamplingParams,
         n: int,
         lora: LoRARequest | None,
+        priority: int = 0,
     ) -> None:
-        self.client, self.tokenizer, self.prompts, self.spec, self.n, self.lora = (
-            client,
-            tokenizer,
-            prompts,
-            spec,
-            n,
-            lora,
-        )
+        self.client, self.tokenizer, self.prompts = client, tokenizer, prompts
+        self.params, self.n, self.lora, self.priority = params, n, lora, priority
         self.id = uuid.uuid4().hex
         self.choices = [
-            Choice(
-                index=p * n + j,
-                prompt_index=p,
-                detok=IncrementalDetokenizer(tokenizer) if tokenizer is not None else None,
-                stops=spec.stop,
-            )
+            Choice(index=p * n + j, prompt_index=p, out=SequenceText(tokenizer, params.stop))
             for p in range(len(prompts))
             for j in range(n)
         ]
+        self._token_info = lru_cache(maxsize=4096)(self._describe)
 
     def _engine_request(self, choice: Choice) -> AddRequest:
-        s = self.spec
         j = choice.index % self.n
+        seed = None if self.params.seed is None else self.params.seed + j
         return AddRequest(
             request_id=f"{self.id}-{choice.index}",
             prompt_token_ids=self.prompts[choice.prompt_index],
-            max_tokens=s.max_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            seed=None if s.seed is None else s.seed + j,
-            stop_token_ids=s.stop_token_ids,
-            ignore_eos=s.ignore_eos,
-            logprobs=s.logprobs,
-            lora_name=self.lora.name if self.lora else None,
-            lora_path=self.lora.path if self.lora else None,
-            lora_digest=self.lora.digest if self.lora else None,
-            priority=s.priority,
+            params=msgspec.structs.replace(self.params, n=1, seed=seed),
+            lora=self.lora,
+            priority=self.priority,
         )
 
     async def stream(self) -> AsyncIterator[ChoiceUpdate]:
@@ -178,28 +148,31 @@ class Generation:
         for i, tok in enumerate(delta.token_ids):
             choice.token_ids.append(tok)
             if delta.logprobs is not None:
-                entries = delta.logprobs[i]
-                lp = TokenLogprob(
-                    self.token_text(tok), entries[0][1], [(self.token_text(t), v) for t, v, _ in entries[1:]]
-                )
+                lp = self._logprob(delta.logprobs[i], len(choice.out.text))
                 choice.logprobs.append(lp)
                 new_lps.append(lp)
-            if choice.detok is not None:
-                piece = choice.detok.push(tok)
-                choice.text += piece
-                if choice.stops and piece:
-                    hit = find_stop(choice.text, len(piece), choice.stops)
-                    if hit is not None:
-                        choice.text = choice.text[: hit[0]]
-                        choice.finish_reason = "stop"
-                        break
+            if choice.out.push(tok) is not None:
+                choice.finish_reason = "stop"
+                break
         if choice.finish_reason is None and delta.finish_reason is not None:
             choice.finish_reason = delta.finish_reason
             choice.error = delta.error
+            choice.error_status = delta.error_status
         finished = choice.finish_reason is not None
-        return ChoiceUpdate(choice, choice.releasable(), choice.token_ids[first_new:], new_lps, finished)
+        text = choice.out.releasable(finished)
+        return ChoiceUpdate(choice, text, choice.token_ids[first_new:], new_lps, finished)
 
-    def token_text(self, token_id: int) -> str:
+    def _logprob(self, entries: list[tuple[int, float, int]], offset: int) -> TokenLogprob:
+        """`entries`: the chosen token first, then the top tokens, each (id, logprob, rank)."""
+        chosen_id, chosen_lp, _ = entries[0]
+        k = self.params.logprobs or 0
+        top = sorted(entries, key=lambda e: e[2])[:k]
+        return TokenLogprob(
+            self._token_info(chosen_id), chosen_lp, [(self._token_info(t), v) for t, v, _ in top], offset
+        )
+
+    def _describe(self, token_id: int) -> TokenInfo:
         if self.tokenizer is None:
-            return f"token_id:{token_id}"
-        return self.tokenizer.decode([token_id])
+            return TokenInfo(f"token_id:{token_id}", b"")
+        raw = token_bytes(self.tokenizer, token_id)
+        return TokenInfo(token_text(raw), raw)

@@ -1,47 +1,80 @@
-"""Request and response schemas of the OpenAI-compatible endpoints (the fields loraplex honours)."""
+"""Request and response schemas of the OpenAI-compatible endpoints (the fields loraplex honours).
+
+Every field has a declared range. The sampling ranges are not restated here: they are read from
+`engine.sampling_params.BOUNDS`, the engine's own contract, and `to_sampling_params` is the one place an
+OpenAI body becomes `SamplingParams`. Sizes that depend on the server (prompt characters, choices per
+request) are checked by `api.serving` against the settings.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
+from fastapi import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-MAX_LOGPROBS = 20
+from engine.sampling_params import (
+    BOUNDS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOKEN_ID,
+    PRIORITY_BOUND,
+    SamplingParams,
+)
+
+_LOGPROBS_HI = BOUNDS["logprobs"].hi
+assert _LOGPROBS_HI is not None
+MAX_LOGPROBS = int(_LOGPROBS_HI)
+MAX_PROMPTS = 64  # entries of a list `prompt` (prompts × n is bounded again by the server's settings)
+MAX_MESSAGES = 1024
+MAX_NAME_CHARS = 256
+# A generous static cap on any one string; the server's `max_prompt_chars` is the real prompt limit.
+MAX_TEXT_CHARS = 16 * 1024 * 1024
+OPENAI_MAX_TEMPERATURE = 2.0
+
+
+def _bounded(name: str, default: Any, **extra: Any) -> Any:
+    """A pydantic Field with the range `BOUNDS[name]` declares."""
+    b = BOUNDS[name]
+    lo: dict[str, Any] = {"gt": b.lo} if b.lo_open else {"ge": b.lo}
+    return Field(default=default, le=b.hi, **lo, **extra)
+
+
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
+Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class SamplingFields(BaseModel):
+    """The fields both generation endpoints share."""
+
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
-    max_tokens: int | None = Field(default=None)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = -1  # extension
-    n: int = Field(default=1, ge=1, le=64)
+    model: Name | None = None
+    max_tokens: int | None = _bounded("max_tokens", None)
+    temperature: float = Field(default=1.0, ge=0.0, le=OPENAI_MAX_TEMPERATURE)
+    top_p: float = _bounded("top_p", 1.0)
+    top_k: int = _bounded("top_k", -1, description="extension: -1 disables, else keep the k most likely")
+    n: int = _bounded("n", 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] = Field(default_factory=list)  # extension
-    seed: int | None = None
+    stop: StopString | list[StopString] | None = Field(default=None)
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
+    seed: int | None = _bounded("seed", None)
     ignore_eos: bool = False  # extension
-    priority: int = 0  # extension, for the "priority" scheduling policy
-    user: str | None = None
-
-    @field_validator("max_tokens")
-    @classmethod
-    def _positive(cls, v: int | None) -> int | None:
-        if v is not None and v < 1:
-            raise ValueError("must be at least 1")
-        return v
+    priority: int = Field(default=0, ge=PRIORITY_BOUND.lo, le=PRIORITY_BOUND.hi)  # extension
+    user: Name | None = None
 
     @field_validator("top_k")
     @classmethod
     def _top_k(cls, v: int) -> int:
-        if v != -1 and v < 1:
+        if v == 0:
             raise ValueError("must be -1 (disabled) or at least 1")
         return v
 
@@ -49,15 +82,41 @@ class _SamplingFields(BaseModel):
     @classmethod
     def _stops(cls, v: str | list[str] | None) -> list[str]:
         stops = [v] if isinstance(v, str) else list(v or [])
-        if len(stops) > 16 or any(not s for s in stops):
-            raise ValueError("up to 16 non-empty strings")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
         return stops
 
+    def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The engine's `SamplingParams` for one choice of this request (the one OpenAI -> engine map).
 
-class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+        `max_tokens` is the resolved completion budget and `logprobs` the number of top tokens per
+        position (None: no log-probabilities); `n` fans out in the API, so each engine request has n=1.
+        """
+        return SamplingParams(
+            n=1,
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+        )
+
+
+class CompletionRequest(SamplingFields):
+    prompt: (
+        Text
+        | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[
+            list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)
+        ]
+    )
+    max_tokens: int | None = _bounded("max_tokens", 16)
+    logprobs: int | None = _bounded("logprobs", None)
     echo: bool = False
 
     def prompts(self) -> list[str | list[int]]:
@@ -74,29 +133,129 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict] | None = None
+    content: Text | Annotated[list[dict[str, Any]], Field(max_length=MAX_MESSAGES)] | None = None
 
     def text(self) -> str:
         """Message content as plain text (text parts of multi-part content joined)."""
         if isinstance(self.content, list):
-            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+            return "".join(
+                p["text"] for p in self.content if p.get("type") == "text" and isinstance(p.get("text"), str)
+            )
         return self.content or ""
 
 
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = _bounded("max_tokens", None)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = _bounded("logprobs", None)
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
 
 class LoadLoRARequest(BaseModel):
-    lora_name: str
-    lora_path: str
+    lora_name: Name
+    lora_path: Annotated[str, Field(max_length=4096)]
 
 
 class UnloadLoRARequest(BaseModel):
-    lora_name: str
+    lora_name: Name
+
+
+# ---- responses (declared so the OpenAPI schema says what the routes return) -----------------------------
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The OpenAI error body every 4xx/5xx carries."""
+
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] = Field(default_factory=list)
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprobEntry] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    root: str
+    parent: str | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+AdapterName = Annotated[str, Path(max_length=MAX_NAME_CHARS, description="an active adapter's name")]

@@ -1,4 +1,5 @@
-"""The parts every generation route shares: resolve the model, tokenize, validate, run, map errors."""
+"""The parts every generation route shares: resolve the model, bound and tokenize prompts, map the body
+to `SamplingParams`, run under the client's fair share, and map engine failures to API errors."""
 
 from __future__ import annotations
 
@@ -11,25 +12,34 @@ from typing import Any
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
+from api.admission import client_id
 from api.auth import authenticate, authorize
 from api.engine_client import EngineDeadError, EngineUnavailableError
 from api.errors import APIError
-from api.generation import ChoiceUpdate, Generation, SamplingSpec
-from api.openai_protocol import _SamplingFields
+from api.generation import ChoiceUpdate, Generation
+from api.openai_protocol import SamplingFields
 from engine.lora_request import LoRARequest
+from engine.sampling_params import SamplingParams, SamplingParamsError
 from kernels.intmath import cdiv
 
 
 @dataclass(slots=True)
 class Target:
-    """What a request runs on: the base model, or an active adapter (registry PEFT dir + digest)."""
+    """What a request runs on: the base model, or an active adapter (registry PEFT dir + digest), and
+    the caller's API key (None when keys are not required, "admin" for the admin token)."""
 
     model_name: str
     lora: LoRARequest | None
+    key: Any = None
 
     @property
     def adapter(self) -> str | None:
         return self.lora.name if self.lora else None
+
+
+def is_base_model(state, name: str) -> bool:
+    """Whether `name` is the base model: its served name or the checkpoint's own name."""
+    return name == state.settings.served_model_name or name in state.settings.model_aliases
 
 
 async def resolve_target(request: Request, model: str | None, forced_adapter: str | None = None) -> Target:
@@ -38,11 +48,12 @@ async def resolve_target(request: Request, model: str | None, forced_adapter: st
     state = request.app.state.loraplex
     key = await authenticate(request)
     name = forced_adapter or model or state.settings.served_model_name
-    if forced_adapter is None and name == state.settings.served_model_name:
+    if forced_adapter is None and is_base_model(state, name):
         authorize(key, None)
-        return Target(name, None)
+        return Target(state.settings.served_model_name, None, key)
     target = await adapter_target(state, name)
     authorize(key, name)
+    target.key = key
     return target
 
 
@@ -59,37 +70,77 @@ async def adapter_target(state, name: str) -> Target:
     return Target(name, LoRARequest(name, str(path), active.digest))
 
 
-def tokenize(state, prompt: str | list[int]) -> list[int]:
-    """Token ids of a prompt given as text or ids; 400 for text without a tokenizer or bad ids."""
-    if isinstance(prompt, str):
-        if state.tokenizer is None:
-            raise APIError(
-                400, "this model has no tokenizer; send the prompt as a list of token ids", param="prompt"
-            )
-        ids = state.tokenizer.encode(prompt)
-    else:
-        ids = list(prompt)
-        vocab = state.client.info.vocab_size
-        if any(t < 0 or t >= vocab for t in ids):
-            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-    if not ids:
-        raise APIError(400, "prompt is empty", param="prompt")
+def check_choices(state, num_prompts: int, n: int) -> None:
+    """400 when prompts × n exceeds what one request may fan out to."""
+    limit = state.settings.max_choices_per_request
+    if num_prompts * n > limit:
+        raise APIError(
+            400,
+            f"{num_prompts} prompts × n={n} = {num_prompts * n} choices; at most {limit} per request",
+            param="n",
+        )
+
+
+def check_prompt_chars(state, texts: list[str], param: str = "prompt") -> None:
+    """400 `context_length_exceeded` when a prompt text is too long to be worth tokenizing."""
+    info = state.client.info
+    limit = state.settings.prompt_char_limit(info.max_model_len)
+    longest = max((len(t) for t in texts), default=0)
+    if longest > limit:
+        raise APIError(
+            400,
+            f"prompt has {longest} characters; at most {limit} are accepted "
+            f"(this model's context is {info.max_model_len} tokens)",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+async def tokenize_prompts(state, prompts: list[str | list[int]]) -> list[list[int]]:
+    """Token ids of every prompt (text or ids): text is length-checked first and tokenized off the event
+    loop; 400 for text without a tokenizer, ids out of the vocabulary, empty or over-long prompts."""
+    info = state.client.info
+    texts = [p for p in prompts if isinstance(p, str)]
+    check_prompt_chars(state, texts)
+    if texts and state.tokenizer is None:
+        raise APIError(
+            400, "this model has no tokenizer; send the prompt as a list of token ids", param="prompt"
+        )
+    for p in prompts:
+        if not isinstance(p, str):
+            check_context(state, len(p))
+            if any(t >= info.vocab_size for t in p):
+                raise APIError(400, f"prompt token ids must be in [0, {info.vocab_size})", param="prompt")
+    encoded: list[list[int]] = []
+    if texts:
+        encoded = await run_in_threadpool(lambda: [list(state.tokenizer.encode(t)) for t in texts])
+    it = iter(encoded)
+    ids: list[list[int]] = [next(it) if isinstance(p, str) else list(p) for p in prompts]
+    for p in ids:
+        if not p:
+            raise APIError(400, "prompt is empty", param="prompt")
+        check_context(state, len(p))
     return ids
 
 
-def sampling_spec(
-    state, body: _SamplingFields, prompts: list[list[int]], max_tokens: int | None, logprobs: int | None
-) -> SamplingSpec:
-    """Validated engine settings for every prompt: 400 if a prompt or prompt + max_tokens cannot fit."""
+def check_context(state, num_tokens: int) -> None:
     info = state.client.info
-    longest = max(len(p) for p in prompts)
-    if longest >= info.max_model_len:
+    if num_tokens >= info.max_model_len:
         raise APIError(
             400,
-            f"prompt has {longest} tokens; this model's context is {info.max_model_len} tokens",
+            f"prompt has {num_tokens} tokens; this model's context is {info.max_model_len} tokens",
             param="prompt",
             code="context_length_exceeded",
         )
+
+
+def sampling_params(
+    state, body: SamplingFields, prompts: list[list[int]], max_tokens: int | None, logprobs: int | None
+) -> SamplingParams:
+    """The engine's `SamplingParams` for each choice: 400 if a prompt or prompt + max_tokens cannot fit."""
+    info = state.client.info
+    longest = max(len(p) for p in prompts)
+    check_context(state, longest)
     if max_tokens is None:
         max_tokens = info.max_model_len - longest
     total = min(longest + max_tokens, info.max_model_len)
@@ -100,18 +151,10 @@ def sampling_spec(
             f"({info.num_kv_blocks * info.block_size} tokens)",
             param="max_tokens",
         )
-    return SamplingSpec(
-        max_tokens=max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        seed=body.seed,
-        stop=list(body.stop or []),
-        stop_token_ids=list(body.stop_token_ids),
-        ignore_eos=body.ignore_eos,
-        logprobs=logprobs,
-        priority=body.priority,
-    )
+    try:
+        return body.to_sampling_params(max_tokens, logprobs)
+    except SamplingParamsError as exc:
+        raise APIError(400, str(exc), param=exc.field) from exc
 
 
 class RequestRun:
@@ -126,13 +169,15 @@ class RequestRun:
 
     async def updates(self) -> AsyncIterator[ChoiceUpdate]:
         status = "error"
+        client = client_id(self.target.key, self.request)
         try:
-            async for up in self.gen.stream():
-                if up.choice.error:
-                    raise APIError(500, f"generation failed: {up.choice.error}")
-                if self.first_token is None and up.choice.token_ids:
-                    self.first_token = time.monotonic()
-                yield up
+            async with self.state.admission.hold(client, len(self.gen.choices)):
+                async for up in self.gen.stream():
+                    if up.choice.error:
+                        raise APIError(up.choice.error_status, f"generation failed: {up.choice.error}")
+                    if self.first_token is None and up.choice.token_ids:
+                        self.first_token = time.monotonic()
+                    yield up
             status = "ok"
         except EngineDeadError as exc:
             raise APIError(503, "the engine process died while serving this request; retry shortly") from exc

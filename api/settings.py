@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -9,6 +10,22 @@ from pathlib import Path
 
 from engine.engine_config import EngineConfig
 from lora_registry.settings import RegistrySettings
+
+ACCESS_LEVELS = ("auto", "public", "api_key", "admin")
+
+
+def checkpoint_names(path: Path) -> list[str]:
+    """Names the checkpoint goes by: its directory name and the `_name_or_path` in its config.json (the
+    Hugging Face id it was saved from), so clients may use either as `model`."""
+    names = [path.name]
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return names
+    own = cfg.get("_name_or_path") if isinstance(cfg, dict) else None
+    if isinstance(own, str) and own and own not in names and len(own) <= 256:
+        names.append(own)
+    return names
 
 
 @dataclass(slots=True)
@@ -21,6 +38,16 @@ class ServerSettings:
     require_api_key: bool = False
     max_upload_bytes: int = 512 * 1024**2
     registry_resync_seconds: float = 5.0  # also pick up changes made without the event bus
+    # Hostile-input limits (see README "Limits"): request bodies, prompt size, fan-out, fairness.
+    max_request_bytes: int = 16 * 1024**2  # JSON body of an inference route (others: 1 MiB)
+    max_prompt_chars: int | None = None  # None: 64 characters per token of the model's context
+    max_choices_per_request: int = 64  # prompts × n of one request
+    max_seqs_per_client: int | None = None  # engine sequences one API key (or client) runs; None: half
+    # Who may read /metrics and /docs + /openapi.json: "public", "api_key" or "admin" ("auto": public
+    # when API keys are not required, admin-only when they are). LORAPLEX_METRICS_ACCESS / _DOCS_ACCESS.
+    metrics_access: str = "auto"
+    docs_access: str = "auto"
+    model_aliases: tuple[str, ...] = ()  # other ids of the base model (the checkpoint's own name)
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(model="."))
     registry: RegistrySettings | None = None
 
@@ -42,11 +69,33 @@ class ServerSettings:
         engine_kw = overrides.pop("engine_kwargs", {}) or {}
         engine_cfg = EngineConfig(model=str(path), **engine_kw)
         engine_cfg.check_choices()
+        for name in ("metrics_access", "docs_access"):
+            value = overrides.get(name) or env.get(f"LORAPLEX_{name.upper()}") or "auto"
+            if value not in ACCESS_LEVELS:
+                raise ValueError(f"{name} must be one of {', '.join(ACCESS_LEVELS)}, got {value!r}")
+            overrides[name] = value
+        served = overrides.pop("served_model_name", None) or path.name
         return cls(
             model=path,
-            served_model_name=overrides.pop("served_model_name", None) or path.name,
+            served_model_name=served,
+            model_aliases=tuple(n for n in checkpoint_names(path) if n != served),
             admin_token=overrides.pop("admin_token", None) or env.get("LORAPLEX_ADMIN_TOKEN") or None,
             engine=engine_cfg,
             registry=registry,
             **overrides,
         )
+
+    def access(self, what: str) -> str:
+        """The effective access level of `what` ("metrics" or "docs"): "auto" resolved."""
+        level = self.metrics_access if what == "metrics" else self.docs_access
+        if level == "auto":
+            return "admin" if self.require_api_key else "public"
+        return level
+
+    def prompt_char_limit(self, max_model_len: int) -> int:
+        """Most characters a prompt may have before it is tokenized."""
+        return self.max_prompt_chars or 64 * max_model_len
+
+    def client_seq_limit(self) -> int:
+        """Most engine sequences one client may have in flight at once."""
+        return self.max_seqs_per_client or max(1, self.engine.max_num_seqs // 2)

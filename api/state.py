@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
+from api.admission import ClientAdmission
 from api.engine_client import EngineClient
 from api.engine_protocol import Ready
 from api.metrics import Metrics
@@ -28,6 +29,7 @@ class AppState:
     registry: Registry
     follower: RegistryFollower
     admin_auth: AdminAuth
+    admission: ClientAdmission
     metrics: Metrics = field(default_factory=Metrics)
     traffic: TrafficLog = field(default_factory=TrafficLog)
     started_at: float = field(default_factory=time.time)

@@ -113,6 +113,7 @@ async def run_phase(client, routing: str, adapters, args, tokenizer) -> PhaseRes
     """Poisson arrivals over `adapters` ([(name, digest)]) through `client`; loads from the replicas."""
     from api.engine_protocol import AddRequest
     from bench.progress import progress
+    from engine import LoRARequest, SamplingParams
 
     rng = random.Random(args.seed)
     weights = popularity(len(adapters), args.alpha)
@@ -126,16 +127,8 @@ async def run_phase(client, routing: str, adapters, args, tokenizer) -> PhaseRes
         req = AddRequest(
             request_id=f"{routing}-{i}",
             prompt_token_ids=ids,
-            max_tokens=args.max_tokens,
-            temperature=0.0,
-            top_p=1.0,
-            top_k=-1,
-            seed=None,
-            stop_token_ids=[],
-            ignore_eos=False,
-            logprobs=None,
-            lora_name=name,
-            lora_digest=digest,
+            params=SamplingParams(max_tokens=args.max_tokens, temperature=0.0),
+            lora=LoRARequest(name, "", digest),  # each replica fills in its own path for the digest
         )
         n = 0
         try:

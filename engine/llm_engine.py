@@ -24,12 +24,14 @@ from engine.metrics import EngineStats
 from engine.model.loader import load_model
 from engine.model_config import ModelConfig, resolve_dtype, resolve_lora_dtype
 from engine.model_runner import ModelRunner, kv_block_bytes
+from engine.output_processor import SequenceText
 from engine.outputs import RequestOutput
 from engine.request_group import RequestGroup
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler.output import RunnerOutput, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
-from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+from engine.tokenizer import load_tokenizer
 from kernels.intmath import cdiv
 
 
@@ -164,8 +166,8 @@ class LLMEngine:
             seqs.append(
                 Sequence(seq_id, ids, params, arrival, priority, lora_request, lora_key, gen, max_total)
             )
-        detoks = [self._detokenizer() for _ in seqs]
-        self._groups[request_id] = RequestGroup(request_id, text, ids, seqs, detoks)
+        texts = [self._sequence_text(params) for _ in seqs]
+        self._groups[request_id] = RequestGroup(request_id, text, ids, seqs, texts)
         for s in seqs:
             self._seq_to_group[s.seq_id] = request_id
             self.scheduler.add_request(s)
@@ -246,18 +248,10 @@ class LLMEngine:
                 outputs.append(self._end_with_error(gid, f"adapter {lr.name!r} could not be loaded: {err}"))
         return outputs
 
-    def _end_with_error(self, gid: str, message: str) -> RequestOutput:
-        """Abort request `gid` (freeing everything it holds) and return its final output with `message`."""
-        group = self._groups[gid]
-        self.abort_request(gid)
-        out = group.output()
-        out.error = message
-        return out
-
-    def _detokenizer(self) -> IncrementalDetokenizer | None:
+    def _sequence_text(self, params: SamplingParams) -> SequenceText | None:
         if self.tokenizer is None or not self.config.detokenize:
             return None
-        return IncrementalDetokenizer(self.tokenizer)
+        return SequenceText(self.tokenizer, params.stop)
 
     def abort_request(self, request_id: str | abc.Sequence[str]) -> None:
         """Stop the request(s) now, freeing their KV blocks; unknown or finished ids are ignored."""
@@ -278,15 +272,24 @@ class LLMEngine:
 
     # ---- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step and return the state of every request that produced a token."""
-        failed = self._fail_adapter_requests()
-        failed += self._prepare_adapters()
+        """Run one scheduling step and return the state of every request that produced a token.
+
+        An exception raised for one request (its sampling, its adapter, its detokenization) ends only
+        that request, reported with `error` set; its KV blocks and adapter pin are released and every
+        other request carries on.
+        """
+        outputs = self._fail_adapter_requests()
+        outputs += self._prepare_adapters()
         plan = self.scheduler.schedule()
         self._steps += 1
         self._last_step_tokens = plan.num_batched_tokens
         if plan.empty:
-            return failed
-        out = self.runner.run(plan)
+            return outputs
+        try:
+            out = self.runner.run(plan)
+        except Exception:
+            plan, out, failed = self._run_isolated(plan)
+            outputs += failed
         progressed = self.scheduler.update(plan, out)
         self._generation_tokens += len(progressed)
         touched: dict[str, RequestGroup] = {}
@@ -295,17 +298,59 @@ class LLMEngine:
             if gid is None:
                 continue
             group = self._groups[gid]
-            group.detokenize(seq, self.scheduler.finish_request)
+            try:
+                group.detokenize(seq, self.scheduler.finish_request)
+            except Exception as exc:
+                outputs.append(self._end_with_error(gid, f"detokenization failed: {exc!r}"))
+                touched.pop(gid, None)
+                continue
             touched[gid] = group
-        outputs = failed
         for gid, group in touched.items():
+            if gid not in self._groups:
+                continue
             ro = group.output()
             outputs.append(ro)
             if ro.finished:
-                self._groups.pop(gid, None)
-                for s in group.seqs:
-                    self._seq_to_group.pop(s.seq_id, None)
+                self._forget(gid)
         return outputs
+
+    def _run_isolated(
+        self, plan: SchedulerOutput
+    ) -> tuple[SchedulerOutput, RunnerOutput, list[RequestOutput]]:
+        """The batch raised: run each scheduled sequence alone, end those that raise again with an error,
+        and return the plan and output of the ones that ran."""
+        kept, sampled, failed = [], [], []
+        for item in plan.scheduled:
+            seq = item.seq
+            if seq.is_finished:
+                continue
+            try:
+                one = self.runner.run(SchedulerOutput([item], item.num_tokens))
+            except Exception as exc:
+                gid = self._seq_to_group.get(seq.seq_id)
+                if gid is not None:
+                    failed.append(self._end_with_error(gid, f"request failed in the engine: {exc!r}"))
+                else:
+                    self.scheduler.finish_request(seq, SequenceStatus.FINISHED_ABORTED)
+                continue
+            kept.append(item)
+            sampled.append(one.sampled[0])
+        tokens = sum(it.num_tokens for it in kept)
+        return SchedulerOutput(kept, tokens, plan.preempted), RunnerOutput(sampled), failed
+
+    def _end_with_error(self, gid: str, error: str) -> RequestOutput:
+        """End every sequence of group `gid` (freeing its KV blocks and adapter pin) and report `error`."""
+        group = self._groups[gid]
+        self.abort_request(gid)
+        out = group.output()
+        out.error = error
+        return out
+
+    def _forget(self, gid: str) -> None:
+        group = self._groups.pop(gid, None)
+        if group is not None:
+            for s in group.seqs:
+                self._seq_to_group.pop(s.seq_id, None)
 
     def get_stats(self) -> EngineStats:
         kv = self.kv.stats()

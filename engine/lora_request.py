@@ -2,18 +2,33 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+
+import msgspec
+
+MAX_NAME_CHARS = 256
+MAX_PATH_CHARS = 4096
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")
 
 
-@dataclass(slots=True, frozen=True)
-class LoRARequest:
+class LoRARequest(msgspec.Struct, frozen=True):
     """Ask the engine to apply the PEFT adapter stored at `path` (a directory with `adapter_config.json`
     and `adapter_model.safetensors`). The engine identifies adapters by content digest, not by `name`.
 
     `digest`, when the caller already knows it (a registry stores adapters content-addressed), spares the
-    engine hashing the files; it is still verified when the weights are loaded.
+    engine hashing the files; it is still verified when the weights are loaded. Checked on construction
+    and on decoding (the engine never trusts the wire): `ValueError` when a field is malformed. An empty
+    `path` is left for the server holding the digest to fill in (a cluster replica does).
     """
 
     name: str
     path: str
     digest: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not 0 < len(self.name) <= MAX_NAME_CHARS:
+            raise ValueError(f"lora name must be 1..{MAX_NAME_CHARS} characters")
+        if not isinstance(self.path, str) or len(self.path) > MAX_PATH_CHARS or "\0" in self.path:
+            raise ValueError(f"lora path must be at most {MAX_PATH_CHARS} characters without NUL")
+        if self.digest is not None and (not isinstance(self.digest, str) or not _DIGEST.match(self.digest)):
+            raise ValueError("lora digest must be 64 lowercase hex characters")

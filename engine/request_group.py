@@ -1,7 +1,7 @@
 """A user's request as the engine reports it: one prompt, its `n` sequences, their text.
 
-Detokenization and stop strings live here: each new token is appended to its sequence's text, and the
-earliest stop string ending in the new text cuts the text there and finishes the sequence.
+Each sequence's text comes from the shared output path (`SequenceText`: incremental detokenization and
+stop strings); a stop string it reports finishes the sequence through the scheduler.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.output_processor import SequenceText
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sequence import Sequence, SequenceStatus
-from engine.tokenizer import IncrementalDetokenizer, find_stop
 
 
 @dataclass(slots=True)
@@ -20,23 +20,19 @@ class RequestGroup:
     prompt: str | None
     prompt_token_ids: list[int]
     seqs: list[Sequence]
-    detoks: list[IncrementalDetokenizer | None]
+    texts: list[SequenceText | None]
 
     def detokenize(self, seq: Sequence, finish: Callable[[Sequence, SequenceStatus], None]) -> None:
         """Append the text of `seq`'s newest token; on a stop string cut the text and `finish` it."""
-        detok = self.detoks[self.seqs.index(seq)]
-        if detok is None:
+        text = self.texts[self.seqs.index(seq)]
+        if text is None:
             return
-        delta = detok.push(seq.output_token_ids[-1])
-        seq.text = detok.text
-        stops = seq.params.stop
-        if not stops or not delta or (seq.is_finished and seq.finish_reason == "stop"):
-            return
-        hit = find_stop(seq.text, len(delta), stops)
+        stopped_by_token = seq.is_finished and seq.finish_reason == "stop"
+        hit = text.push(seq.output_token_ids[-1], check_stops=not stopped_by_token)
+        seq.text = text.text
         if hit is None:
             return
-        seq.text = seq.text[: hit[0]]
-        seq.stop_reason = hit[1]
+        seq.stop_reason = hit
         if seq.is_finished:  # length limit reached on the same token: the stop string wins
             seq.status = SequenceStatus.FINISHED_STOPPED
         else:

@@ -77,7 +77,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[floa
     """Set to -inf every logit outside its row's top-k and outside its row's top-p nucleus."""
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=logits.device)
+    k = torch.tensor([min(kk, vocab) if kk > 0 else vocab for kk in top_k], device=logits.device)
     rank = torch.arange(vocab, device=logits.device)[None, :]
     drop = rank >= k[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))

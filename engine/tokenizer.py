@@ -53,11 +53,48 @@ class IncrementalDetokenizer:
         return delta
 
 
-def find_stop(text: str, new_len: int, stops: list[str]) -> tuple[int, str] | None:
-    """Earliest stop string that ends inside the last `new_len` characters: (its start, the string)."""
-    best: tuple[int, str] | None = None
-    for s in stops:
-        idx = text.find(s, max(0, len(text) - new_len - len(s) + 1))
-        if idx != -1 and (best is None or idx < best[0]):
-            best = (idx, s)
-    return best
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2 byte-level BPE's printable stand-in character for every byte, inverted (char -> byte)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_table()
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """The bytes one token stands for, even when it is only part of a UTF-8 character.
+
+    decode([id]) when that is whole text; otherwise the token's vocabulary string read as a byte-fallback
+    piece (`<0xE4>`), GPT-2 byte-level characters, or SentencePiece text (`▁` = space).
+    """
+    text = tokenizer.decode([token_id])
+    if "\ufffd" not in text:
+        return text.encode()
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if not isinstance(piece, str):
+        return text.encode()
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            pass
+    if all(c in _BYTE_LEVEL for c in piece):
+        return bytes(_BYTE_LEVEL[c] for c in piece)
+    return piece.replace("▁", " ").encode()
+
+
+def token_text(raw: bytes) -> str:
+    """A token's bytes as text: UTF-8 where valid, `\\xNN` escapes for the bytes of a partial character."""
+    return raw.decode("utf-8", errors="backslashreplace")

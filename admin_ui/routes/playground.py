@@ -22,7 +22,7 @@ from api.deps import StateDep
 from api.errors import APIError
 from api.generation import ChoiceUpdate, Generation
 from api.openai_protocol import CompletionRequest
-from api.serving import RequestRun, Target, adapter_target, sampling_spec, tokenize
+from api.serving import RequestRun, Target, adapter_target, sampling_params, tokenize_prompts
 from api.sse import sse
 from api.state import AppState
 
@@ -48,8 +48,10 @@ async def playground_page(request: Request, state: StateDep, session: Session) -
 async def _target(state: AppState, adapter: str | None) -> Target:
     """The base model, or the active adapter `adapter` (404 when unknown or inactive)."""
     if adapter is None:
-        return Target(state.settings.served_model_name, None)
-    return await adapter_target(state, adapter)
+        return Target(state.settings.served_model_name, None, "admin")
+    target = await adapter_target(state, adapter)
+    target.key = "admin"
+    return target
 
 
 @router.post("/generate")
@@ -64,11 +66,11 @@ async def generate(request: Request, state: StateDep, _: CsrfSession) -> Respons
         body = CompletionRequest(
             prompt=run_req.prompt, max_tokens=run_req.max_tokens, temperature=run_req.temperature
         )
-        prompt = tokenize(state, run_req.prompt)
-        spec = sampling_spec(state, body, [prompt], body.max_tokens, None)
+        prompt = (await tokenize_prompts(state, [run_req.prompt]))[0]
+        params = sampling_params(state, body, [prompt], body.max_tokens, None)
     except APIError as exc:
         return JSONResponse({"error": {"message": exc.message}}, exc.status)
-    gen = Generation(state.client, state.tokenizer, [prompt], spec, 1, target.lora)
+    gen = Generation(state.client, state.tokenizer, [prompt], params, 1, target.lora)
     run = RequestRun(request, target, gen, len(prompt))
 
     async def events() -> AsyncIterator[str]:

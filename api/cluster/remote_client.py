@@ -102,7 +102,7 @@ class RemoteEngineClient:
             for attempt in range(self.retries + 1):
                 started = False
                 try:
-                    model_id = req.lora_digest if self.affinity else None
+                    model_id = req.lora.digest if self.affinity and req.lora is not None else None
                     call = ray_api.stream(self._handle, "generate", model_id, payload)
                     async with contextlib.aclosing(ray_api.iterate(call)) as items:
                         async for raw in items:

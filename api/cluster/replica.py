@@ -21,6 +21,7 @@ import msgspec
 from api.engine_client import EngineClient
 from api.engine_protocol import AddRequest, decode_to_engine, encode
 from api.settings import ServerSettings
+from engine.lora_request import LoRARequest
 from lora_registry import open_registry
 from lora_registry.follower import RegistryFollower
 from lora_registry.registry import Registry
@@ -129,16 +130,16 @@ class EngineReplica:
         req = decode_to_engine(payload)
         assert isinstance(req, AddRequest)
         yield _item(self.replica_id)
-        if req.lora_digest is not None:
+        if req.lora is not None and req.lora.digest is not None:
             try:
-                if adapter is None or adapter.digest != req.lora_digest:
-                    adapter = await self.load(req.lora_digest, req.lora_name)
+                if adapter is None or adapter.digest != req.lora.digest:
+                    adapter = await self.load(req.lora.digest, req.lora.name)
                 elif await self.active(adapter.digest, adapter.name) is None:
                     raise AdapterRefused(f"the adapter {adapter.name!r} is not active")
             except AdapterRefused as exc:
                 yield _item(self.replica_id, refused=str(exc))
                 return
-            req = msgspec.structs.replace(req, lora_name=adapter.name, lora_path=adapter.path)
+            req = msgspec.structs.replace(req, lora=LoRARequest(adapter.name, adapter.path, adapter.digest))
         async for delta in self.client.generate(req):
             yield _item(self.replica_id, delta=encode(delta))
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Annotated
 
 import msgspec
-from fastapi import APIRouter, File, Form, Response, UploadFile
+from fastapi import APIRouter, File, Form, Query, Response, UploadFile
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile as UploadedFile  # what forms hold (FastAPI's is a subclass)
@@ -203,7 +203,9 @@ async def pool_status(state: StateDep, _: AdminActor) -> dict:
 
 
 @router.get("/audit")
-async def audit_log(svc: AdaptersDep, _: AdminActor, limit: int = 100) -> AuditList:
+async def audit_log(
+    svc: AdaptersDep, _: AdminActor, limit: Annotated[int, Query(ge=1, le=10_000)] = 100
+) -> AuditList:
     return AuditList(await call_registry(svc.audit_log, limit))
 
 

@@ -6,24 +6,41 @@ import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 
 from api.chat_template import render_chat
-from api.errors import APIError
-from api.generation import ChoiceUpdate, Generation, TokenLogprob
-from api.openai_protocol import ChatCompletionRequest
-from api.serving import RequestRun, finish_reason, resolve_target, sampling_spec, usage
+from api.errors import APIError, error_responses
+from api.generation import ChoiceUpdate, Generation, TokenInfo, TokenLogprob
+from api.openai_protocol import AdapterName, ChatCompletionRequest, ChatCompletionResponse
+from api.serving import (
+    RequestRun,
+    check_choices,
+    check_prompt_chars,
+    finish_reason,
+    resolve_target,
+    sampling_params,
+    usage,
+)
 from api.sse import sse_response
 
 router = APIRouter(tags=["openai"])
+ERRORS = error_responses(400, 401, 403, 404, 413, 429, 500, 503) | {
+    200: {
+        "content": {"text/event-stream": {}},
+        "description": "JSON, or with `stream: true` server-sent events",
+    }
+}
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
+    """OpenAI chat completion (`stream: true` answers with server-sent `chat.completion.chunk`s)."""
     return await _chat(body, request, None)
 
 
-@router.post("/v1/adapters/{name}/chat/completions")
-async def adapter_chat_completions(name: str, body: ChatCompletionRequest, request: Request):
+@router.post("/v1/adapters/{name}/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
+async def adapter_chat_completions(name: AdapterName, body: ChatCompletionRequest, request: Request):
+    """Chat completion on adapter `name` (the body's `model` is ignored)."""
     return await _chat(body, request, name)
 
 
@@ -36,13 +53,15 @@ async def _chat(body: ChatCompletionRequest, request: Request, adapter: str | No
             "chat needs a tokenizer, and this model has none; use /v1/completions with token ids",
             param="messages",
         )
-    text = render_chat(state.tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages])
-    ids = state.tokenizer.encode(text, add_special_tokens=False)
+    check_choices(state, 1, body.n)
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    check_prompt_chars(state, ["".join(m["content"] for m in messages)], param="messages")
+    ids = await run_in_threadpool(_render_and_encode, state.tokenizer, messages)
     if not ids:
         raise APIError(400, "messages render to an empty prompt", param="messages")
     top = (body.top_logprobs or 0) if body.logprobs else None
-    spec = sampling_spec(state, body, [ids], body.token_limit(), top)
-    gen = Generation(state.client, state.tokenizer, [ids], spec, body.n, target.lora)
+    params = sampling_params(state, body, [ids], body.token_limit(), top)
+    gen = Generation(state.client, state.tokenizer, [ids], params, body.n, target.lora, body.priority)
     run = RequestRun(request, target, gen, len(ids))
     head = {"id": f"chatcmpl-{gen.id}", "created": int(time.time()), "model": target.model_name}
     if body.stream:
@@ -63,9 +82,16 @@ async def _chat(body: ChatCompletionRequest, request: Request, adapter: str | No
     )
 
 
+def _render_and_encode(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Prompt token ids of `messages` under the chat template (runs in a worker thread)."""
+    return tokenizer.encode(render_chat(tokenizer, messages), add_special_tokens=False)
+
+
 def _content_logprobs(lps: list[TokenLogprob]) -> list[dict]:
-    def entry(token: str, lp: float) -> dict:
-        return {"token": token, "logprob": lp, "bytes": list(token.encode())}
+    """Chat logprobs: each token with its own bytes and the k most likely tokens at its position."""
+
+    def entry(token: TokenInfo, lp: float) -> dict:
+        return {"token": token.text, "logprob": lp, "bytes": list(token.raw)}
 
     return [entry(lp.token, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
 

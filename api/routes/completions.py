@@ -7,22 +7,38 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from api.errors import APIError
+from api.errors import error_responses
 from api.generation import Choice, ChoiceUpdate, Generation, TokenLogprob
-from api.openai_protocol import CompletionRequest
-from api.serving import RequestRun, finish_reason, resolve_target, sampling_spec, tokenize, usage
+from api.openai_protocol import AdapterName, CompletionRequest, CompletionResponse
+from api.serving import (
+    RequestRun,
+    check_choices,
+    finish_reason,
+    resolve_target,
+    sampling_params,
+    tokenize_prompts,
+    usage,
+)
 from api.sse import sse_response
 
 router = APIRouter(tags=["openai"])
+ERRORS = error_responses(400, 401, 403, 404, 413, 429, 500, 503) | {
+    200: {
+        "content": {"text/event-stream": {}},
+        "description": "JSON, or with `stream: true` server-sent events",
+    }
+}
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
 async def completions(body: CompletionRequest, request: Request):
+    """OpenAI text completion (`stream: true` answers with server-sent events of the same chunks)."""
     return await _complete(body, request, None)
 
 
-@router.post("/v1/adapters/{name}/completions")
-async def adapter_completions(name: str, body: CompletionRequest, request: Request):
+@router.post("/v1/adapters/{name}/completions", response_model=CompletionResponse, responses=ERRORS)
+async def adapter_completions(name: AdapterName, body: CompletionRequest, request: Request):
+    """Text completion on adapter `name` (the body's `model` is ignored)."""
     return await _complete(body, request, name)
 
 
@@ -30,11 +46,10 @@ async def _complete(body: CompletionRequest, request: Request, adapter: str | No
     state = request.app.state.loraplex
     target = await resolve_target(request, body.model, adapter)
     raw_prompts = body.prompts()
-    if not raw_prompts:
-        raise APIError(400, "prompt is empty", param="prompt")
-    prompts = [tokenize(state, p) for p in raw_prompts]
-    spec = sampling_spec(state, body, prompts, body.max_tokens, body.logprobs)
-    gen = Generation(state.client, state.tokenizer, prompts, spec, body.n, target.lora)
+    check_choices(state, len(raw_prompts), body.n)
+    prompts = await tokenize_prompts(state, raw_prompts)
+    params = sampling_params(state, body, prompts, body.max_tokens, body.logprobs)
+    gen = Generation(state.client, state.tokenizer, prompts, params, body.n, target.lora, body.priority)
     n_prompt = sum(len(p) for p in prompts)
     run = RequestRun(request, target, gen, n_prompt)
     created = int(time.time())
@@ -50,8 +65,7 @@ async def _complete(body: CompletionRequest, request: Request, adapter: str | No
         return await _stream(run, head, echo, include_usage, n_prompt)
     await run.collect()
     choices = [
-        _choice_json(c, c.text if echo is None else echo[c.prompt_index] + c.text, body.logprobs)
-        for c in gen.choices
+        _choice_json(c, echo[c.prompt_index] if echo is not None else "", body.logprobs) for c in gen.choices
     ]
     return JSONResponse(head | {"choices": choices, "usage": usage(gen, n_prompt)})
 
@@ -60,29 +74,27 @@ def _decode(state, ids: list[int]) -> str:
     return state.tokenizer.decode(ids) if state.tokenizer is not None else ""
 
 
-def _choice_json(c: Choice, text: str, logprobs: int | None) -> dict:
+def _choice_json(c: Choice, echo: str, logprobs: int | None) -> dict:
     out = {
         "index": c.index,
-        "text": text,
+        "text": echo + c.text,
         "logprobs": None,
         "finish_reason": finish_reason(c.finish_reason),
         "token_ids": c.token_ids,
     }
     if logprobs is not None:
-        out["logprobs"] = _logprobs_json(c.logprobs)
+        out["logprobs"] = _logprobs_json(c.logprobs, len(echo))
     return out
 
 
 def _logprobs_json(lps: list[TokenLogprob], offset: int = 0) -> dict:
-    offsets, pos = [], offset
-    for lp in lps:
-        offsets.append(pos)
-        pos += len(lp.token)
+    """Legacy completions logprobs: per token its text, logprob, the chosen + top-k tokens, and where its
+    text starts in the returned text (`offset`: characters before the generated text, e.g. the echo)."""
     return {
-        "tokens": [lp.token for lp in lps],
+        "tokens": [lp.token.text for lp in lps],
         "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{lp.token: lp.logprob} | dict(lp.top) for lp in lps],
-        "text_offset": offsets,
+        "top_logprobs": [{lp.token.text: lp.logprob} | {t.text: v for t, v in lp.top} for lp in lps],
+        "text_offset": [offset + lp.text_offset for lp in lps],
     }
 
 
@@ -91,6 +103,7 @@ async def _stream(run: RequestRun, head: dict, echo: list[str] | None, include_u
 
     def render(up: ChoiceUpdate) -> list[dict]:
         c, text = up.choice, up.text
+        prefix = len(echo[c.prompt_index]) if echo is not None else 0
         if echo is not None and c.index not in echoed:
             echoed.add(c.index)
             text = echo[c.prompt_index] + text
@@ -99,7 +112,7 @@ async def _stream(run: RequestRun, head: dict, echo: list[str] | None, include_u
         choice = {
             "index": c.index,
             "text": text,
-            "logprobs": _logprobs_json(up.logprobs) if run.gen.spec.logprobs is not None else None,
+            "logprobs": _logprobs_json(up.logprobs, prefix) if run.gen.params.logprobs is not None else None,
             "finish_reason": finish_reason(c.finish_reason) if up.finished else None,
             "token_ids": up.token_ids,
         }

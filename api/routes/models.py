@@ -1,12 +1,14 @@
-"""`GET /v1/models` (base model + every active adapter) and `GET /v1/adapters/{name}/models`."""
+"""`GET /v1/models` (the base model + the active adapters the caller may use) and
+`GET /v1/adapters/{name}/models`."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from api.auth import authenticate, authorize
+from api.auth import authenticate, authorize, may_use
 from api.deps import StateDep
-from api.errors import APIError
+from api.errors import APIError, error_responses
+from api.openai_protocol import AdapterName, ModelList
 
 router = APIRouter(tags=["openai"])
 
@@ -22,18 +24,20 @@ def _model(id_: str, created: int, parent: str | None = None) -> dict:
     }
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", response_model=ModelList, responses=error_responses(401))
 async def list_models(request: Request, state: StateDep) -> dict:
-    await authenticate(request)
+    """The models this caller may use: a key scoped to named adapters sees only those adapters."""
+    key = await authenticate(request)
     base = state.settings.served_model_name
     created = int(state.started_at)
-    data = [_model(base, created)]
-    data += [_model(name, created, base) for name in sorted(state.follower.snapshot())]
+    data = [_model(base, created)] if may_use(key, None) else []
+    data += [_model(name, created, base) for name in sorted(state.follower.snapshot()) if may_use(key, name)]
     return {"object": "list", "data": data}
 
 
-@router.get("/v1/adapters/{name}/models")
-async def adapter_models(name: str, request: Request, state: StateDep) -> dict:
+@router.get("/v1/adapters/{name}/models", response_model=ModelList, responses=error_responses(401, 403, 404))
+async def adapter_models(name: AdapterName, request: Request, state: StateDep) -> dict:
+    """The adapter `name` as a one-model list (404 when it is not active)."""
     authorize(await authenticate(request), name)
     if name not in state.follower.snapshot():
         raise APIError(404, f"The model '{name}' does not exist or is not active", code="model_not_found")

@@ -43,11 +43,20 @@ class LiveServer:
         self.thread.join(timeout=60)
 
 
-def start_server(model: Path, data_dir: Path, startup_timeout: float = 180.0, **engine_kwargs) -> LiveServer:
-    """Start a server for `model` with its registry in `data_dir`; returns once /health answers 200."""
+def start_server(
+    model: Path,
+    data_dir: Path,
+    startup_timeout: float = 180.0,
+    settings_overrides: dict | None = None,
+    **engine_kwargs,
+) -> LiveServer:
+    """Start a server for `model` with its registry in `data_dir`; returns once /health answers 200.
+    `settings_overrides` sets `ServerSettings` fields (e.g. require_api_key)."""
     env = {"LORAPLEX_DATA_DIR": str(data_dir)}
     kwargs = dict(device="cpu", dtype="float32", max_lora_rank=32, num_kv_blocks=256) | engine_kwargs
-    settings = ServerSettings.build(str(model), env=env, admin_token=ADMIN_TOKEN, engine_kwargs=kwargs)
+    settings = ServerSettings.build(
+        str(model), env=env, admin_token=ADMIN_TOKEN, engine_kwargs=kwargs, **(settings_overrides or {})
+    )
     settings.port = free_port()
     app = create_app(settings)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning"))
