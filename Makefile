@@ -34,9 +34,11 @@ serve: $(STAMP)
 	done
 	$(VENV)/bin/loraplex serve --model demo/base $(SERVE_ARGS)
 
+# ruff everywhere; mypy on engine, kernels, lora_registry and api (settings in pyproject.toml).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .

@@ -13,11 +13,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
-from fastapi import Request
+from fastapi import Depends, Request
 from itsdangerous import URLSafeTimedSerializer
 
 from admin_ui.rates import RateMeter
+from api.state import app_state
 
 SECRET_FILE = "admin_ui_secret"
 SESSION_SALT = "loraplex-admin-session"
@@ -58,17 +60,20 @@ def read_or_create_secret(data_dir: Path) -> bytes:
 
 def ui_state(request: Request) -> UiState:
     """The admin UI's state for this app, created on the first request (after the server's lifespan)."""
-    app_state = request.app.state
-    existing = getattr(app_state, "admin_ui", None)
+    app_attrs = request.app.state
+    existing = getattr(app_attrs, "admin_ui", None)
     if existing is not None:
         return existing
     with _create_lock:
-        existing = getattr(app_state, "admin_ui", None)
+        existing = getattr(app_attrs, "admin_ui", None)
         if existing is None:
-            core = app_state.loraplex
+            core = app_state(request)
             file_secret = read_or_create_secret(core.registry.settings.data_dir)
             token_hash = core.admin_auth.token_sha256.encode()
             key = hmac.new(file_secret, token_hash, hashlib.sha256).hexdigest()
             existing = UiState(URLSafeTimedSerializer(key, salt=SESSION_SALT))
-            app_state.admin_ui = existing
+            app_attrs.admin_ui = existing
     return existing
+
+
+UiStateDep = Annotated[UiState, Depends(ui_state)]

@@ -13,6 +13,7 @@ from starlette.responses import HTMLResponse
 from admin_ui.formatting import FILTERS
 from admin_ui.session import COOKIE_PATH, AdminSession
 from admin_ui.state import ui_state
+from api.state import app_state
 
 TEMPLATES_DIR = Path(__file__).parent / "templates"
 FLASH_COOKIE = "loraplex_admin_flash"
@@ -75,7 +76,7 @@ def render(
 ) -> HTMLResponse:
     """Render `template` with the common context; consumes the pending flash message."""
     templates: Jinja2Templates = request.app.state.admin_ui_templates
-    core = request.app.state.loraplex
+    core = app_state(request)
     message = _pop_flash(request)
     ctx = {
         "csrf_token": session.csrf if session else None,

@@ -12,47 +12,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI
 
 from api.admission import ClientAdmission
-from api.auth import AdminAuth, ensure_admin_token
+from api.auth import ensure_admin_token
 from api.engine_client import EngineClient
-from api.engine_protocol import Ready
 from api.errors import install_error_handlers
 from api.guard import RequestGuard
-from api.metrics import Metrics
 from api.settings import ServerSettings
-from api.traffic import TrafficLog
+from api.state import AppState
 from engine.tokenizer import load_tokenizer
 from lora_registry import open_registry
 from lora_registry.follower import RegistryFollower
-from lora_registry.registry import Registry
 from lora_registry.schemas import ActiveAdapter
 
 log = logging.getLogger("loraplex.server")
-
-
-@dataclass(slots=True)
-class AppState:
-    settings: ServerSettings
-    client: EngineClient
-    tokenizer: Any
-    registry: Registry
-    follower: RegistryFollower
-    admin_auth: AdminAuth
-    admission: ClientAdmission
-    metrics: Metrics = field(default_factory=Metrics)
-    traffic: TrafficLog = field(default_factory=TrafficLog)
-    started_at: float = field(default_factory=time.time)
-
-    def engine_info(self) -> Ready:
-        assert self.client.info is not None
-        return self.client.info
 
 
 def create_app(settings: ServerSettings, client_factory: Callable[[Any], Any] | None = None) -> FastAPI:

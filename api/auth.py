@@ -16,6 +16,7 @@ from pathlib import Path
 from fastapi import Request
 
 from api.errors import APIError
+from api.state import app_state
 
 TOKEN_FILE = "admin_token.sha256"
 
@@ -62,7 +63,7 @@ def require_admin(request: Request) -> str:
     token = bearer(request)
     if token is None:
         raise APIError(401, "admin token required: send 'Authorization: Bearer <token>'")
-    if not request.app.state.loraplex.admin_auth.check(token):
+    if not app_state(request).admin_auth.check(token):
         raise APIError(403, "invalid admin token")
     return "admin"
 
@@ -72,7 +73,7 @@ async def authenticate(request: Request):
 
     401 without a valid key when the server requires API keys.
     """
-    state = request.app.state.loraplex
+    state = app_state(request)
     if not state.settings.require_api_key:
         return None
     secret = bearer(request)

@@ -108,7 +108,7 @@ def _openapi_without_422(app: FastAPI) -> None:
                         op.get("responses", {}).pop("422", None)
         return schema
 
-    app.openapi = openapi
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def error_responses(*statuses: int) -> dict[int | str, dict]:

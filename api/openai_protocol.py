@@ -23,7 +23,9 @@ from engine.sampling_params import (
     SamplingParams,
 )
 
-MAX_LOGPROBS = int(BOUNDS["logprobs"].hi)
+_LOGPROBS_HI = BOUNDS["logprobs"].hi
+assert _LOGPROBS_HI is not None
+MAX_LOGPROBS = int(_LOGPROBS_HI)
 MAX_PROMPTS = 64  # entries of a list `prompt` (prompts × n is bounded again by the server's settings)
 MAX_MESSAGES = 1024
 MAX_NAME_CHARS = 256
@@ -35,7 +37,7 @@ OPENAI_MAX_TEMPERATURE = 2.0
 def _bounded(name: str, default: Any, **extra: Any) -> Any:
     """A pydantic Field with the range `BOUNDS[name]` declares."""
     b = BOUNDS[name]
-    lo = {"gt": b.lo} if b.lo_open else {"ge": b.lo}
+    lo: dict[str, Any] = {"gt": b.lo} if b.lo_open else {"ge": b.lo}
     return Field(default=default, le=b.hi, **lo, **extra)
 
 

@@ -20,6 +20,7 @@ from api.generation import ChoiceUpdate, Generation
 from api.openai_protocol import SamplingFields
 from engine.lora_request import LoRARequest
 from engine.sampling_params import SamplingParams, SamplingParamsError
+from kernels.intmath import cdiv
 
 
 @dataclass(slots=True)
@@ -110,10 +111,11 @@ async def tokenize_prompts(state, prompts: list[str | list[int]]) -> list[list[i
             check_context(state, len(p))
             if any(t >= info.vocab_size for t in p):
                 raise APIError(400, f"prompt token ids must be in [0, {info.vocab_size})", param="prompt")
+    encoded: list[list[int]] = []
     if texts:
-        encoded = iter(await run_in_threadpool(lambda: [state.tokenizer.encode(t) for t in texts]))
-        prompts = [next(encoded) if isinstance(p, str) else p for p in prompts]
-    ids = [list(p) for p in prompts]
+        encoded = await run_in_threadpool(lambda: [list(state.tokenizer.encode(t)) for t in texts])
+    it = iter(encoded)
+    ids: list[list[int]] = [next(it) if isinstance(p, str) else list(p) for p in prompts]
     for p in ids:
         if not p:
             raise APIError(400, "prompt is empty", param="prompt")
@@ -142,7 +144,7 @@ def sampling_params(
     if max_tokens is None:
         max_tokens = info.max_model_len - longest
     total = min(longest + max_tokens, info.max_model_len)
-    if -(-total // info.block_size) > info.num_kv_blocks:
+    if cdiv(total, info.block_size) > info.num_kv_blocks:
         raise APIError(
             400,
             f"prompt + max_tokens ({total} tokens) exceed the KV cache "

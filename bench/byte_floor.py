@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.intmath import cdiv
+
 
 @dataclass(slots=True)
 class ByteFloor:
@@ -56,7 +58,7 @@ def adapter_page_bytes(pool, digests) -> int:
                     size = pool.a[m].element_size()
                     fin, fout, pr = pool.a[m].shape[3], pool.b[m].shape[2], pool.page_rank
                     full, rest = divmod(r, pr)
-                    b_row = full * pr * size + -(-rest * size // 64) * 64  # bytes of B read per output row
+                    b_row = full * pr * size + cdiv(rest * size, 64) * 64  # bytes of B read per output row
                     total += r * fin * size + fout * b_row
     return total
 

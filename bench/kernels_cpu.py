@@ -84,7 +84,7 @@ class KernelsCpuResult:
 
 
 def _config(spec: ModelSpec):
-    from engine.config import ModelConfig
+    from engine.model_config import ModelConfig
 
     return ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], **spec.hf_config()})
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernels.intmath import cdiv  # after the path set-up: this file runs as a script
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -72,7 +73,7 @@ def _lora_problem(
     from kernels.lora_meta import build_lora_batch_meta
 
     num_slices, max_slots = len(ranks), len(ranks[0])
-    max_pages = max(-(-r // page_rank) for row in ranks for r in row) or 1
+    max_pages = max(cdiv(r, page_rank) for row in ranks for r in row) or 1
     num_pages = num_slices * max_slots * max_pages + 8
     a_pools, b_pools = _pools(num_pages, page_rank, h_in, h_outs, dtype, dev)
     page_table = torch.stack([torch.randperm(num_pages)[: max_slots * max_pages] for _ in ranks])
@@ -119,7 +120,7 @@ def check_correctness(dtype: torch.dtype, dev: str = "cuda") -> bool:
 
     hq, hkv, d, bs = 32, 8, 128, 16
     seq_lens, q_lens = [1, 17, 300, 1000], [1, 17, 45, 200]
-    max_blocks = max(-(-n // bs) for n in seq_lens)
+    max_blocks = max(cdiv(n, bs) for n in seq_lens)
     num_blocks = len(seq_lens) * max_blocks + 4
     k_cache = torch.randn(num_blocks, bs, hkv, d, device=dev).to(dtype)
     v_cache = torch.randn_like(k_cache)

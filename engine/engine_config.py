@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.intmath import cdiv
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -37,12 +39,17 @@ class EngineConfig:
     adaptive_threads: bool = True  # CPU: one thread while other processes take our cores (cpu_threads.py)
     seed: int = 0
 
+    def adapter_pool_pages(self) -> int:
+        """Pages per projection in the adapter pool: `lora_pool_pages`, or room for `2 * max_loras`
+        adapters of `max_lora_rank`."""
+        return self.lora_pool_pages or 2 * self.max_loras * cdiv(self.max_lora_rank, self.lora_page_rank)
+
     def check_choices(self) -> None:
         """Raise ValueError for a named choice that does not exist (dtypes, backends, device, policy),
         before anything is loaded: a server refuses bad options up front, not in its engine process."""
         from engine.attention.backend import validate_attention_backend
-        from engine.config import check_dtype_name
         from engine.lora.backend import validate_lora_backend
+        from engine.model_config import check_dtype_name
         from engine.scheduler.policy import validate_policy
 
         check_dtype_name("dtype", self.dtype)

@@ -1,8 +1,9 @@
-"""`LLM`: offline batch generation on top of `LLMEngine` (the Python contract in the design doc)."""
+"""`LLM`: offline batch generation on top of `LLMEngine` (the public Python API of the engine)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, cast
 
 from engine.engine_config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -16,41 +17,9 @@ Prompt = str | Sequence[int]
 class LLM:
     """Load a Hugging Face checkpoint directory once; `generate` many prompts in continuous batches."""
 
-    def __init__(
-        self,
-        model: str,
-        dtype: str = "auto",
-        device: str = "auto",
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        enable_prefix_caching: bool = True,
-        scheduling_policy: str = "fcfs",
-        enable_lora: bool = True,
-        max_loras: int = 8,
-        max_lora_rank: int = 64,
-        max_cpu_loras: int | None = None,
-        seed: int = 0,
-        **kwargs,
-    ) -> None:
-        config = EngineConfig(
-            model=str(model),
-            dtype=dtype,
-            device=device,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching,
-            scheduling_policy=scheduling_policy,
-            enable_lora=enable_lora,
-            max_loras=max_loras,
-            max_lora_rank=max_lora_rank,
-            max_cpu_loras=max_cpu_loras,
-            seed=seed,
-            **kwargs,
-        )
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        """`kwargs` are `EngineConfig` fields (their defaults apply), e.g. `dtype`, `device`, `max_loras`."""
+        config = EngineConfig(model=str(model), **kwargs)
         self.engine = LLMEngine(config)
         self._counter = 0
 
@@ -72,9 +41,7 @@ class LLM:
         the engine untouched. Any number of distinct adapters may be mixed: the scheduler rotates them
         through the `max_loras` per-step slots and the adapter pool.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # a single prompt
-        prompts = list(prompts)
+        prompts = _as_batch(prompts)
         params = _per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params")
         loras = _per_prompt(lora_request, len(prompts), "lora_request")
         prios = list(priority) if priority is not None else [0] * len(prompts)
@@ -100,6 +67,13 @@ class LLM:
             self.engine.abort_request(ids)
             raise
         return [final[rid] for rid in ids]
+
+
+def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """A list of prompts (a single prompt, text or token ids, becomes a batch of one)."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        return [cast(Prompt, prompts)]
+    return list(cast(Sequence[Prompt], prompts))
 
 
 def _per_prompt(value, n: int, name: str) -> list:

@@ -9,29 +9,31 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections import abc
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine.config import ModelConfig, cdiv, dtype_reason, resolve_dtype, resolve_lora_dtype
 from engine.cpu_threads import ThreadGovernor, available_cpus
 from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheManager
-from engine.lora.manager import LoRAInfo, LoRAManager, LoRAPoolStats, path_key
+from engine.lora.loader import path_key
+from engine.lora.manager import LoRAInfo, LoRAManager, LoRAPoolStats
 from engine.lora_request import LoRARequest
 from engine.metrics import EngineStats
 from engine.model.loader import load_model
+from engine.model_config import ModelConfig, dtype_reason, resolve_dtype, resolve_lora_dtype
 from engine.model_runner import ModelRunner, kv_block_bytes
 from engine.output_processor import SequenceText
 from engine.outputs import RequestOutput
-from engine.request import Request, RequestStatus
 from engine.request_group import RequestGroup
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.scheduler.output import RunnerOutput, SchedulerOutput
+from engine.sequence import Sequence, SequenceStatus
 from engine.tokenizer import load_tokenizer
+from kernels.intmath import cdiv
 
 
 class LLMEngine:
@@ -55,13 +57,26 @@ class LLMEngine:
         self.model = load_model(self.model_config, self.dtype, self.device)
         self.num_kv_blocks = self._num_blocks()
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        sched_cfg = SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            policy=config.scheduling_policy,
-            max_loras=config.max_loras,
+        self.lora: LoRAManager | None = None
+        if config.enable_lora:
+            self.lora = LoRAManager.create(
+                self.model_config,
+                resolve_lora_dtype(config.lora_dtype, self.dtype),
+                self.device,
+                compute_dtype=self.dtype,
+                max_lora_rank=config.max_lora_rank,
+                max_cpu_loras=config.max_cpu_loras,
+                num_pages=config.adapter_pool_pages(),
+                page_rank=config.lora_page_rank,
+                max_loras=config.max_loras,
+                backend=config.lora_backend,
+            )
+        self.scheduler = Scheduler(
+            SchedulerConfig.from_engine_config(config),
+            self.kv,
+            self._eos_token_ids(),
+            is_resident=self.lora.is_resident if self.lora is not None else None,
         )
-        self.scheduler = Scheduler(sched_cfg, self.kv, self._eos_token_ids())
         self.runner = ModelRunner(
             self.model,
             self.model_config,
@@ -71,26 +86,8 @@ class LLMEngine:
             self.device,
             config.seed,
             config.attention_backend,
+            lora_context=self.lora.step_context if self.lora is not None else None,
         )
-        self.lora: LoRAManager | None = None
-        if config.enable_lora:
-            self.lora = LoRAManager(
-                self.model_config,
-                resolve_lora_dtype(config.lora_dtype, self.dtype),
-                self.device,
-                compute_dtype=self.dtype,
-                max_lora_rank=config.max_lora_rank,
-                max_cpu_loras=config.max_cpu_loras,
-                num_pages=config.lora_pool_pages,
-                page_rank=config.lora_page_rank,
-                max_loras=config.max_loras,
-                backend=config.lora_backend,
-            )
-            lora = self.lora
-            self.lora.in_use = lambda: {r.lora_key for r in self.scheduler.running if r.lora_key}
-            self.scheduler.adapter_ready = lambda req: req.lora_key is None or lora.ready(req.lora_key)
-            self.scheduler.adapter_resolved = self._resolve_adapter
-            self.runner.lora_context = self.lora.step_context
         self._groups: dict[str, RequestGroup] = {}
         self._seq_to_group: dict[str, str] = {}
         self._steps = 0
@@ -125,7 +122,7 @@ class LLMEngine:
         return tuple(sorted(ids))
 
     # ---- requests ---------------------------------------------------------------------------------
-    def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: str | abc.Sequence[int]) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids), validating both forms."""
         if isinstance(prompt, str):
             if not prompt:
@@ -144,7 +141,7 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | Sequence[int],
+        prompt: str | abc.Sequence[int],
         params: SamplingParams | None = None,
         lora_request: LoRARequest | None = None,
         priority: int = 0,
@@ -175,12 +172,12 @@ class LLMEngine:
                 gen.manual_seed(params.seed + i)
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             seqs.append(
-                Request(seq_id, ids, params, arrival, priority, lora_request, lora_key, gen, max_total)
+                Sequence(seq_id, ids, params, arrival, priority, lora_request, lora_key, gen, max_total)
             )
         texts = [self._sequence_text(params) for _ in seqs]
         self._groups[request_id] = RequestGroup(request_id, text, ids, seqs, texts)
         for s in seqs:
-            self._seq_to_group[s.request_id] = request_id
+            self._seq_to_group[s.seq_id] = request_id
             self.scheduler.add_request(s)
         self._prompt_tokens += len(ids)
 
@@ -191,15 +188,29 @@ class LLMEngine:
             raise ValueError("a lora_request was given but the engine was created with enable_lora=False")
         return self.lora.resolve_nowait(lora_request)  # None: digest computed by the background load
 
-    def _resolve_adapter(self, req: Request) -> bool:
-        """Scheduler hook: whether the request's adapter digest is known (setting `lora_key` once it is)."""
-        if req.lora_request is None or req.lora_key is not None:
-            return True
-        digest = self.lora.poll_resolved(req.lora_request)
-        if digest is None:
-            return False
-        req.lora_key = digest
-        return True
+    def _prepare_adapters(self) -> list[RequestOutput]:
+        """Before scheduling: learn the digests that background loads computed, and make the adapters the
+        scheduler will want next resident (uploading from host memory, or starting their loads).
+
+        An adapter removed (`remove_lora`) while requests wait for it is looked up again from their
+        `LoRARequest`; if its files changed meanwhile, those requests end with an error."""
+        if self.lora is None or not self.scheduler.waiting:
+            return []
+        in_use = self.scheduler.running_adapters()
+        lost: dict[str, LoRARequest] = {}
+        for seq in self.scheduler.waiting:
+            lr = seq.lora_request
+            if lr is None:
+                continue
+            if seq.lora_key is None:
+                seq.lora_key = self.lora.poll_resolved(lr, in_use)
+            elif not self.lora.is_known(seq.lora_key) and self.lora.resolve_nowait(lr) != seq.lora_key:
+                lost[self._seq_to_group[seq.seq_id]] = lr
+        self.lora.prepare(self.scheduler.adapters_wanted(), in_use)
+        return [
+            self._end_with_error(gid, f"adapter {lr.name!r} was removed or changed while the request waited")
+            for gid, lr in lost.items()
+        ]
 
     # ---- adapters ---------------------------------------------------------------------------------
     def _require_lora(self) -> LoRAManager:
@@ -209,17 +220,17 @@ class LLMEngine:
 
     def add_lora(self, lora_request: LoRARequest) -> str:
         """Validate and load an adapter into host memory now; returns its content digest."""
-        return self._require_lora().add_lora(lora_request)
+        return self._require_lora().add_lora(lora_request, self.scheduler.running_adapters())
 
     def prefetch_lora(self, lora_request: LoRARequest) -> None:
         """Begin loading an adapter into host memory in the background (e.g. when it is activated)."""
-        self._require_lora().prefetch(lora_request)
+        self._require_lora().prefetch(lora_request, self.scheduler.running_adapters())
 
     def remove_lora(self, name_or_digest: str) -> bool:
-        return self._require_lora().remove_lora(name_or_digest)
+        return self._require_lora().remove_lora(name_or_digest, self.scheduler.running_adapters())
 
     def pin_lora(self, name_or_digest: str, pinned: bool = True) -> bool:
-        return self._require_lora().pin_lora(name_or_digest, pinned)
+        return self._require_lora().pin_lora(name_or_digest, self.scheduler.running_adapters(), pinned)
 
     def list_loras(self) -> list[LoRAInfo]:
         return self._require_lora().list_loras()
@@ -239,12 +250,10 @@ class LLMEngine:
             first = group.seqs[0]
             if first.lora_request is None:
                 continue
-            err = failed.get(first.lora_key or "") or failed.get(path_key(first.lora_request))
-            if err is None:
-                continue
-            name = group.seqs[0].lora_request.name
-            out = self._end_with_error(gid, f"adapter {name!r} could not be loaded: {err}")
-            outputs.append(out)
+            lr = first.lora_request
+            err = failed.get(path_key(lr))
+            if err is not None:
+                outputs.append(self._end_with_error(gid, f"adapter {lr.name!r} could not be loaded: {err}"))
         return outputs
 
     def _sequence_text(self, params: SamplingParams) -> SequenceText | None:
@@ -252,7 +261,7 @@ class LLMEngine:
             return None
         return SequenceText(self.tokenizer, params.stop)
 
-    def abort_request(self, request_id: str | Sequence[str]) -> None:
+    def abort_request(self, request_id: str | abc.Sequence[str]) -> None:
         """Stop the request(s) now, freeing their KV blocks; unknown or finished ids are ignored."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
@@ -260,8 +269,8 @@ class LLMEngine:
             if group is None:
                 continue
             for seq in group.seqs:
-                self._seq_to_group.pop(seq.request_id, None)
-                self.scheduler.finish_request(seq, RequestStatus.FINISHED_ABORTED)
+                self._seq_to_group.pop(seq.seq_id, None)
+                self.scheduler.finish_request(seq, SequenceStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
@@ -278,6 +287,7 @@ class LLMEngine:
         other request carries on.
         """
         outputs = self._fail_adapter_requests()
+        outputs += self._prepare_adapters()
         plan = self.scheduler.schedule()
         self._steps += 1
         self._last_step_tokens = plan.num_batched_tokens
@@ -296,7 +306,7 @@ class LLMEngine:
         self._generation_tokens += len(progressed)
         touched: dict[str, RequestGroup] = {}
         for seq in progressed:
-            gid = self._seq_to_group.get(seq.request_id)
+            gid = self._seq_to_group.get(seq.seq_id)
             if gid is None:
                 continue
             group = self._groups[gid]
@@ -323,17 +333,17 @@ class LLMEngine:
         and return the plan and output of the ones that ran."""
         kept, sampled, failed = [], [], []
         for item in plan.scheduled:
-            seq = item.request
+            seq = item.seq
             if seq.is_finished:
                 continue
             try:
                 one = self.runner.run(SchedulerOutput([item], item.num_tokens))
             except Exception as exc:
-                gid = self._seq_to_group.get(seq.request_id)
+                gid = self._seq_to_group.get(seq.seq_id)
                 if gid is not None:
                     failed.append(self._end_with_error(gid, f"request failed in the engine: {exc!r}"))
                 else:
-                    self.scheduler.finish_request(seq, RequestStatus.FINISHED_ABORTED)
+                    self.scheduler.finish_request(seq, SequenceStatus.FINISHED_ABORTED)
                 continue
             kept.append(item)
             sampled.append(one.sampled[0])
@@ -352,7 +362,7 @@ class LLMEngine:
         group = self._groups.pop(gid, None)
         if group is not None:
             for s in group.seqs:
-                self._seq_to_group.pop(s.request_id, None)
+                self._seq_to_group.pop(s.seq_id, None)
 
     def get_stats(self) -> EngineStats:
         kv = self.kv.stats()

@@ -5,7 +5,7 @@ Per step it builds, with numpy on the host and one copy to the device:
 - the KV slot of every token (`block_ids[pos // block_size] * block_size + pos % block_size`),
 - padded block tables, context lengths and query offsets for attention,
 - the row of each sequence's last token, for the sequences that sample this step,
-and, when any scheduled request uses an adapter, the per-step LoRA context from `lora_context`.
+and, when any scheduled sequence uses an adapter, the per-step LoRA context from `lora_context`.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata, select_backend
-from engine.config import ModelConfig
 from engine.model.linear import LoRAStepContext
 from engine.model.llama import ForwardBatch, LlamaForCausalLM
+from engine.model_config import ModelConfig
 from engine.sampler import Sampler
-from engine.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.scheduler.output import RunnerOutput, SampledToken, ScheduledSequence, SchedulerOutput
 
-LoRAContextBuilder = Callable[[Sequence[ScheduledRequest]], LoRAStepContext | None]
+LoRAContextBuilder = Callable[[Sequence[ScheduledSequence]], LoRAStepContext | None]
 
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -41,14 +41,17 @@ class ModelRunner:
         device: torch.device,
         seed: int = 0,
         attention_backend: str = "auto",
+        lora_context: LoRAContextBuilder | None = None,
     ) -> None:
+        """`lora_context(items)`: the step's LoRA context for the scheduled items in flat-batch order
+        (None when LoRA is disabled)."""
         self.model, self.cfg, self.device, self.block_size = model, cfg, device, block_size
         shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.kv_layers = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
         self.backend = select_backend(device, attention_backend)
         self.sampler = Sampler(device, seed)
-        self.lora_context: LoRAContextBuilder | None = None
+        self.lora_context = lora_context
         self.last_batch: tuple[int, int] = (0, 0)  # (tokens, decode tokens) of the last step, for benchmarks
 
     @torch.inference_mode()
@@ -57,18 +60,18 @@ class ModelRunner:
         # Decodes first (batched attention), each group ordered by adapter so its tokens are contiguous.
         order = sorted(
             range(len(plan.scheduled)),
-            key=lambda i: (plan.scheduled[i].num_tokens != 1, plan.scheduled[i].request.lora_key or ""),
+            key=lambda i: (plan.scheduled[i].num_tokens != 1, plan.scheduled[i].seq.lora_key or ""),
         )
         items = [plan.scheduled[i] for i in order]
         batch = self._prepare(items)
         self.last_batch = (batch.input_ids.shape[0], batch.attn.num_decodes)
         logits = self.model(batch, self.kv_layers, self.backend)
         sample_items = [it for it in items if it.sample]
-        tokens = self.sampler(logits, [it.request for it in sample_items]) if sample_items else []
-        by_item: dict[int, object] = {id(it): tok for it, tok in zip(sample_items, tokens, strict=True)}
+        tokens = self.sampler(logits, [it.seq for it in sample_items]) if sample_items else []
+        by_item: dict[int, SampledToken] = {id(it): tok for it, tok in zip(sample_items, tokens, strict=True)}
         return RunnerOutput([by_item.get(id(it)) for it in plan.scheduled])
 
-    def _prepare(self, items: list[ScheduledRequest]) -> ForwardBatch:
+    def _prepare(self, items: list[ScheduledSequence]) -> ForwardBatch:
         bs = self.block_size
         ids: list[int] = []
         pos_parts: list[np.ndarray] = []
@@ -81,7 +84,7 @@ class ModelRunner:
             n, start = it.num_tokens, it.start
             if n == 1:
                 num_decodes += 1
-            ids.extend(it.request.all_token_ids[start : start + n])
+            ids.extend(it.seq.all_token_ids[start : start + n])
             pos = np.arange(start, start + n, dtype=np.int64)
             blocks = np.asarray(it.block_ids, dtype=np.int64)
             pos_parts.append(pos)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from engine.output_processor import SequenceText
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.request import Request, RequestStatus
+from engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)
@@ -19,10 +19,10 @@ class RequestGroup:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    seqs: list[Request]
+    seqs: list[Sequence]
     texts: list[SequenceText | None]
 
-    def detokenize(self, seq: Request, finish: Callable[[Request, RequestStatus], None]) -> None:
+    def detokenize(self, seq: Sequence, finish: Callable[[Sequence, SequenceStatus], None]) -> None:
         """Append the text of `seq`'s newest token; on a stop string cut the text and `finish` it."""
         text = self.texts[self.seqs.index(seq)]
         if text is None:
@@ -34,9 +34,9 @@ class RequestGroup:
             return
         seq.stop_reason = hit
         if seq.is_finished:  # length limit reached on the same token: the stop string wins
-            seq.status = RequestStatus.FINISHED_STOPPED
+            seq.status = SequenceStatus.FINISHED_STOPPED
         else:
-            finish(seq, RequestStatus.FINISHED_STOPPED)
+            finish(seq, SequenceStatus.FINISHED_STOPPED)
 
     def output(self) -> RequestOutput:
         """The request's state now: every sequence's tokens, text and finish reason."""

@@ -9,13 +9,11 @@ Log-probabilities are reported under the raw (untempered) distribution.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from engine.outputs import Logprob
-from engine.request import Request
 from engine.scheduler.output import SampledToken
+from engine.sequence import Sequence
 
 
 class Sampler:
@@ -24,7 +22,7 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, reqs: Sequence[Request]) -> list[SampledToken]:
+    def __call__(self, logits: torch.Tensor, reqs: list[Sequence]) -> list[SampledToken]:
         """logits [S, V] float32, one row per request -> one sampled token per request."""
         params = [r.params for r in reqs]
         greedy_rows = [p.greedy for p in params]
@@ -58,7 +56,7 @@ class Sampler:
                 out[i].top_logprobs = entry
         return out
 
-    def _draw(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor, reqs: list[Sequence]) -> torch.Tensor:
         params = [r.params for r in reqs]
         temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=logits.device)
         scaled = logits / temps[:, None]

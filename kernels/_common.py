@@ -93,11 +93,6 @@ def pointer_table(pools: Sequence[Tensor], extra: Sequence[Sequence[int]] | None
     return table
 
 
-def next_pow2(n: int) -> int:
-    """Smallest power of two >= max(n, 1)."""
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
 def launch(op: Callable[..., None], impl: Callable[..., None]) -> Callable[..., None]:
     """The launcher to call: the registered custom op ``op`` while ``torch.compile`` traces (the graph
     then holds one opaque op), else the plain launcher ``impl``. In eager mode the custom-op dispatcher

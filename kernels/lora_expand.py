@@ -17,9 +17,9 @@ from kernels._common import (
     dot_precision,
     is_interpreted,
     launch,
-    next_pow2,
     pointer_table,
 )
+from kernels.intmath import cdiv, next_pow2
 from kernels.lora_meta import LoRABatchMeta
 from kernels.tuning import resolve_config
 
@@ -139,8 +139,8 @@ def _launch_expand(
     offsets = [sum(h_outs[:i]) for i in range(num_slices)]
     table = pointer_table(b_pools, [(h, off) for h, off in zip(h_outs, offsets, strict=True)])
     cfg = expand_config(max_tokens_per_slot, max(h_outs), max_rank, num_slices, num_segments)
-    num_n = triton.cdiv(max(h_outs), cfg["BLOCK_N"])
-    grid = (triton.cdiv(max_tokens_per_slot, cfg["BLOCK_M"]) * num_n, num_slices, num_segments)
+    num_n = cdiv(max(h_outs), cfg["BLOCK_N"])
+    grid = (cdiv(max_tokens_per_slot, cfg["BLOCK_M"]) * num_n, num_slices, num_segments)
     _lora_expand_kernel[grid](
         v,
         table,

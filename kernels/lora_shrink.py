@@ -17,9 +17,9 @@ from kernels._common import (
     dot_precision,
     is_interpreted,
     launch,
-    next_pow2,
     pointer_table,
 )
+from kernels.intmath import cdiv, next_pow2
 from kernels.lora_meta import LoRABatchMeta
 from kernels.tuning import resolve_config
 
@@ -113,7 +113,7 @@ def shrink_config(
     block_m = 16 if max_tokens_per_slot <= 16 else (32 if max_tokens_per_slot <= 64 else 64)
     block_n = max(16, min(next_pow2(max_rank), 64))
     block_k = max(16, min(next_pow2(h_in), 128 if block_m <= 32 else 64))
-    programs = num_slices * num_segments * triton.cdiv(max_tokens_per_slot, block_m)
+    programs = num_slices * num_segments * cdiv(max_tokens_per_slot, block_m)
     split_k = 1
     while programs * split_k < 256 and h_in // (split_k * 2) >= 4 * block_k:
         split_k *= 2
@@ -148,9 +148,9 @@ def _launch_shrink(
     num_slices, _, max_rank = out.shape
     h_in = x.shape[1]
     cfg = shrink_config(max_tokens_per_slot, h_in, max_rank, num_slices, num_segments)
-    num_n = triton.cdiv(max_rank, cfg["BLOCK_N"])
+    num_n = cdiv(max_rank, cfg["BLOCK_N"])
     grid = (
-        triton.cdiv(max_tokens_per_slot, cfg["BLOCK_M"]) * num_n * cfg["SPLIT_K"],
+        cdiv(max_tokens_per_slot, cfg["BLOCK_M"]) * num_n * cfg["SPLIT_K"],
         num_slices,
         num_segments,
     )

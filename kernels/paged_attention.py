@@ -14,8 +14,8 @@ from kernels._common import (
     check_tensor,
     is_interpreted,
     launch,
-    next_pow2,
 )
+from kernels.intmath import cdiv, next_pow2
 from kernels.tuning import resolve_config
 
 _I32 = (torch.int32,)
@@ -159,7 +159,7 @@ def _launch_attention(
     group = q.shape[1] // num_kv_heads
     head_dim = q.shape[2]
     cfg = attention_config(max_query_len, group, head_dim, k_cache.shape[1])
-    grid = (triton.cdiv(max_query_len * group, cfg["BLOCK_M"]), num_seqs, num_kv_heads)
+    grid = (cdiv(max_query_len * group, cfg["BLOCK_M"]), num_seqs, num_kv_heads)
     _attention_kernel[grid](
         q, k_cache, v_cache, out,
         block_tables, query_start_loc, seq_lens,

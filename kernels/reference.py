@@ -10,12 +10,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from kernels.intmath import cdiv
 from kernels.lora_meta import LoRABatchMeta
 
 
 def _adapter_rows(pool: Tensor, pages: Tensor, rank: int) -> Tensor:
     """Concatenate pages ``pool[pages[j]]`` along the rank axis and keep the first ``rank`` rows."""
-    n_pages = -(-rank // pool.shape[1])
+    n_pages = cdiv(rank, pool.shape[1])
     return torch.cat([pool[int(p)] for p in pages[:n_pages].tolist()], dim=0)[:rank]
 
 
@@ -80,7 +81,7 @@ def lora_expand_ref(
             r = int(ranks[s, slot])
             if r == 0:
                 continue
-            n_pages = -(-r // pool.shape[2])
+            n_pages = cdiv(r, pool.shape[2])
             pages = page_table[s, slot, :n_pages].tolist()
             b = torch.cat([pool[int(p)] for p in pages], dim=1)[:, :r].float()
             delta = float(scalings[s, slot]) * (v[s, tokens, :r].float() @ b.T)
@@ -114,7 +115,7 @@ def write_kv_ref(
 def _gather_kv(cache: Tensor, block_table: Tensor, length: int) -> Tensor:
     """The first ``length`` positions of one sequence, ``[length, Hkv, D]`` in float32."""
     block_size = cache.shape[1]
-    n_blocks = -(-length // block_size)
+    n_blocks = cdiv(length, block_size)
     blocks = block_table[:n_blocks].long()
     return cache[blocks].reshape(-1, *cache.shape[2:])[:length].float()
 

@@ -1,4 +1,4 @@
-"""Adapters as durable records: database, blob store, validation, events (design doc decision 6).
+"""Adapters as durable records: database, blob store, validation, events (see docs/architecture.md).
 
 Entry point: `open_registry(RegistrySettings.from_env())` → `Registry` with `.adapters`
 (`RegistryService`: register, activate, deactivate, delete, list, show, rollback) and `.keys`

@@ -48,7 +48,10 @@ class RegistryEvent:
     @classmethod
     def from_json(cls, text: str | bytes) -> RegistryEvent:
         raw: dict[str, Any] = json.loads(text)
-        return cls(**{k: raw.get(k) for k in ("type", "name", "status", "version", "digest", "id", "at")})
+        fields: dict[str, Any] = {
+            k: raw.get(k) for k in ("type", "name", "status", "version", "digest", "id", "at")
+        }
+        return cls(**fields)
 
 
 Handler = Callable[[RegistryEvent], None]

@@ -16,13 +16,13 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from lora_registry import events as ev
+from lora_registry.converters import audit, key_info
 from lora_registry.dbsession import transaction
 from lora_registry.errors import Conflict, NotFound, RegistryError
 from lora_registry.events import EventBus, RegistryEvent
 from lora_registry.models import ApiKey
 from lora_registry.names import validate_name
 from lora_registry.schemas import ApiKeyInfo, CreatedKey
-from lora_registry.views import audit, key_info
 
 KEY_PREFIX = "lpx_"
 SCOPE_ADMIN = "admin"

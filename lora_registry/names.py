@@ -1,4 +1,4 @@
-"""Adapter and key names: `^[a-z0-9][a-z0-9._-]{0,63}$` (design doc decision 7)."""
+"""Adapter and key names: `^[a-z0-9][a-z0-9._-]{0,63}$` (one rule for the registry, API and CLI)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
+
+import msgspec
 
 
 def _jsonable(value: Any) -> Any:
@@ -24,20 +26,21 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _dt(value: str) -> datetime:
-    return datetime.fromisoformat(value)
-
-
-def _opt_dt(value: str | None) -> datetime | None:
-    return None if value is None else datetime.fromisoformat(value)
-
-
 class _Json:
     __slots__ = ()
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (datetimes as ISO 8601 strings)."""
         return _jsonable(asdict(self))  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Self:
+        """Read `to_dict()`'s output back: msgspec converts by the field types (ISO strings to datetimes,
+        lists to tuples, nested records); unknown keys are ignored; a malformed value raises ValueError."""
+        try:
+            return msgspec.convert(d, cls, strict=False)
+        except msgspec.ValidationError as exc:
+            raise ValueError(str(exc)) from exc
 
 
 @dataclass(slots=True, frozen=True)
@@ -53,23 +56,6 @@ class VersionInfo(_Json):
     base_model_fingerprint: str
     source: str
     created_at: datetime
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> VersionInfo:
-        """Read `to_dict()`'s output back."""
-        return cls(
-            version=int(d["version"]),
-            digest=d["digest"],
-            rank=int(d["rank"]),
-            alpha=float(d["alpha"]),
-            target_modules=tuple(d["target_modules"]),
-            use_rslora=bool(d["use_rslora"]),
-            size_bytes=int(d["size_bytes"]),
-            base_model_name=d.get("base_model_name"),
-            base_model_fingerprint=d["base_model_fingerprint"],
-            source=d["source"],
-            created_at=_dt(d["created_at"]),
-        )
 
 
 @dataclass(slots=True, frozen=True)
@@ -90,35 +76,11 @@ class AdapterInfo(_Json):
     def is_active(self) -> bool:
         return self.status == "active"
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> AdapterInfo:
-        """Read `to_dict()`'s output back."""
-        current = d.get("current")
-        return cls(
-            name=d["name"],
-            description=d["description"],
-            status=d["status"],
-            owner=d.get("owner"),
-            tags=tuple(d.get("tags") or ()),
-            created_at=_dt(d["created_at"]),
-            updated_at=_dt(d["updated_at"]),
-            current=None if current is None else VersionInfo.from_dict(current),
-            num_versions=int(d["num_versions"]),
-        )
-
 
 @dataclass(slots=True, frozen=True)
 class AdapterDetail(_Json):
     adapter: AdapterInfo
     versions: tuple[VersionInfo, ...]
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> AdapterDetail:
-        """Read `to_dict()`'s output back."""
-        return cls(
-            adapter=AdapterInfo.from_dict(d["adapter"]),
-            versions=tuple(VersionInfo.from_dict(v) for v in d["versions"]),
-        )
 
 
 @dataclass(slots=True, frozen=True)
@@ -129,15 +91,6 @@ class RegisterResult(_Json):
     version: VersionInfo
     created: bool
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> RegisterResult:
-        """Read `to_dict()`'s output back."""
-        return cls(
-            adapter=AdapterInfo.from_dict(d["adapter"]),
-            version=VersionInfo.from_dict(d["version"]),
-            created=bool(d["created"]),
-        )
-
 
 @dataclass(slots=True, frozen=True)
 class ActiveAdapter(_Json):
@@ -146,11 +99,6 @@ class ActiveAdapter(_Json):
     name: str
     version: int
     digest: str
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ActiveAdapter:
-        """Read `to_dict()`'s output back."""
-        return cls(name=d["name"], version=int(d["version"]), digest=d["digest"])
 
 
 @dataclass(slots=True, frozen=True)
@@ -169,17 +117,6 @@ class ApiKeyInfo(_Json):
         """Whether this key may call adapter `adapter` (admin keys may call every adapter)."""
         return self.revoked_at is None and (self.is_admin or f"adapter:{adapter}" in self.scopes)
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ApiKeyInfo:
-        """Read `to_dict()`'s output back."""
-        return cls(
-            name=d["name"],
-            prefix=d["prefix"],
-            scopes=tuple(d["scopes"]),
-            created_at=_dt(d["created_at"]),
-            revoked_at=_opt_dt(d.get("revoked_at")),
-        )
-
 
 @dataclass(slots=True, frozen=True)
 class CreatedKey(_Json):
@@ -187,11 +124,6 @@ class CreatedKey(_Json):
 
     info: ApiKeyInfo
     secret: str
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> CreatedKey:
-        """Read `to_dict()`'s output back."""
-        return cls(info=ApiKeyInfo.from_dict(d["info"]), secret=d["secret"])
 
 
 @dataclass(slots=True, frozen=True)
@@ -201,10 +133,3 @@ class AuditRecord(_Json):
     action: str
     target: str
     details: dict[str, Any]
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> AuditRecord:
-        """Read `to_dict()`'s output back."""
-        return cls(
-            at=_dt(d["at"]), actor=d["actor"], action=d["action"], target=d["target"], details=d["details"]
-        )

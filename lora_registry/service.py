@@ -7,6 +7,7 @@ after the commit. Adapter versions are immutable; a name points at one of its ve
 
 from __future__ import annotations
 
+import builtins  # `list` is also a method name in this module's classes
 import shutil
 import tempfile
 from collections.abc import Iterable
@@ -18,6 +19,7 @@ from sqlalchemy.orm import Session, selectinload, sessionmaker
 
 from lora_registry import events as ev
 from lora_registry.blobstore import BlobStore
+from lora_registry.converters import adapter_info, audit, audit_record, version_info
 from lora_registry.dbsession import transaction
 from lora_registry.errors import Conflict, NotFound, RegistryError
 from lora_registry.events import EventBus, RegistryEvent
@@ -40,7 +42,6 @@ from lora_registry.schemas import (
     VersionInfo,
 )
 from lora_registry.settings import RegistrySettings
-from lora_registry.views import adapter_info, audit, audit_record, version_info
 
 if TYPE_CHECKING:
     from lora_registry.registration import PreparedUpload
@@ -75,7 +76,7 @@ class RegistryService:
             a = self._get(s, name)
             return AdapterDetail(adapter_info(a), tuple(version_info(v) for v in a.versions))
 
-    def active_adapters(self) -> list[ActiveAdapter]:
+    def active_adapters(self) -> builtins.list[ActiveAdapter]:
         """(name, version, digest) of every active adapter: what a serving engine should hold."""
         with transaction(self.sessions) as s:
             q = (
@@ -90,7 +91,7 @@ class RegistryService:
         """The served version of `name`, or None if it is unknown or inactive."""
         return next((a for a in self.active_adapters() if a.name == name), None)
 
-    def audit_log(self, limit: int = 100) -> list[AuditRecord]:
+    def audit_log(self, limit: int = 100) -> builtins.list[AuditRecord]:
         """The newest `limit` audit entries, newest first."""
         with transaction(self.sessions) as s:
             rows = s.scalars(select(AuditEntry).order_by(AuditEntry.id.desc()).limit(limit))

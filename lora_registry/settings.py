@@ -6,6 +6,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 BLOB_STORES = ("local", "database")
 
@@ -41,7 +42,7 @@ class RegistrySettings:
         env = os.environ if env is None else env
         data_dir = Path(env.get("LORAPLEX_DATA_DIR") or "./data").expanduser().absolute()
         model = env.get("LORAPLEX_MODEL")
-        kwargs: dict[str, int] = {}
+        kwargs: dict[str, Any] = {}
         ints = (
             ("LORAPLEX_MAX_LORA_RANK", "max_lora_rank"),
             ("LORAPLEX_MAX_UPLOAD_BYTES", "max_upload_bytes"),

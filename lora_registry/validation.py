@@ -6,7 +6,6 @@ import hashlib
 import json
 from pathlib import Path
 
-from engine.config import ModelConfig, ModelConfigError
 from engine.lora.adapter_checkpoint import (
     CONFIG_FILE,
     AdapterCheckpoint,
@@ -15,6 +14,7 @@ from engine.lora.adapter_checkpoint import (
     inspect_adapter,
     load_adapter_config,
 )
+from engine.model_config import ModelConfig, ModelConfigError
 from lora_registry.errors import InvalidAdapter, RegistryError
 
 

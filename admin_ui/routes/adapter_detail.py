@@ -7,10 +7,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import RedirectResponse, Response
 
 from admin_ui.charts import traffic_chart
+from admin_ui.page_data import adapter_series, engine_tiers
 from admin_ui.session import CsrfSession, Session
 from admin_ui.snippets import endpoint_snippets
 from admin_ui.templating import flash, render
-from admin_ui.views import adapter_series, engine_tiers
+from api.deps import AdaptersDep, StateDep
 from api.errors import APIError
 from api.routes.admin_api import call_registry
 
@@ -18,9 +19,8 @@ router = APIRouter(prefix="/admin/adapters", include_in_schema=False)
 
 
 @router.get("/{name}")
-async def detail_page(name: str, request: Request, session: Session) -> Response:
+async def detail_page(name: str, request: Request, state: StateDep, session: Session) -> Response:
     """One adapter: its versions, state, engine residency, endpoint and traffic."""
-    state = request.app.state.loraplex
     try:
         detail = await call_registry(state.registry.adapters.show, name)
     except APIError as exc:
@@ -53,8 +53,7 @@ def _back(request: Request, name: str, text: str, kind: str = "ok") -> Response:
 
 
 @router.post("/{name}/activate")
-async def activate(name: str, request: Request, _: CsrfSession) -> Response:
-    svc = request.app.state.loraplex.registry.adapters
+async def activate(name: str, request: Request, svc: AdaptersDep, _: CsrfSession) -> Response:
     try:
         info = await call_registry(svc.activate, name, actor="admin-ui")
     except APIError as exc:
@@ -64,8 +63,7 @@ async def activate(name: str, request: Request, _: CsrfSession) -> Response:
 
 
 @router.post("/{name}/deactivate")
-async def deactivate(name: str, request: Request, _: CsrfSession) -> Response:
-    svc = request.app.state.loraplex.registry.adapters
+async def deactivate(name: str, request: Request, svc: AdaptersDep, _: CsrfSession) -> Response:
     try:
         await call_registry(svc.deactivate, name, actor="admin-ui")
     except APIError as exc:
@@ -74,8 +72,7 @@ async def deactivate(name: str, request: Request, _: CsrfSession) -> Response:
 
 
 @router.post("/{name}/rollback")
-async def rollback(name: str, request: Request, _: CsrfSession) -> Response:
-    svc = request.app.state.loraplex.registry.adapters
+async def rollback(name: str, request: Request, svc: AdaptersDep, _: CsrfSession) -> Response:
     raw = str((await request.form()).get("version") or "")
     if not raw.isdigit() or int(raw) < 1:
         return _back(request, name, "choose a version to roll back to", "error")
@@ -87,9 +84,8 @@ async def rollback(name: str, request: Request, _: CsrfSession) -> Response:
 
 
 @router.post("/{name}/delete")
-async def delete(name: str, request: Request, _: CsrfSession) -> Response:
+async def delete(name: str, request: Request, svc: AdaptersDep, _: CsrfSession) -> Response:
     """Delete the adapter and all its versions, once its name has been typed to confirm."""
-    svc = request.app.state.loraplex.registry.adapters
     if str((await request.form()).get("confirm") or "").strip() != name:
         return _back(request, name, f"type {name} in the confirmation box to delete it", "error")
     try:

@@ -10,11 +10,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 from starlette.datastructures import UploadFile
 
+from admin_ui.page_data import adapter_rows, filter_rows
 from admin_ui.session import AdminSession, CsrfSession, Session
 from admin_ui.templating import flash, render
-from admin_ui.views import adapter_rows, filter_rows
+from api.deps import StateDep
 from api.errors import APIError
 from api.routes.admin_api import call_registry, register_upload
+from api.state import app_state
 
 router = APIRouter(prefix="/admin", include_in_schema=False)
 STATUSES = ("active", "inactive")
@@ -28,7 +30,7 @@ async def _page(
     form: dict[str, str] | None = None,
     status_code: int = 200,
 ) -> Response:
-    state = request.app.state.loraplex
+    state = app_state(request)
     infos = await call_registry(state.registry.adapters.list)
     rows = adapter_rows(state, infos)
     query = request.query_params.get("q", "")
@@ -64,9 +66,8 @@ def _wants_json(request: Request) -> bool:
 
 
 @router.post("/adapters")
-async def upload(request: Request, session: CsrfSession) -> Response:
+async def upload(request: Request, state: StateDep, session: CsrfSession) -> Response:
     """Register an uploaded zip (or the two PEFT files) as a new version of `name`; maybe activate it."""
-    state = request.app.state.loraplex
     form = await request.form()
     name = str(form.get("name") or "").strip()
     description = str(form.get("description") or "").strip() or None

@@ -19,6 +19,7 @@ from admin_ui.session import (
 )
 from admin_ui.state import ui_state
 from admin_ui.templating import flash, render
+from api.deps import StateDep
 
 router = APIRouter(prefix="/admin", include_in_schema=False)
 MAX_FAILURES, FAILURE_WINDOW = 10, 60.0
@@ -61,7 +62,7 @@ def _record_failure(request: Request) -> None:
 
 
 @router.post("/login")
-async def login(request: Request) -> Response:
+async def login(request: Request, state: StateDep) -> Response:
     """Check the admin token; on success start a session and go to `next`."""
     await check_login_csrf(request)
     form = await request.form()
@@ -69,7 +70,7 @@ async def login(request: Request) -> Response:
     if _throttled(request):
         return _login_page(request, next_path, "Too many failed attempts; wait a minute and retry.", 429)
     token = str(form.get("token") or "")
-    if not request.app.state.loraplex.admin_auth.check(token):
+    if not state.admin_auth.check(token):
         _record_failure(request)
         message = "Enter the admin token." if not token else "That is not the admin token."
         return _login_page(request, next_path, message, 401)

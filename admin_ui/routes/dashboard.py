@@ -6,19 +6,20 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from admin_ui.charts import traffic_chart
+from admin_ui.page_data import TIER_LABELS, TIER_ORDER, dashboard
 from admin_ui.session import Session
-from admin_ui.state import ui_state
+from admin_ui.state import UiStateDep
 from admin_ui.templating import render
-from admin_ui.views import TIER_LABELS, TIER_ORDER, dashboard
+from api.deps import StateDep
 
 router = APIRouter(prefix="/admin", include_in_schema=False)
 POLL_MS = 2000
 
 
 @router.get("")
-async def dashboard_page(request: Request, session: Session) -> Response:
+async def dashboard_page(request: Request, state: StateDep, ui: UiStateDep, session: Session) -> Response:
     """Base model, engine and pool statistics, residency by tier, throughput and the traffic chart."""
-    snap = dashboard(request.app.state.loraplex, ui_state(request).rates)
+    snap = dashboard(state, ui.rates)
     context = {
         "title": "Dashboard",
         "d": snap,
@@ -30,7 +31,7 @@ async def dashboard_page(request: Request, session: Session) -> Response:
 
 
 @router.get("/dashboard.json")
-async def dashboard_json(request: Request, _: Session) -> JSONResponse:
+async def dashboard_json(state: StateDep, ui: UiStateDep, _: Session) -> JSONResponse:
     """The dashboard's live numbers, residency rows and the chart (as SVG markup)."""
-    snap = dashboard(request.app.state.loraplex, ui_state(request).rates)
+    snap = dashboard(state, ui.rates)
     return JSONResponse(snap.to_json(), headers={"Cache-Control": "no-store"})

@@ -7,8 +7,10 @@ from fastapi.responses import RedirectResponse, Response
 
 from admin_ui.session import AdminSession, CsrfSession, Session
 from admin_ui.templating import flash, render
+from api.deps import KeysDep
 from api.errors import APIError
 from api.routes.admin_api import call_registry
+from api.state import app_state
 
 router = APIRouter(prefix="/admin/keys", include_in_schema=False)
 
@@ -22,7 +24,7 @@ async def _page(
     form: dict | None = None,
     status_code: int = 200,
 ) -> Response:
-    state = request.app.state.loraplex
+    state = app_state(request)
     keys = await call_registry(state.registry.keys.list)
     adapters = [a.name for a in await call_registry(state.registry.adapters.list)]
     context = {
@@ -43,7 +45,7 @@ async def keys_page(request: Request, session: Session) -> Response:
 
 
 @router.post("")
-async def create_key(request: Request, session: CsrfSession) -> Response:
+async def create_key(request: Request, keys: KeysDep, session: CsrfSession) -> Response:
     """Create a key scoped to everything ("admin") or to the chosen adapters; show its secret once."""
     form = await request.form()
     name = str(form.get("name") or "").strip()
@@ -56,7 +58,6 @@ async def create_key(request: Request, session: CsrfSession) -> Response:
     if scope == "adapters" and not chosen:
         errors.append("choose at least one adapter, or give the key access to everything")
     if not errors:
-        keys = request.app.state.loraplex.registry.keys
         try:
             created = await call_registry(
                 keys.create,
@@ -73,8 +74,7 @@ async def create_key(request: Request, session: CsrfSession) -> Response:
 
 
 @router.post("/{name}/revoke")
-async def revoke_key(name: str, request: Request, _: CsrfSession) -> Response:
-    keys = request.app.state.loraplex.registry.keys
+async def revoke_key(name: str, request: Request, keys: KeysDep, _: CsrfSession) -> Response:
     response = RedirectResponse("/admin/keys", status_code=303)
     try:
         await call_registry(keys.revoke, name, actor="admin-ui")

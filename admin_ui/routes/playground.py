@@ -9,7 +9,8 @@ admin session standing in for an API key.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import cast
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -17,11 +18,13 @@ from pydantic import BaseModel, Field, ValidationError
 
 from admin_ui.session import CsrfSession, Session
 from admin_ui.templating import render
+from api.deps import StateDep
 from api.errors import APIError
-from api.generation import Generation
+from api.generation import ChoiceUpdate, Generation
 from api.openai_protocol import CompletionRequest
 from api.serving import RequestRun, Target, adapter_target, sampling_params, tokenize_prompts
 from api.sse import sse
+from api.state import AppState
 
 router = APIRouter(prefix="/admin/playground", include_in_schema=False)
 
@@ -36,14 +39,13 @@ class PlaygroundRun(BaseModel):
 
 
 @router.get("")
-async def playground_page(request: Request, session: Session) -> Response:
-    state = request.app.state.loraplex
+async def playground_page(request: Request, state: StateDep, session: Session) -> Response:
     adapters = sorted(state.follower.snapshot())
     context = {"title": "Playground", "adapters": adapters, "base": state.settings.served_model_name}
     return render(request, "playground.html", context, session, active="playground")
 
 
-async def _target(state, adapter: str | None) -> Target:
+async def _target(state: AppState, adapter: str | None) -> Target:
     """The base model, or the active adapter `adapter` (404 when unknown or inactive)."""
     if adapter is None:
         return Target(state.settings.served_model_name, None, "admin")
@@ -53,9 +55,8 @@ async def _target(state, adapter: str | None) -> Target:
 
 
 @router.post("/generate")
-async def generate(request: Request, _: CsrfSession) -> Response:
+async def generate(request: Request, state: StateDep, _: CsrfSession) -> Response:
     """Stream one completion of `prompt` by `adapter` (or the base model) as server-sent events."""
-    state = request.app.state.loraplex
     try:
         run_req = PlaygroundRun.model_validate(await request.json())
     except (ValidationError, ValueError) as exc:
@@ -74,7 +75,7 @@ async def generate(request: Request, _: CsrfSession) -> Response:
 
     async def events() -> AsyncIterator[str]:
         t0 = time.monotonic()
-        updates = run.updates()
+        updates = cast(AsyncGenerator[ChoiceUpdate, None], run.updates())  # an async generator
         try:
             async for up in updates:
                 if up.text:

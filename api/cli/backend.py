@@ -7,6 +7,7 @@ admin API for `--server URL --token T`.
 
 from __future__ import annotations
 
+import builtins  # `list` is also a method name in this module's classes
 import getpass
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,7 +30,7 @@ class Backend(Protocol):
     def delete(self, name: str) -> None: ...
     def rollback(self, name: str, version: int) -> AdapterInfo: ...
     def create_key(self, name: str, admin: bool, adapters: Sequence[str]) -> CreatedKey: ...
-    def list_keys(self) -> list[ApiKeyInfo]: ...
+    def list_keys(self) -> builtins.list[ApiKeyInfo]: ...
     def revoke_key(self, name: str) -> ApiKeyInfo: ...
     def close(self) -> None: ...
 
@@ -72,7 +73,7 @@ class LocalBackend:
     def create_key(self, name: str, admin: bool, adapters: Sequence[str]) -> CreatedKey:
         return self.registry.keys.create(name, admin=admin, adapters=adapters, actor=self.actor)
 
-    def list_keys(self) -> list[ApiKeyInfo]:
+    def list_keys(self) -> builtins.list[ApiKeyInfo]:
         return self.registry.keys.list()
 
     def revoke_key(self, name: str) -> ApiKeyInfo:

@@ -8,6 +8,7 @@ Every failure (no connection, a refused token, an OpenAI-style error body) becom
 
 from __future__ import annotations
 
+import builtins  # `list` is also a method name in this module's classes
 import contextlib
 import os
 import zipfile
@@ -207,7 +208,7 @@ class RemoteBackend:
         body = self._request("POST", "/keys", json={"name": name, "admin": admin, "adapters": list(adapters)})
         return self._parse(CreatedKey.from_dict, body)
 
-    def list_keys(self) -> list[ApiKeyInfo]:
+    def list_keys(self) -> builtins.list[ApiKeyInfo]:
         body = self._request("GET", "/keys")
         return self._parse(lambda b: [ApiKeyInfo.from_dict(k) for k in b["data"]], body)
 

@@ -17,23 +17,23 @@ def serve(
     ] = None,
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
-    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
+    device: Annotated[str | None, typer.Option(help="auto, cpu or cuda.")] = None,
+    dtype: Annotated[str | None, typer.Option(help="auto, float32, bfloat16 or float16.")] = None,
     served_model_name: Annotated[str | None, typer.Option(help="Model id of the base model.")] = None,
     require_api_key: Annotated[bool, typer.Option(help="Require an API key for inference.")] = False,
-    max_loras: Annotated[int, typer.Option(help="Distinct adapters in one step.")] = 8,
-    max_lora_rank: Annotated[int, typer.Option(help="Largest adapter rank accepted.")] = 64,
-    max_num_seqs: Annotated[int, typer.Option(help="Sequences in the running batch.")] = 256,
+    max_loras: Annotated[int | None, typer.Option(help="Distinct adapters in one step.")] = None,
+    max_lora_rank: Annotated[int | None, typer.Option(help="Largest adapter rank accepted.")] = None,
+    max_num_seqs: Annotated[int | None, typer.Option(help="Sequences in the running batch.")] = None,
     num_kv_blocks: Annotated[
         int | None, typer.Option(help="KV cache blocks (default: sized by memory).")
     ] = None,
     threads: Annotated[int | None, typer.Option(help="Engine CPU threads (default: torch's).")] = None,
     lora_backend: Annotated[
-        str, typer.Option(help="auto, native or torch (CPU), triton (CUDA): how LoRA is applied.")
-    ] = "auto",
+        str | None, typer.Option(help="auto, native or torch (CPU), triton (CUDA): how LoRA is applied.")
+    ] = None,
     lora_dtype: Annotated[
-        str, typer.Option(help="Adapter pool dtype: auto (= --dtype), float32, float16 or bfloat16.")
-    ] = "auto",
+        str | None, typer.Option(help="Adapter pool dtype: auto (= --dtype), float32, float16 or bfloat16.")
+    ] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
     replicas: Annotated[
         int | None,
@@ -46,7 +46,9 @@ def serve(
         int | None, typer.Option(help="With --replicas: CPUs of the local Ray cluster.", min=1)
     ] = None,
 ) -> None:
-    """Start the server: one resident base model, every active adapter of the registry."""
+    """Start the server: one resident base model, every active adapter of the registry.
+
+    Engine options left out take `EngineConfig`'s defaults (the one place they are written)."""
     from api.auth import ensure_admin_token
     from api.server import serve as run
     from api.settings import ServerSettings
@@ -62,7 +64,7 @@ def serve(
             port=port,
             served_model_name=served_model_name,
             require_api_key=require_api_key,
-            engine_kwargs=dict(
+            engine_kwargs=engine_options(
                 device=device,
                 dtype=dtype,
                 max_loras=max_loras,
@@ -106,3 +108,8 @@ def _serve_replicas(settings, replicas: int, ray_address: str | None, num_cpus: 
     where = ray_address or "a local Ray cluster"
     stderr().print(f"  Replicas     {replicas} engine replicas on {where} (Ray Serve, adapter affinity)")
     serve_cluster(settings, ClusterOptions(replicas, ray_address, num_cpus))
+
+
+def engine_options(**given: object) -> dict[str, object]:
+    """The `EngineConfig` fields set on the command line (an option left out is None: the default)."""
+    return {k: v for k, v in given.items() if v is not None}

@@ -13,6 +13,7 @@ from typing import Any
 from api.cluster import ray_api
 from api.settings import ServerSettings
 from engine.engine_config import EngineConfig
+from kernels.intmath import cdiv
 
 ENGINE_DEPLOYMENT = "EngineReplica"
 INGRESS_DEPLOYMENT = "Ingress"
@@ -21,9 +22,8 @@ INGRESS_DEPLOYMENT = "Ingress"
 def pool_capacity(config: EngineConfig) -> int:
     """Adapters of the largest allowed rank that fit in the device pool at once (the multiplexing LRU's
     size, instead of Ray's default of 3)."""
-    per_adapter = -(-config.max_lora_rank // config.lora_page_rank)
-    pages = config.lora_pool_pages or 2 * config.max_loras * per_adapter
-    return max(1, pages // per_adapter)
+    per_adapter = cdiv(config.max_lora_rank, config.lora_page_rank)
+    return max(1, config.adapter_pool_pages() // per_adapter)
 
 
 def engine_deployment(settings: ServerSettings, replicas: int, max_ongoing: int | None = None) -> Any:

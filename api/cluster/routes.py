@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 
+from api.deps import AdminActor, StateDep
 from api.engine_protocol import decode_from_engine
-from api.routes.admin_api import Admin
 
 router = APIRouter(prefix="/admin/api", tags=["admin"])
 
 
 @router.get("/cluster")
-async def cluster_status(request: Request, _: Admin) -> dict:
+async def cluster_status(state: StateDep, _: AdminActor) -> dict:
     """Per replica: id, health, in-flight requests, the active adapters it follows (name → digest),
     adapters made resident by its multiplexed loader, and its adapter pool (loads, residency by tier)."""
-    client = request.app.state.loraplex.client
+    client = state.client
     await client.poll()
     out = []
     for r in client.replicas:

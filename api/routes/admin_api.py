@@ -1,29 +1,62 @@
 """Admin JSON API under `/admin/api/` (Bearer admin token), plus vLLM's load/unload LoRA routes.
 
 Every change goes through the registry service; the engine follows through the registry's events.
+Responses are the registry's records (`lora_registry.schemas`), declared as each route's response model,
+so the OpenAPI schema documents them and FastAPI serializes them (datetimes as ISO 8601).
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
 import msgspec
-from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, File, Form, Query, Response, UploadFile
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import UploadFile as UploadedFile  # what forms hold (FastAPI's is a subclass)
 
-from api.auth import require_admin
+from api.deps import AdaptersDep, AdminActor, KeysDep, StateDep
 from api.errors import APIError
 from api.openai_protocol import LoadLoRARequest, UnloadLoRARequest
+from api.state import AppState
 from lora_registry.errors import RegistryError
+from lora_registry.schemas import (
+    AdapterDetail,
+    AdapterInfo,
+    ApiKeyInfo,
+    AuditRecord,
+    CreatedKey,
+    RegisterResult,
+)
+
+
+@dataclass(slots=True, frozen=True)
+class AdapterList:
+    data: list[AdapterInfo]
+
+
+@dataclass(slots=True, frozen=True)
+class KeyList:
+    data: list[ApiKeyInfo]
+
+
+@dataclass(slots=True, frozen=True)
+class AuditList:
+    data: list[AuditRecord]
+
+
+@dataclass(slots=True, frozen=True)
+class Deleted:
+    deleted: str
+
 
 router = APIRouter(prefix="/admin/api", tags=["admin"])
 compat = APIRouter(tags=["admin"])
-Admin = Annotated[str, Depends(require_admin)]
 PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
@@ -35,7 +68,7 @@ async def call_registry(fn, *args, **kwargs):
         raise APIError(exc.status_code, str(exc)) from exc
 
 
-async def save_upload(files: list[UploadFile], dest: Path, limit: int) -> Path:
+async def save_upload(files: Sequence[UploadedFile], dest: Path, limit: int) -> Path:
     """Write the uploaded zip (one file) or PEFT pair (two files) under `dest`; 413 past `limit` bytes.
 
     Returns the path to register: the zip file, or the directory holding the two files.
@@ -67,7 +100,13 @@ async def save_upload(files: list[UploadFile], dest: Path, limit: int) -> Path:
 
 
 async def register_upload(
-    state, name: str, files: list[UploadFile], *, description: str | None, activate: bool, actor: str
+    state: AppState,
+    name: str,
+    files: Sequence[UploadedFile],
+    *,
+    description: str | None,
+    activate: bool,
+    actor: str,
 ):
     """Save an upload in a private temp dir, register it as a version of `name`, remove the temp dir.
 
@@ -96,39 +135,39 @@ async def register_upload(
 
 @router.post("/adapters", status_code=201)
 async def upload_adapter(
-    request: Request,
-    actor: Admin,
+    state: StateDep,
+    actor: AdminActor,
+    response: Response,
     name: Annotated[str, Form()],
     file: Annotated[list[UploadFile], File()],
     description: Annotated[str | None, Form()] = None,
     activate: Annotated[bool, Form()] = False,
-):
-    state = request.app.state.loraplex
+) -> RegisterResult:
+    """201 with the new version; 200 when the same content was already registered under the name."""
     result = await register_upload(state, name, file, description=description, activate=activate, actor=actor)
-    return JSONResponse(result.to_dict(), status_code=201 if result.created else 200)
+    if not result.created:
+        response.status_code = 200
+    return result
 
 
 @router.get("/adapters")
-async def list_adapters(request: Request, _: Admin) -> dict:
-    rows = await call_registry(request.app.state.loraplex.registry.adapters.list)
-    return {"data": [r.to_dict() for r in rows]}
+async def list_adapters(adapters: AdaptersDep, _: AdminActor) -> AdapterList:
+    return AdapterList(await call_registry(adapters.list))
 
 
 @router.get("/adapters/{name}")
-async def show_adapter(name: str, request: Request, _: Admin) -> dict:
-    return (await call_registry(request.app.state.loraplex.registry.adapters.show, name)).to_dict()
+async def show_adapter(name: str, adapters: AdaptersDep, _: AdminActor) -> AdapterDetail:
+    return await call_registry(adapters.show, name)
 
 
 @router.post("/adapters/{name}/activate")
-async def activate_adapter(name: str, request: Request, actor: Admin) -> dict:
-    svc = request.app.state.loraplex.registry.adapters
-    return (await call_registry(svc.activate, name, actor=actor)).to_dict()
+async def activate_adapter(name: str, svc: AdaptersDep, actor: AdminActor) -> AdapterInfo:
+    return await call_registry(svc.activate, name, actor=actor)
 
 
 @router.post("/adapters/{name}/deactivate")
-async def deactivate_adapter(name: str, request: Request, actor: Admin) -> dict:
-    svc = request.app.state.loraplex.registry.adapters
-    return (await call_registry(svc.deactivate, name, actor=actor)).to_dict()
+async def deactivate_adapter(name: str, svc: AdaptersDep, actor: AdminActor) -> AdapterInfo:
+    return await call_registry(svc.deactivate, name, actor=actor)
 
 
 class RollbackBody(BaseModel):
@@ -136,21 +175,19 @@ class RollbackBody(BaseModel):
 
 
 @router.post("/adapters/{name}/rollback")
-async def rollback_adapter(name: str, body: RollbackBody, request: Request, actor: Admin) -> dict:
-    svc = request.app.state.loraplex.registry.adapters
-    return (await call_registry(svc.rollback, name, body.version, actor=actor)).to_dict()
+async def rollback_adapter(name: str, body: RollbackBody, svc: AdaptersDep, actor: AdminActor) -> AdapterInfo:
+    return await call_registry(svc.rollback, name, body.version, actor=actor)
 
 
 @router.delete("/adapters/{name}")
-async def delete_adapter(name: str, request: Request, actor: Admin) -> dict:
-    await call_registry(request.app.state.loraplex.registry.adapters.delete, name, actor=actor)
-    return {"deleted": name}
+async def delete_adapter(name: str, svc: AdaptersDep, actor: AdminActor) -> Deleted:
+    await call_registry(svc.delete, name, actor=actor)
+    return Deleted(name)
 
 
 @router.get("/pool")
-async def pool_status(request: Request, _: Admin) -> dict:
+async def pool_status(state: StateDep, _: AdminActor) -> dict:
     """The engine's KV cache and adapter pool: pages used/free, residency of each adapter by tier."""
-    state = request.app.state.loraplex
     stats = state.client.stats
     if stats is None:
         raise APIError(503, "the engine has not reported statistics yet")
@@ -166,9 +203,10 @@ async def pool_status(request: Request, _: Admin) -> dict:
 
 
 @router.get("/audit")
-async def audit_log(request: Request, _: Admin, limit: Annotated[int, Query(ge=1, le=10_000)] = 100) -> dict:
-    rows = await call_registry(request.app.state.loraplex.registry.adapters.audit_log, limit)
-    return {"data": [r.to_dict() for r in rows]}
+async def audit_log(
+    svc: AdaptersDep, _: AdminActor, limit: Annotated[int, Query(ge=1, le=10_000)] = 100
+) -> AuditList:
+    return AuditList(await call_registry(svc.audit_log, limit))
 
 
 class KeyBody(BaseModel):
@@ -178,29 +216,23 @@ class KeyBody(BaseModel):
 
 
 @router.post("/keys", status_code=201)
-async def create_key(body: KeyBody, request: Request, actor: Admin) -> dict:
-    keys = request.app.state.loraplex.registry.keys
-    created = await call_registry(
-        keys.create, body.name, admin=body.admin, adapters=body.adapters, actor=actor
-    )
-    return created.to_dict()
+async def create_key(body: KeyBody, keys: KeysDep, actor: AdminActor) -> CreatedKey:
+    return await call_registry(keys.create, body.name, admin=body.admin, adapters=body.adapters, actor=actor)
 
 
 @router.get("/keys")
-async def list_keys(request: Request, _: Admin) -> dict:
-    return {"data": [k.to_dict() for k in await call_registry(request.app.state.loraplex.registry.keys.list)]}
+async def list_keys(keys: KeysDep, _: AdminActor) -> KeyList:
+    return KeyList(await call_registry(keys.list))
 
 
 @router.delete("/keys/{name}")
-async def revoke_key(name: str, request: Request, actor: Admin) -> dict:
-    keys = request.app.state.loraplex.registry.keys
-    return (await call_registry(keys.revoke, name, actor=actor)).to_dict()
+async def revoke_key(name: str, keys: KeysDep, actor: AdminActor) -> ApiKeyInfo:
+    return await call_registry(keys.revoke, name, actor=actor)
 
 
 @compat.post("/v1/load_lora_adapter")
-async def load_lora_adapter(body: LoadLoRARequest, request: Request, actor: Admin) -> dict:
+async def load_lora_adapter(body: LoadLoRARequest, svc: AdaptersDep, actor: AdminActor) -> dict:
     """vLLM-compatible: register the adapter at a server-local path under `lora_name` and activate it."""
-    svc = request.app.state.loraplex.registry.adapters
     if not Path(body.lora_path).exists():
         raise APIError(400, f"lora_path {body.lora_path!r} does not exist on the server", param="lora_path")
     result = await call_registry(
@@ -210,7 +242,6 @@ async def load_lora_adapter(body: LoadLoRARequest, request: Request, actor: Admi
 
 
 @compat.post("/v1/unload_lora_adapter")
-async def unload_lora_adapter(body: UnloadLoRARequest, request: Request, actor: Admin) -> dict:
-    svc = request.app.state.loraplex.registry.adapters
+async def unload_lora_adapter(body: UnloadLoRARequest, svc: AdaptersDep, actor: AdminActor) -> dict:
     await call_registry(svc.deactivate, body.lora_name, actor=actor)
     return {"unloaded": body.lora_name}

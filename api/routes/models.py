@@ -6,6 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from api.auth import authenticate, authorize, may_use
+from api.deps import StateDep
 from api.errors import APIError, error_responses
 from api.openai_protocol import AdapterName, ModelList
 
@@ -24,9 +25,8 @@ def _model(id_: str, created: int, parent: str | None = None) -> dict:
 
 
 @router.get("/v1/models", response_model=ModelList, responses=error_responses(401))
-async def list_models(request: Request) -> dict:
+async def list_models(request: Request, state: StateDep) -> dict:
     """The models this caller may use: a key scoped to named adapters sees only those adapters."""
-    state = request.app.state.loraplex
     key = await authenticate(request)
     base = state.settings.served_model_name
     created = int(state.started_at)
@@ -36,9 +36,8 @@ async def list_models(request: Request) -> dict:
 
 
 @router.get("/v1/adapters/{name}/models", response_model=ModelList, responses=error_responses(401, 403, 404))
-async def adapter_models(name: AdapterName, request: Request) -> dict:
+async def adapter_models(name: AdapterName, request: Request, state: StateDep) -> dict:
     """The adapter `name` as a one-model list (404 when it is not active)."""
-    state = request.app.state.loraplex
     authorize(await authenticate(request), name)
     if name not in state.follower.snapshot():
         raise APIError(404, f"The model '{name}' does not exist or is not active", code="model_not_found")

@@ -2,23 +2,23 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+
+from api.deps import EngineClientDep, StateDep
 
 router = APIRouter(tags=["system"])
 
 
 @router.get("/health")
-async def health(request: Request) -> JSONResponse:
+async def health(client: EngineClientDep) -> JSONResponse:
     """200 while the engine process is up, 503 while it is down or restarting."""
-    client = request.app.state.loraplex.client
     body = {"status": "ok" if client.healthy else "unhealthy", "engine_restarts": client.restarts}
     return JSONResponse(body, status_code=200 if client.healthy else 503)
 
 
 @router.get("/metrics")
-async def metrics(request: Request) -> Response:
-    state = request.app.state.loraplex
+async def metrics(state: StateDep) -> Response:
     state.metrics.refresh(state.client)
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
+from kernels.intmath import cdiv
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -41,7 +42,7 @@ class TorchAttentionBackend(AttentionBackend):
         block_size = k_cache.shape[1]
         for b in range(nd, meta.num_seqs):
             q = query[qs[b] : qs[b + 1]]
-            n_blocks = -(-sl[b] // block_size)
+            n_blocks = cdiv(sl[b], block_size)
             blocks = meta.block_tables[b, :n_blocks].long()
             k = k_cache.index_select(0, blocks).flatten(0, 1)[: sl[b]]
             v = v_cache.index_select(0, blocks).flatten(0, 1)[: sl[b]]
@@ -54,7 +55,7 @@ class TorchAttentionBackend(AttentionBackend):
         """(flat block ids [B*max_blocks], additive key mask [B, 1, 1, L] (0 / -inf), L) for the decodes."""
         if self._plan_meta is not meta or self._plan is None:
             nd = meta.num_decodes
-            max_blocks = -(-max(meta.seq_lens_list[:nd]) // block_size)
+            max_blocks = cdiv(max(meta.seq_lens_list[:nd]), block_size)
             length = max_blocks * block_size
             tables = meta.block_tables[:nd, :max_blocks].reshape(-1).long()
             pos = torch.arange(length, device=tables.device)

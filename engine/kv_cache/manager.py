@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import cdiv
 from engine.kv_cache.block_pool import BlockPool, KVBlock, hash_block
-from engine.request import Request
+from engine.sequence import Sequence
+from kernels.intmath import cdiv
 
 
 @dataclass(slots=True)
@@ -43,15 +43,15 @@ class KVCacheManager:
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found cached
 
-    def block_ids(self, req: Request) -> list[int]:
-        return [b.block_id for b in self._tables.get(req.request_id, ())]
+    def block_ids(self, req: Sequence) -> list[int]:
+        return [b.block_id for b in self._tables.get(req.seq_id, ())]
 
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def _block_hashes(self, req: Request, upto_tokens: int) -> list[bytes]:
+    def _block_hashes(self, req: Sequence, upto_tokens: int) -> list[bytes]:
         """Hashes of the request's full blocks covering its first `upto_tokens` tokens (memoized)."""
-        hashes = self._hashes.setdefault(req.request_id, [])
+        hashes = self._hashes.setdefault(req.seq_id, [])
         bs = self.block_size
         tokens = req.all_token_ids
         while (len(hashes) + 1) * bs <= upto_tokens:
@@ -60,7 +60,7 @@ class KVCacheManager:
             hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs], req.lora_key))
         return hashes
 
-    def find_cached_prefix(self, req: Request) -> tuple[list[KVBlock], int]:
+    def find_cached_prefix(self, req: Sequence) -> tuple[list[KVBlock], int]:
         """Longest run of cached full blocks at the start of the request's tokens.
 
         At least one token is always left to compute (the model must produce logits for the last one),
@@ -77,7 +77,7 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
-    def record_lookup(self, req: Request, num_hit_tokens: int) -> None:
+    def record_lookup(self, req: Sequence, num_hit_tokens: int) -> None:
         self.prefix_queries += req.num_tokens
         self.prefix_hits += num_hit_tokens
 
@@ -85,7 +85,7 @@ class KVCacheManager:
         return num_blocks <= self.pool.num_blocks
 
     def allocate_slots(
-        self, req: Request, num_new_tokens: int, cached_blocks: list[KVBlock] | None = None
+        self, req: Sequence, num_new_tokens: int, cached_blocks: list[KVBlock] | None = None
     ) -> bool:
         """Make room for `num_new_tokens` more tokens after the request's computed (and cached) ones.
 
@@ -94,7 +94,7 @@ class KVCacheManager:
         Full blocks among the tokens scheduled this step are registered in the prefix cache.
         """
         cached_blocks = cached_blocks or []
-        table = self._tables.setdefault(req.request_id, [])
+        table = self._tables.setdefault(req.seq_id, [])
         assert not cached_blocks or not table, "cached prefix only for a request without blocks"
         num_cached = len(cached_blocks) * self.block_size
         total_tokens = req.num_computed_tokens + num_cached + num_new_tokens
@@ -102,7 +102,7 @@ class KVCacheManager:
         reclaim = sum(1 for b in cached_blocks if b.ref_cnt == 0)
         if need > self.pool.num_free - reclaim:
             if not table:
-                del self._tables[req.request_id]
+                del self._tables[req.seq_id]
             return False
         self.pool.touch(cached_blocks)
         table.extend(cached_blocks)
@@ -111,20 +111,20 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             full = min(total_tokens, req.num_tokens) // self.block_size
             hashes = self._block_hashes(req, full * self.block_size)
-            start = self._num_registered.get(req.request_id, 0)
+            start = self._num_registered.get(req.seq_id, 0)
             for i in range(start, full):
                 self.pool.cache_block(table[i], hashes[i])
-            self._num_registered[req.request_id] = max(start, full)
+            self._num_registered[req.seq_id] = max(start, full)
         return True
 
-    def free(self, req: Request) -> None:
+    def free(self, req: Sequence) -> None:
         """Release all of the request's blocks, tail first (so its prefix's head stays cached longest)."""
-        table = self._tables.pop(req.request_id, None)
-        self._num_registered.pop(req.request_id, None)
+        table = self._tables.pop(req.seq_id, None)
+        self._num_registered.pop(req.seq_id, None)
         if table:
             self.pool.release(reversed(table))
         if req.is_finished:
-            self._hashes.pop(req.request_id, None)
+            self._hashes.pop(req.seq_id, None)
 
     def num_requests(self) -> int:
         return len(self._tables)

@@ -1,7 +1,7 @@
 """Read and validate a PEFT LoRA adapter directory against a base model.
 
 Shared by the registry (validation on registration) and the engine (loading). The only engine import
-allowed here is `engine.config`: the registry imports this module without pulling in the engine.
+allowed here is `engine.model_config`: the registry imports this module without pulling in the engine.
 
 An adapter directory holds `adapter_config.json` + `adapter_model.safetensors`. Its identity is
 
@@ -26,7 +26,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

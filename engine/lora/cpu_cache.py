@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Set as AbstractSet
 
 from engine.lora.adapter_checkpoint import AdapterCheckpoint
 
@@ -29,7 +30,7 @@ class CpuAdapterCache:
             self._items.move_to_end(digest)
         return ckpt
 
-    def put(self, ckpt: AdapterCheckpoint, keep: set[str] = frozenset()) -> None:
+    def put(self, ckpt: AdapterCheckpoint, keep: AbstractSet[str] = frozenset()) -> None:
         """Insert (or refresh) an adapter, dropping LRU entries not in `keep` while over capacity."""
         self._items[ckpt.digest] = ckpt
         self._items.move_to_end(ckpt.digest)

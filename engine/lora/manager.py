@@ -1,43 +1,32 @@
-"""`LoRAManager`: adapters by content digest across three tiers, and the per-step LoRA context.
+"""`LoRAManager`: the engine's adapter API, composed of an `AdapterLoader` and an `AdapterResidency`.
 
-Tiers: device pages (`AdapterPool`) <- host cache (`CpuAdapterCache`, LRU, `max_cpu_loras`) <- disk.
-- `resolve` maps a `LoRARequest` to its content digest (re-hashing only when the files changed), so a
-  name re-pointed at new weights gets a new identity and never reuses old weights or KV.
-- `add_lora` loads and validates synchronously (errors raise `AdapterError`); `ready` is the scheduler's
-  admission hook: it never blocks on disk — a missing adapter is loaded by a background thread while
-  the running batch keeps stepping, and the request waits in the queue.
-- Adapters used by a running request, or pinned with `pin_lora`, are never evicted from the pool; other
-  residents are evicted least-recently-used first to make room.
+- The loader knows which adapter a `LoRARequest` names (its content digest) and reads adapters from disk,
+  in a background thread when the engine must not wait.
+- The residency part owns the tiers (device pages <- host cache), eviction and the per-step context.
+
+The engine drives it; nothing here calls back into the scheduler. Whoever holds the running batch passes
+`in_use` (digests used by running sequences), which are never evicted. Once per step, before scheduling,
+the engine calls `poll_resolved` for sequences whose digest is not known yet and `prepare` with the
+adapters the scheduler will want next; the scheduler then only asks `is_resident`.
 """
 
 from __future__ import annotations
 
-import os
-import threading
-import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig
-from engine.lora.adapter_checkpoint import (
-    CONFIG_FILE,
-    WEIGHTS_FILE,
-    AdapterCheckpoint,
-    AdapterError,
-    adapter_digest,
-    adapter_files,
-    inspect_adapter,
-)
+from engine.lora.adapter_checkpoint import AdapterCheckpoint
 from engine.lora.backend import select_lora_backend
 from engine.lora.cpu_cache import CpuAdapterCache
-from engine.lora.pool import AdapterPool, ResidentAdapter
-from engine.lora.step_context import CpuLoRAContext, TritonLoRAContext, token_segments
+from engine.lora.loader import AdapterLoader
+from engine.lora.pool import AdapterPool
+from engine.lora.residency import AdapterResidency
 from engine.lora_request import LoRARequest
-from engine.scheduler.output import ScheduledRequest
+from engine.model.linear import LoRAStepContext
+from engine.model_config import ModelConfig
+from engine.scheduler.output import ScheduledSequence
 
 
 @dataclass(slots=True)
@@ -68,317 +57,179 @@ class LoRAPoolStats:
 
 
 class LoRAManager:
-    def __init__(
-        self,
+    """Adapters by content digest across device pages, host memory and disk."""
+
+    def __init__(self, loader: AdapterLoader, residency: AdapterResidency) -> None:
+        self.loader = loader
+        self.residency = residency
+
+    @classmethod
+    def create(
+        cls,
         model: ModelConfig,
         dtype: torch.dtype,
         device: torch.device,
-        compute_dtype: torch.dtype | None = None,
-        max_lora_rank: int = 64,
-        max_cpu_loras: int | None = None,
-        num_pages: int | None = None,
-        page_rank: int = 16,
-        max_loras: int = 8,
-        backend: str = "auto",
-    ) -> None:
-        self.model, self.dtype, self.device = model, dtype, device
-        self.max_lora_rank = max_lora_rank
-        pages_per_adapter = -(-max_lora_rank // page_rank)
-        self.pool = AdapterPool(
-            model, num_pages or 2 * max_loras * pages_per_adapter, page_rank, max_lora_rank, dtype, device
-        )
-        self.cpu = CpuAdapterCache(max_cpu_loras or max(64, 4 * max_loras))
-        # dtype: the pool's (adapter weights); compute_dtype: the activations' (the model's)
-        self.backend = select_lora_backend(backend, device, dtype, compute_dtype or dtype)
-        self.in_use: Callable[[], set[str]] = lambda: set()
-        self._pinned: set[str] = set()
-        self._names: dict[str, str] = {}  # name -> digest last seen for it
-        self._paths: dict[str, str] = {}  # digest -> path to (re)load from
-        self._stat: dict[str, tuple[tuple[int, int, int, int], str]] = {}  # path -> (file stats, digest)
-        self._loading: dict[str, Future] = {}  # digest -> load
-        self._resolving: dict[str, Future] = {}  # path key -> load of files whose digest is not known yet
-        self._failed: dict[str, str] = {}
-        self._executor: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
-        self._clock = 0
-        self._loads = self._uploads = self._evictions = self._failures = 0
-        self._load_seconds = self._last_load = 0.0
+        compute_dtype: torch.dtype,
+        max_lora_rank: int,
+        max_cpu_loras: int | None,
+        num_pages: int,
+        page_rank: int,
+        max_loras: int,
+        backend: str,
+    ) -> LoRAManager:
+        """The engine's manager: a pool of `num_pages` pages per projection
+        (`EngineConfig.adapter_pool_pages`), a host cache of `max_cpu_loras` adapters (default
+        `max(64, 4 * max_loras)`). `dtype` is the pool's (adapter weights), `compute_dtype` the model's."""
+        pool = AdapterPool(model, num_pages, page_rank, max_lora_rank, dtype, device)
+        cpu = CpuAdapterCache(max_cpu_loras or max(64, 4 * max_loras))
+        chosen = select_lora_backend(backend, device, dtype, compute_dtype)
+        loader = AdapterLoader(model, max_lora_rank, pin_memory=device.type == "cuda")
+        return cls(loader, AdapterResidency(pool, cpu, chosen, device))
+
+    @property
+    def pool(self) -> AdapterPool:
+        return self.residency.pool
+
+    @property
+    def backend(self) -> str:
+        return self.residency.backend
 
     # ---- identity ---------------------------------------------------------------------------------
-    def resolve(self, lr: LoRARequest) -> str:
-        """Content digest of the adapter files behind `lr` (hashing again only if they changed).
-
-        A digest given in `lr` is taken as is (checked against the files when they are loaded).
-        """
-        key, stats, digest = self._known_digest(lr)
-        if digest is None:
-            digest = adapter_digest(key)
-            self._stat[key] = (stats, digest)
-        return self._remember(lr.name, digest, key)
-
     def resolve_nowait(self, lr: LoRARequest) -> str | None:
-        """Like `resolve`, but never reads the weights on the caller's thread: for files not seen before
-        (or changed) it returns None and starts loading them in the background, where the digest is
-        computed as part of the load; `poll_resolved(lr)` returns it once the load is done."""
-        key, stats, digest = self._known_digest(lr)
-        if digest is not None:
-            return self._remember(lr.name, digest, key)
-        if key not in self._resolving:
-            self._resolving[key] = self._submit(self._load_path, key, stats)
-        return None
+        """The adapter's digest if known without reading weights; else None (a background load starts)."""
+        return self.loader.resolve_nowait(lr)
 
-    def poll_resolved(self, lr: LoRARequest) -> str | None:
-        """The digest of a `resolve_nowait` that returned None, once its background load finished."""
-        key = path_key(lr)
-        fut = self._resolving.get(key)
-        if fut is None:
-            cached = self._stat.get(key)
-            return self._remember(lr.name, cached[1], key) if cached else None
-        if not fut.done():
-            return None
-        del self._resolving[key]
-        try:
-            stats, ckpt = fut.result()
-        except Exception as exc:  # surfaced to the requests waiting on these files
-            self._failures += 1
-            self._failed[key] = str(exc)
-            return None
-        self._stat[key] = (stats, ckpt.digest)
-        self.cpu.put(ckpt, keep=self._protected())
-        return self._remember(lr.name, ckpt.digest, key)
-
-    def _known_digest(self, lr: LoRARequest) -> tuple[str, tuple[int, ...], str | None]:
-        """(path key, file stats, digest if known without hashing: given, or files unchanged)."""
-        cfg_file, weights = adapter_files(lr.path)
-        key = str(cfg_file.parent.resolve())
-        stats = tuple(v for f in (cfg_file, weights) for v in (os.stat(f).st_mtime_ns, os.stat(f).st_size))
-        if lr.digest:
-            return key, stats, lr.digest
-        cached = self._stat.get(key)
-        return key, stats, cached[1] if cached is not None and cached[0] == stats else None
-
-    def _remember(self, name: str, digest: str, key: str) -> str:
-        self._names[name] = digest
-        self._paths[digest] = key
+    def poll_resolved(self, lr: LoRARequest, in_use: set[str]) -> str | None:
+        """The digest of a `resolve_nowait` that returned None, once its background load finished (the
+        loaded adapter goes to the host cache)."""
+        digest, ckpt = self.loader.poll_resolved(lr)
+        if ckpt is not None:
+            self.residency.keep_on_host(ckpt, in_use)
         return digest
 
     # ---- explicit management ----------------------------------------------------------------------
-    def add_lora(self, lr: LoRARequest) -> str:
+    def add_lora(self, lr: LoRARequest, in_use: set[str]) -> str:
         """Validate and load the adapter into the host cache now; returns its digest."""
-        digest = self.resolve(lr)
-        if digest not in self.cpu and digest not in self.pool.resident:
+        digest = self.loader.resolve(lr)
+        res = self.residency
+        if res.host_copy(digest) is None and not res.is_resident(digest):
             try:
-                ckpt = self._load(digest)
+                ckpt = self.loader.load_now(digest)
             except Exception:
                 self._forget(digest)  # a refused adapter leaves nothing behind
                 raise
-            self.cpu.put(ckpt, keep=self._protected())
-        self._failed.pop(digest, None)
+            res.keep_on_host(ckpt, in_use)
+        self.loader.clear_failure(digest)
         return digest
 
-    def prefetch(self, lr: LoRARequest) -> None:
+    def prefetch(self, lr: LoRARequest, in_use: set[str]) -> None:
         """Start loading the adapter into host memory in the background (never blocks the caller on
         reading weights); a failure is reported like any background load's."""
-        digest = self.resolve_nowait(lr)
-        if digest is None or digest in self.cpu or digest in self.pool.resident or digest in self._loading:
+        digest = self.loader.resolve_nowait(lr)
+        if digest is None or digest in self.residency.cpu or self.residency.is_resident(digest):
             return
-        self._loading[digest] = self._submit(self._load, digest)
+        ckpt = self.loader.fetch(digest)
+        if ckpt is not None:
+            self.residency.keep_on_host(ckpt, in_use)
 
-    def remove_lora(self, name_or_digest: str) -> bool:
-        """Forget an adapter (all tiers) unless a running request uses it. Returns whether it was known."""
-        digest = self._names.get(name_or_digest, name_or_digest)
-        if digest in self.in_use():
+    def remove_lora(self, name_or_digest: str, in_use: set[str]) -> bool:
+        """Forget an adapter (all tiers) unless a running sequence uses it. Returns whether it was known."""
+        digest = self.loader.digest_of(name_or_digest)
+        if digest in in_use:
             raise ValueError(f"adapter {name_or_digest!r} is in use by running requests")
-        known = digest in self.cpu or digest in self.pool.resident or digest in self._paths
-        if digest in self.pool.resident:
-            self.pool.evict(digest)
+        res = self.residency
+        known = digest in res.cpu or res.is_resident(digest) or self.loader.is_known(digest)
         self._forget(digest)
         return known
 
     def _forget(self, digest: str) -> None:
-        self.cpu.drop(digest)
-        self._pinned.discard(digest)
-        self._paths.pop(digest, None)
-        for name in [n for n, d in self._names.items() if d == digest]:
-            del self._names[name]
+        self.residency.drop(digest)
+        self.loader.forget(digest)
 
-    def pin_lora(self, name_or_digest: str, pinned: bool = True) -> bool:
+    def pin_lora(self, name_or_digest: str, in_use: set[str], pinned: bool = True) -> bool:
         """Keep an adapter in the device pool regardless of LRU (loading it now). False if unknown."""
-        digest = self._names.get(name_or_digest, name_or_digest)
-        if digest not in self._paths:
+        digest = self.loader.digest_of(name_or_digest)
+        if not self.loader.is_known(digest):
             return False
         if pinned:
-            if not self._make_resident(digest, blocking=True):
+            if not self._make_resident(digest, in_use, blocking=True):
                 raise ValueError(f"adapter {name_or_digest!r} does not fit in the adapter pool")
-            self._pinned.add(digest)
+            self.residency.pinned.add(digest)
         else:
-            self._pinned.discard(digest)
+            self.residency.pinned.discard(digest)
         return True
 
     def list_loras(self) -> list[LoRAInfo]:
         out = []
-        for digest in self._paths:
-            names = sorted(n for n, d in self._names.items() if d == digest)
-            res = self.pool.resident.get(digest)
-            ckpt = self.cpu.get(digest) if res is None else None
-            if res is not None:
+        res = self.residency
+        for digest in self.loader.known_digests():
+            dev = res.pool.resident.get(digest)
+            ckpt = res.host_copy(digest) if dev is None else None
+            if dev is not None:
                 tier = "device"
             elif ckpt is not None:
                 tier = "cpu"
-            elif digest in self._loading:
+            elif self.loader.is_loading(digest):
                 tier = "loading"
             else:
                 tier = "disk"
-            rank = max((max(r) for r in res.layer_ranks), default=0) if res else (ckpt.rank if ckpt else None)
-            out.append(
-                LoRAInfo(digest, names, tier, rank, digest in self._pinned, res.num_pages if res else 0)
-            )
+            rank = max((max(r) for r in dev.layer_ranks), default=0) if dev else (ckpt.rank if ckpt else None)
+            pinned = digest in res.pinned
+            names = self.loader.names_of(digest)
+            out.append(LoRAInfo(digest, names, tier, rank, pinned, dev.num_pages if dev else 0))
         return out
 
-    # ---- scheduler hooks --------------------------------------------------------------------------
-    def ready(self, digest: str) -> bool:
-        """True when the adapter is in the device pool (uploading it from host memory if needed)."""
-        return self._make_resident(digest, blocking=False)
+    # ---- per step ---------------------------------------------------------------------------------
+    def prepare(self, wanted: Sequence[str], in_use: set[str]) -> None:
+        """Make the `wanted` adapters resident, in order, without blocking: upload those in host memory
+        (evicting only adapters neither in use, pinned nor wanted earlier), start loading the others."""
+        protected = set(in_use)
+        for digest in wanted:
+            if self.loader.is_known(digest) and self._make_resident(digest, protected, blocking=False):
+                protected.add(digest)
+
+    def is_resident(self, digest: str) -> bool:
+        return self.residency.is_resident(digest)
+
+    def is_known(self, digest: str) -> bool:
+        """Whether the loader knows the files behind `digest` (False once `remove_lora` forgot them)."""
+        return self.loader.is_known(digest)
+
+    def step_context(self, items: Sequence[ScheduledSequence]) -> LoRAStepContext | None:
+        return self.residency.step_context(items)
 
     def take_failures(self) -> dict[str, str]:
-        """Adapters whose background load failed since the last call: digest, or `path_key` for files
-        loaded before their digest was known -> error message."""
-        failed, self._failed = self._failed, {}
-        return failed
+        """Background loads that failed since the last call: `path_key` of the files -> error message."""
+        return self.loader.take_failures()
 
-    def step_context(self, items: Sequence[ScheduledRequest]):
-        """The LoRA context for a step's scheduled requests (in flat-batch order), or None if none has one."""
-        adapters: list[ResidentAdapter | None] = []
-        any_lora = False
-        for it in items:
-            key = it.request.lora_key
-            res = self.pool.resident.get(key) if key is not None else None
-            assert key is None or res is not None, "scheduled adapter must be resident"
-            if res is not None:
-                self._clock += 1
-                res.last_used = self._clock
-                any_lora = True
-            adapters.append(res)
-        if not any_lora:
-            return None
-        counts = [it.num_tokens for it in items]
-        if self.backend != "triton":
-            native = self.backend == "native"
-            return CpuLoRAContext(self.pool, token_segments(counts, adapters), native=native)
-        slots = [
-            (-1 if a is None else a.slot) for a, n in zip(adapters, counts, strict=True) for _ in range(n)
-        ]
-        return TritonLoRAContext(self.pool, torch.tensor(slots, dtype=torch.int32, device=self.device))
-
-    # ---- internals --------------------------------------------------------------------------------
-    def _protected(self) -> set[str]:
-        return self.in_use() | self._pinned
-
-    def _submit(self, fn, *args) -> Future:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-load")
-        return self._executor.submit(fn, *args)
-
-    def _load(self, digest: str) -> AdapterCheckpoint:
-        ckpt = self._read(self._paths[digest])
-        if ckpt.digest != digest:
-            raise AdapterError("adapter files changed while loading; retry")
-        return ckpt
-
-    def _load_path(self, key: str, stats: tuple[int, ...]) -> tuple[tuple[int, ...], AdapterCheckpoint]:
-        return stats, self._read(key)
-
-    def _read(self, path: str) -> AdapterCheckpoint:
-        """Validate and load the adapter at `path` into host memory (pinned on CUDA), timing the load."""
-        t0 = time.perf_counter()
-        ckpt = inspect_adapter(path, self.model, self.max_lora_rank, load_weights=True)
-        if self.device.type == "cuda":
-            ckpt = _pin_host_memory(ckpt)
-        dt = time.perf_counter() - t0
-        with self._lock:
-            self._loads += 1
-            self._load_seconds += dt
-            self._last_load = dt
-        return ckpt
-
-    def _make_resident(self, digest: str, blocking: bool) -> bool:
-        if digest in self.pool.resident:
+    def _make_resident(self, digest: str, protected: set[str], blocking: bool) -> bool:
+        res = self.residency
+        if res.is_resident(digest):
             return True
-        ckpt = self.cpu.get(digest)
+        ckpt: AdapterCheckpoint | None = res.host_copy(digest)
         if ckpt is None:
-            ckpt = self._poll_load(digest, blocking)
+            ckpt = self.loader.load_now(digest) if blocking else self.loader.fetch(digest)
             if ckpt is None:
                 return False
-        if not self._make_room(ckpt):
-            return False
-        self.pool.upload(ckpt)
-        self._uploads += 1
-        return True
-
-    def _poll_load(self, digest: str, blocking: bool) -> AdapterCheckpoint | None:
-        if blocking:
-            ckpt = self._load(digest)
-        else:
-            fut = self._loading.get(digest)
-            if fut is None:
-                self._loading[digest] = self._submit(self._load, digest)
-                return None
-            if not fut.done():
-                return None
-            del self._loading[digest]
-            try:
-                ckpt = fut.result()
-            except Exception as exc:  # surfaced to the requests waiting on this adapter
-                self._failures += 1
-                self._failed[digest] = str(exc)
-                return None
-        self.cpu.put(ckpt, keep=self._protected())
-        return ckpt
-
-    def _make_room(self, ckpt: AdapterCheckpoint) -> bool:
-        """Evict unprotected residents, least recently used first, until `ckpt` fits."""
-        protected = self._protected()
-        victims = sorted(
-            (r for d, r in self.pool.resident.items() if d not in protected), key=lambda r: r.last_used
-        )
-        while not self.pool.fits(ckpt):
-            if not victims:
-                return False
-            self.pool.evict(victims.pop(0).digest)
-            self._evictions += 1
-        return True
+            res.keep_on_host(ckpt, protected)
+        return res.upload(ckpt, protected)
 
     def stats(self) -> LoRAPoolStats:
-        used, total = self.pool.pages_used(), self.pool.pages_total()
+        pool, load, res = self.residency.pool, self.loader.stats, self.residency.stats
+        used, total = pool.pages_used(), pool.pages_total()
         return LoRAPoolStats(
             pages_total=total,
             pages_used=used,
             pages_free=total - used,
-            resident=len(self.pool.resident),
-            cpu_cached=len(self.cpu),
-            loads=self._loads,
-            device_uploads=self._uploads,
-            evictions=self._evictions,
-            load_failures=self._failures,
-            load_seconds_total=self._load_seconds,
-            last_load_seconds=self._last_load,
+            resident=len(pool.resident),
+            cpu_cached=len(self.residency.cpu),
+            loads=load.loads,
+            device_uploads=res.device_uploads,
+            evictions=res.evictions,
+            load_failures=load.failures,
+            load_seconds_total=load.seconds_total,
+            last_load_seconds=load.last_seconds,
         )
 
     def shutdown(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-def _pin_host_memory(ckpt: AdapterCheckpoint) -> AdapterCheckpoint:
-    from dataclasses import replace
-
-    mods = tuple(replace(m, lora_a=m.lora_a.pin_memory(), lora_b=m.lora_b.pin_memory()) for m in ckpt.modules)
-    return replace(ckpt, modules=mods)
-
-
-def path_key(lr: LoRARequest) -> str:
-    """The absolute directory of `lr`'s adapter files (how loads of not-yet-hashed files are keyed)."""
-    path = Path(lr.path)
-    if path.name in (CONFIG_FILE, WEIGHTS_FILE):
-        path = path.parent
-    return str(path.resolve())
+        self.loader.shutdown()

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import ModelConfig, cdiv
 from engine.lora.adapter_checkpoint import PROJECTIONS, AdapterCheckpoint, module_features
+from engine.model_config import ModelConfig
+from kernels.intmath import cdiv
 
 MODULE_INDEX = {m: i for i, m in enumerate(PROJECTIONS)}
 
@@ -126,6 +127,7 @@ class AdapterPool:
                     self.page_table[m, slot, : len(plist)] = idx.to(torch.int32)
             for w in ckpt.modules:
                 m = MODULE_INDEX[w.module]
+                assert w.lora_a is not None and w.lora_b is not None, "uploading an adapter needs its weights"
                 a = w.lora_a.to(self.device, self.dtype)
                 b = w.lora_b.to(self.device, self.dtype)
                 for j, page in enumerate(pages[m]):

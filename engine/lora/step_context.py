@@ -109,6 +109,7 @@ class CpuLoRAContext:
             x = x.contiguous()
         assert y.stride(-1) == 1 and y.dtype == x.dtype, "native LoRA: x and y of one dtype, unit stride"
         if self.native is None:
+            assert self._native_segments is not None, "a native context keeps its segments for the plan"
             # threads and the activations' dtype are part of the cache key: a plan's calls fix both
             key = (torch.get_num_threads(), x.dtype)
             self.native = cached_plan(self.pool, "cpu_native", self._native_segments, native_plan, *key)
@@ -126,6 +127,7 @@ class CpuLoRAContext:
         y[row(k), slice] += v[k] @ B_g[k].T          B_g [K, out, page_rank]  (summed over a row's pages)
         """
         g, pool = self.gather, self.pool
+        assert g is not None, "gather plan is built when the context runs in torch"
         pr = pool.page_rank
         xg = x[g.rows] if isinstance(g.rows, slice) else x.index_select(0, g.rows)
         xg = xg.unsqueeze(1)  # [n, 1, in]: row-vector bmm (M=1) is the fast CPU form
@@ -143,10 +145,12 @@ class CpuLoRAContext:
                 b_g = g.b_ws[: k * width * pr].view(k, width, pr)
                 torch.index_select(b.view(-1, width, pr), 0, idx, out=b_g)
                 d = torch.bmm(v, b_g.to(x.dtype).transpose(1, 2)).squeeze(1)  # [K, out]
+                pair_rows = g.pair_rows[m]
                 if g.slice_add[m]:
                     y[g.rows, off : off + width].add_(d)
                 else:
-                    y[:, off : off + width].index_add_(0, g.pair_rows[m], d)
+                    assert pair_rows is not None, "a targeted module has pair rows"
+                    y[:, off : off + width].index_add_(0, pair_rows, d)
             off += width
 
 

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
-from engine.config import ModelConfig
 from engine.model.linear import LoRAStepContext, ProjectionLinear
 from engine.model.rope import RotaryEmbedding, apply_rope
+from engine.model_config import ModelConfig
 
 
 @dataclass(slots=True)
@@ -67,7 +67,7 @@ class Attention(nn.Module):
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q_size, kv_size = nh * d, nkv * d
         v = qkv[:, q_size + kv_size :].view(t, nkv, d)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q = apply_rope(self.q_norm(qkv[:, :q_size].view(t, nh, d)), rope_tables)
             k = apply_rope(self.k_norm(qkv[:, q_size : q_size + kv_size].view(t, nkv, d)), rope_tables)
         else:  # q and k are adjacent columns: rotate both heads' blocks in one pass

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from engine.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
+from engine.model_config import ModelConfig
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # HF module name -> (our packed module, slice index)
@@ -88,7 +89,7 @@ def _copy_into(model, dest: torch.Tensor, name: str, slice_idx: int | None, src:
     dest.copy_(src)
 
 
-def _check_complete(model, params: dict[str, torch.Tensor], filled: set[str]) -> None:
+def _check_complete(model, params: Mapping[str, torch.Tensor], filled: set[str]) -> None:
     missing = []
     for name in params:
         owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model

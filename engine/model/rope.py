@@ -37,7 +37,9 @@ class RotaryEmbedding(torch.nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None):
         super().__init__()
         self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
-        self.register_buffer("cos", torch.empty(0), persistent=False)  # [P, D/2] float32
+        self.cos: torch.Tensor  # [P, D/2] float32 (buffers, not parameters)
+        self.sin: torch.Tensor
+        self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
         self.reset_tables()
 

@@ -1,6 +1,6 @@
-"""Continuous-batching scheduler: which requests compute how many tokens in the next step."""
+"""Continuous-batching scheduler: which sequences compute how many tokens in the next step."""
 
-from engine.scheduler.output import ScheduledRequest, SchedulerOutput
+from engine.scheduler.output import ScheduledSequence, SchedulerOutput
 from engine.scheduler.scheduler import Scheduler, SchedulerConfig
 
-__all__ = ["ScheduledRequest", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
+__all__ = ["ScheduledSequence", "Scheduler", "SchedulerConfig", "SchedulerOutput"]

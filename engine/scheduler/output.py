@@ -5,18 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.outputs import Logprob
-from engine.request import Request
+from engine.sequence import Sequence
 
 
 @dataclass(slots=True)
-class ScheduledRequest:
-    """`num_tokens` of `request`, starting at token `start`, are computed this step.
+class ScheduledSequence:
+    """`num_tokens` of `seq`, starting at token `start`, are computed this step.
 
-    `sample` is True when the chunk reaches the request's last known token, so the step yields its next
+    `sample` is True when the chunk reaches the sequence's last known token, so the step yields its next
     token; a partial prefill chunk only fills the KV cache.
     """
 
-    request: Request
+    seq: Sequence
     start: int
     num_tokens: int
     block_ids: list[int]
@@ -25,9 +25,9 @@ class ScheduledRequest:
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest]
+    scheduled: list[ScheduledSequence]
     num_batched_tokens: int
-    preempted: list[Request] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
-from engine.request import Request
+from engine.sequence import Sequence
 
 POLICIES = ("fcfs", "lpm", "priority")
 
@@ -16,8 +16,8 @@ def validate_policy(name: str) -> str:
 
 
 def admission_order(
-    policy: str, waiting: Sequence[Request], cached_tokens: Callable[[Request], int]
-) -> list[Request]:
+    policy: str, waiting: list[Sequence], cached_tokens: Callable[[Sequence], int]
+) -> list[Sequence]:
     """Waiting requests in the order they should be admitted.
 
     - fcfs: queue order (preempted requests were put back at the front).
@@ -32,7 +32,7 @@ def admission_order(
     return sorted(waiting, key=lambda r: (-cached_tokens(r), pos[id(r)]))
 
 
-def pick_victim(policy: str, candidates: Sequence[Request]) -> Request:
+def pick_victim(policy: str, candidates: list[Sequence]) -> Sequence:
     """The running request to preempt: the newest one, or under `priority` the least important."""
     if policy == "priority":
         return max(candidates, key=lambda r: (r.priority, r.arrival_time))

@@ -7,12 +7,13 @@ Each step (`schedule`):
    released and it returns to the front of the queue to be recomputed later.
 2. If nothing was preempted, waiting requests are admitted in policy order while the token budget,
    `max_num_seqs`, `max_loras` and the KV pool allow, each starting after its cached prefix. A long
-   prompt is split across steps (chunked prefill) by the token budget. A request whose adapter is not
-   in the device pool yet (`adapter_resolved` / `adapter_ready` False: loading in the background) is
-   passed over without holding up the others. A request passed over `lora_starvation_steps` times
+   prompt is split across steps (chunked prefill) by the token budget. A sequence whose adapter digest
+   is not known yet (`lora_key` None) or whose adapter is not in the device pool (`is_resident` False)
+   is passed over without holding up the others. A sequence passed over `lora_starvation_steps` times
    because `max_loras` adapters are already running stops admission behind it until its adapter gets
    a slot.
-The scheduler never touches tensors; `update` applies the runner's sampled tokens.
+The scheduler never touches tensors and never loads adapters: it asks `is_resident`, and tells the
+engine which adapters it will want next (`adapters_wanted`); `update` applies the runner's sampled tokens.
 """
 
 from __future__ import annotations
@@ -21,18 +22,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheManager
-from engine.request import Request, RequestStatus
-from engine.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.scheduler.output import RunnerOutput, ScheduledSequence, SchedulerOutput
 from engine.scheduler.policy import admission_order, pick_victim, validate_policy
+from engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    policy: str = "fcfs"
-    max_loras: int = 8
+    """The scheduler's share of `EngineConfig` (whose defaults apply; see `from_engine_config`)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    policy: str
+    max_loras: int
     # After this many steps passed over for lack of an adapter slot, a request blocks admission of
     # everything behind it, so the running adapters drain and its adapter gets a slot.
     lora_starvation_steps: int = 16
@@ -45,6 +49,15 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> SchedulerConfig:
+        return cls(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            policy=config.scheduling_policy,
+            max_loras=config.max_loras,
+        )
 
 
 @dataclass(slots=True)
@@ -63,44 +76,61 @@ class Scheduler:
         config: SchedulerConfig,
         kv: KVCacheManager,
         eos_token_ids: tuple[int, ...] = (),
-        adapter_ready: Callable[[Request], bool] | None = None,
-        adapter_resolved: Callable[[Request], bool] | None = None,
+        is_resident: Callable[[str], bool] | None = None,
     ) -> None:
+        """`is_resident(digest)`: whether an adapter is in the device pool now (a pure query; the engine
+        loads adapters). None: every adapter counts as resident (no LoRA, or tests without a pool)."""
         self.config = config
         self.kv = kv
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.adapter_ready = adapter_ready or (lambda req: True)
-        # False while a request's adapter identity (digest) is still being loaded; sets `lora_key`.
-        self.adapter_resolved = adapter_resolved or (lambda req: True)
-        self.waiting: list[Request] = []
-        self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
+        self.is_resident = is_resident or (lambda digest: True)
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.seqs: dict[str, Sequence] = {}
         self.stats = SchedulerStats()
 
     # ---- queue management -------------------------------------------------------------------------
-    def add_request(self, req: Request) -> None:
-        self.requests[req.request_id] = req
+    def add_request(self, req: Sequence) -> None:
+        self.seqs[req.seq_id] = req
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def finish_request(self, req: Request, status: RequestStatus) -> None:
+    def running_adapters(self) -> set[str]:
+        """Digests of the adapters used by running sequences (they must stay resident)."""
+        return {s.lora_key for s in self.running if s.lora_key is not None}
+
+    def adapters_wanted(self) -> list[str]:
+        """Adapters of waiting sequences that admission could take next, in admission order: at most as
+        many new ones as `max_loras` leaves beside the running adapters (policy `lpm` in queue order)."""
+        running = self.running_adapters()
+        free = self.config.max_loras - len(running)
+        wanted: list[str] = []
+        for seq in admission_order(self.config.policy, self.waiting, lambda s: 0):
+            if len(wanted) >= free:
+                break
+            key = seq.lora_key
+            if key is not None and key not in running and key not in wanted:
+                wanted.append(key)
+        return wanted
+
+    def finish_request(self, req: Sequence, status: SequenceStatus) -> None:
         """End a request (stop, length or abort) and release everything it holds."""
         if req.is_finished:
             return
-        if req.status == RequestStatus.RUNNING:
+        if req.status == SequenceStatus.RUNNING:
             self.running.remove(req)
         else:
             self.waiting.remove(req)
         req.status = status
         self.kv.free(req)
-        self.requests.pop(req.request_id, None)
+        self.seqs.pop(req.seq_id, None)
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Sequence) -> None:
         self.running.remove(req)
         self.kv.free(req)
-        req.status = RequestStatus.PREEMPTED
+        req.status = SequenceStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
@@ -109,8 +139,8 @@ class Scheduler:
     # ---- one step ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
-        preempted: list[Request] = []
+        scheduled: list[ScheduledSequence] = []
+        preempted: list[Sequence] = []
         adapters: set[str | None] = set()
 
         i = 0
@@ -142,11 +172,11 @@ class Scheduler:
         self.stats.num_batched_tokens = out.num_batched_tokens
         return out
 
-    def _admit(self, budget: int, scheduled: list[ScheduledRequest], adapters: set[str | None]) -> int:
+    def _admit(self, budget: int, scheduled: list[ScheduledSequence], adapters: set[str | None]) -> int:
         running_adapters = {r.lora_key for r in self.running} | adapters
         hit_cache: dict[int, tuple[list, int]] = {}
 
-        def cached(req: Request) -> int:
+        def cached(req: Sequence) -> int:
             if req.lora_request is not None and req.lora_key is None:
                 return 0  # its adapter digest (part of every block key) is not known yet
             if id(req) not in hit_cache:
@@ -157,8 +187,8 @@ class Scheduler:
         for req in order:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            if not self.adapter_resolved(req):
-                continue
+            if req.lora_request is not None and req.lora_key is None:
+                continue  # its adapter's digest is still being computed by a background load
             key = req.lora_key
             new_adapter = key is not None and key not in running_adapters
             if new_adapter and sum(k is not None for k in running_adapters) >= self.config.max_loras:
@@ -166,7 +196,7 @@ class Scheduler:
                 if req.num_lora_skips >= self.config.lora_starvation_steps:
                     break
                 continue
-            if not self.adapter_ready(req):
+            if key is not None and not self.is_resident(key):
                 continue
             # Look up again: blocks cached earlier in this loop (e.g. by an n>1 sibling) may now hit.
             hit_cache.pop(id(req), None)
@@ -183,23 +213,23 @@ class Scheduler:
             req.num_computed_tokens = num_cached
             self.waiting.remove(req)
             self.running.append(req)
-            req.status = RequestStatus.RUNNING
+            req.status = SequenceStatus.RUNNING
             running_adapters.add(key)
             scheduled.append(self._scheduled(req, n))
             budget -= n
         return budget
 
-    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+    def _scheduled(self, req: Sequence, n: int) -> ScheduledSequence:
         start = req.num_computed_tokens
-        return ScheduledRequest(
-            request=req,
+        return ScheduledSequence(
+            seq=req,
             start=start,
             num_tokens=n,
             block_ids=self.kv.block_ids(req),
             sample=start + n == req.num_tokens,
         )
 
-    def update(self, plan: SchedulerOutput, out: RunnerOutput) -> list[Request]:
+    def update(self, plan: SchedulerOutput, out: RunnerOutput) -> list[Sequence]:
         """Advance computed counts, append sampled tokens, and finish requests that hit a stop condition.
 
         Returns the requests that received a new token this step (finished ones included).
@@ -207,7 +237,7 @@ class Scheduler:
         now = time.monotonic()
         progressed = []
         for item, sampled in zip(plan.scheduled, out.sampled, strict=True):
-            req = item.request
+            req = item.seq
             if req.is_finished:  # aborted while the step ran
                 continue
             req.num_computed_tokens += item.num_tokens
@@ -224,12 +254,12 @@ class Scheduler:
             progressed.append(req)
         return progressed
 
-    def _check_stop(self, req: Request, token_id: int) -> None:
+    def _check_stop(self, req: Sequence, token_id: int) -> None:
         params = req.params
         if token_id in params.stop_token_ids:
             req.stop_reason = token_id
-            self.finish_request(req, RequestStatus.FINISHED_STOPPED)
+            self.finish_request(req, SequenceStatus.FINISHED_STOPPED)
         elif not params.ignore_eos and token_id in self.eos_token_ids:
-            self.finish_request(req, RequestStatus.FINISHED_STOPPED)
+            self.finish_request(req, SequenceStatus.FINISHED_STOPPED)
         elif req.num_output_tokens >= params.max_tokens or req.num_tokens >= req.max_total_tokens:
-            self.finish_request(req, RequestStatus.FINISHED_LENGTH)
+            self.finish_request(req, SequenceStatus.FINISHED_LENGTH)

@@ -16,6 +16,8 @@ from tests.admin_ui.browser import CHROMIUM, CHROMIUM_ARGS, require, screenshot_
 from tests.admin_ui.conftest import PRELOADED, UPLOADED, start_ui_server
 from tests.helpers.live_server import ADMIN_TOKEN
 
+pytestmark = pytest.mark.slow  # a live server and headless Chromium
+
 DESKTOP = {"width": 1280, "height": 860}
 NARROW = {"width": 390, "height": 844}
 TIMEOUT_MS = 30_000

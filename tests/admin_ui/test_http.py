@@ -8,6 +8,8 @@ import pytest
 from tests.admin_ui.conftest import PRELOADED, csrf_from, logged_in_client, start_ui_server
 from tests.helpers.live_server import ADMIN_TOKEN
 
+pytestmark = pytest.mark.slow  # a live server
+
 PAGES = ("/admin", "/admin/adapters", f"/admin/adapters/{PRELOADED[0]}", "/admin/playground", "/admin/keys")
 
 

@@ -25,6 +25,8 @@ from api.cli.remote import RemoteBackend
 from lora_registry.schemas import AdapterDetail, RegisterResult
 from tests.helpers.live_server import ADMIN_TOKEN, LiveServer, free_port, start_server
 
+pytestmark = pytest.mark.slow  # a live server
+
 REPO = Path(__file__).resolve().parents[2]
 # Never let the developer's own settings leak into either mode.
 CLEAN = {"LORAPLEX_SERVER": None, "LORAPLEX_TOKEN": None, "LORAPLEX_DEBUG": None}

@@ -12,6 +12,8 @@ import pytest
 from tests.api.conftest import register
 from tests.helpers.live_server import start_server, wait_until
 
+pytestmark = pytest.mark.slow  # a live server
+
 
 @pytest.fixture(scope="module")
 def server(text_model, tmp_path_factory):

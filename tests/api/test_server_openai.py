@@ -12,6 +12,8 @@ from transformers import AutoTokenizer
 from tests.api.conftest import SERVED_ADAPTERS, register
 from tests.helpers.live_server import start_server, wait_until
 
+pytestmark = pytest.mark.slow  # a live server
+
 PROMPTS = ["hello world", "abc xyz", "Q: 2+2?"]
 
 

@@ -15,6 +15,8 @@ import pytest
 
 from tests.helpers.live_server import ADMIN_TOKEN, free_port, start_server, wait_until
 
+pytestmark = pytest.mark.slow  # live servers
+
 
 def test_engine_kill_gives_503_then_recovers(text_model, tmp_path):
     base = text_model[0]

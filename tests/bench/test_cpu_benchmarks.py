@@ -16,6 +16,8 @@ from bench.plots import plot_cold_load, plot_offline, plot_scaling
 from bench.scaling import run_scaling
 from bench.workload import LoRAOptions, ModelSpec
 
+pytestmark = pytest.mark.slow  # benchmark runs
+
 TINY = ModelSpec(
     vocab_size=300,
     hidden_size=64,

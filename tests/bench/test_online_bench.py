@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from bench.online import OnlineResult, RateResult, pct, popularity, run
 from tests.helpers.live_server import start_server
+
+pytestmark = pytest.mark.slow  # a live server under load
 
 
 def test_percentile_and_popularity():

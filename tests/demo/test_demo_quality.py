@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the demo model end to end
+
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "demo"
 BASE = DEMO / "base"

@@ -10,9 +10,12 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 from engine import LLM, LoRARequest, SamplingParams
 from tests.helpers.live_server import ADMIN_TOKEN, free_port, wait_until
+
+pytestmark = pytest.mark.slow  # a live demo server
 
 DEMO = Path(__file__).resolve().parents[2] / "demo"
 ADAPTERS = ("upper", "reverse", "rot13", "novowels")

@@ -6,12 +6,12 @@ import pytest
 
 from engine.kv_cache import BlockPool, KVCacheManager
 from engine.kv_cache.block_pool import hash_block
-from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence, SequenceStatus
 
 
-def _req(rid: str, tokens: list[int], lora_key: str | None = None) -> Request:
-    return Request(rid, tokens, SamplingParams(max_tokens=4), 0.0, lora_key=lora_key, max_total_tokens=999)
+def _req(rid: str, tokens: list[int], lora_key: str | None = None) -> Sequence:
+    return Sequence(rid, tokens, SamplingParams(max_tokens=4), 0.0, lora_key=lora_key, max_total_tokens=999)
 
 
 def test_allocate_release_refcounts():
@@ -59,7 +59,7 @@ def test_manager_prefix_hit_and_free():
     assert kv.allocate_slots(b, 2, blocks)
     assert kv.block_ids(b)[:2] == kv.block_ids(a)[:2] and kv.block_ids(b)[2] != kv.block_ids(a)[2]
     for r in (a, b):
-        r.status = RequestStatus.FINISHED_STOPPED
+        r.status = SequenceStatus.FINISHED_STOPPED
         kv.free(r)
     st = kv.stats()
     assert st.num_used == 0 and st.num_free == 8 and st.num_cached_free == 2

@@ -7,10 +7,11 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.config import ModelConfig
 from engine.lora.adapter_checkpoint import PROJECTIONS, AdapterCheckpoint, LoRAModuleWeights, module_features
 from engine.lora.pool import AdapterPool
 from engine.lora.step_context import CpuLoRAContext, token_segments
+from engine.model_config import ModelConfig
+from kernels.intmath import cdiv
 from kernels.lora_meta import build_lora_batch_meta
 from kernels.reference import (
     lora_expand_ref,
@@ -128,7 +129,7 @@ def test_torch_attention_matches_reference():
     tables = torch.zeros(4, 4, dtype=torch.int32)
     used = 0
     for b, n in enumerate(seq_lens):
-        k = -(-n // bs)
+        k = cdiv(n, bs)
         tables[b, :k] = perm[used : used + k]
         used += k
     qs = [0]

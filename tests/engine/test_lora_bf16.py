@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from engine import LLM, LoRARequest, SamplingParams
-from engine.config import ModelConfig, dtype_reason, resolve_dtype
 from engine.cpu_features import native_bfloat16
+from engine.model_config import ModelConfig, dtype_reason, resolve_dtype
 from tests.helpers.tiny_adapters import ADAPTER_SPECS, PeftGreedyOracle, build_adapter
 from tests.helpers.tiny_models import build_checkpoint
 

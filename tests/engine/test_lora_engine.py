@@ -16,6 +16,8 @@ from engine import LLM, LLMEngine, LoRARequest, SamplingParams
 from engine.lora.adapter_checkpoint import AdapterError
 from tests.helpers.tiny_adapters import ADAPTER_SPECS, PeftGreedyOracle, build_adapter
 
+pytestmark = pytest.mark.slow  # the PEFT oracle on tiny models
+
 NEW = 8
 
 
@@ -64,7 +66,7 @@ def _run_and_check(llm: LLM, dirs, oracle, reqs, oracle_dirs=None):
         assert out.outputs[0].token_ids == expected, f"adapter {name}"
     eng = llm.engine
     assert eng.get_stats().kv_blocks_used == 0
-    assert eng.lora.in_use() == set()
+    assert eng.scheduler.running_adapters() == set()
     pool = eng.lora.pool
     assert pool.pages_used() == sum(r.num_pages for r in pool.resident.values())
 
@@ -163,14 +165,14 @@ def test_adapter_loads_in_background_without_stalling(adapters):
     eng = LLMEngine.from_args(str(base), device="cpu", dtype="float32", max_lora_rank=32)
     params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
     gate = threading.Event()
-    eng.lora._submit(gate.wait)  # hold the (single) loader thread so the load below cannot finish yet
+    eng.lora.loader._submit(gate.wait)  # hold the (single) loader thread so the load below cannot finish yet
     eng.add_request("base", [5, 6, 7], params)
     eng.add_request("tuned", [5, 6, 7], params, LoRARequest("gud", str(dirs["gud-r12"])))
     eng.step()
     eng.step()
     # The adapter is still loading: its request waits while the base request keeps stepping.
-    assert [r.request_id for r in eng.scheduler.running] == ["base"]
-    assert [r.request_id for r in eng.scheduler.waiting] == ["tuned"]
+    assert [r.seq_id for r in eng.scheduler.running] == ["base"]
+    assert [r.seq_id for r in eng.scheduler.waiting] == ["tuned"]
     gate.set()
     done = {}
     while eng.has_unfinished_requests():
@@ -276,9 +278,37 @@ def test_prefetch_loads_in_background_then_serves_without_waiting(adapters):
     params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
     eng.add_request("r", [5, 6, 7], params, lr)
     eng.step()
-    assert [r.request_id for r in eng.scheduler.running] == ["r"]  # admitted in the first step
+    assert [r.seq_id for r in eng.scheduler.running] == ["r"]  # admitted in the first step
     done = {}
     while eng.has_unfinished_requests():
         done |= {o.request_id: o for o in eng.step() if o.finished}
     assert done["r"].outputs[0].token_ids == oracle.greedy([5, 6, 7], NEW, dirs["qv-r8-rslora"])
     assert eng.get_lora_stats().loads == 1
+
+
+def test_adapter_removed_while_requests_wait(adapters, tmp_path):
+    """`remove_lora` of an adapter that only waiting requests use: unchanged files are looked up again
+    and served; files changed meanwhile end the waiting request with an error (never a crash)."""
+    base, dirs, oracle = adapters["llama"]
+    eng = LLMEngine.from_args(str(base), device="cpu", dtype="float32", max_lora_rank=32)
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    same = LoRARequest("gud", str(dirs["gud-r12"]))
+    eng.add_lora(same)
+    eng.add_request("same", [5, 6, 7], params, same)
+    assert eng.remove_lora("gud")
+    target = tmp_path / "moved"
+    shutil.copytree(dirs["all7-r4"], target)
+    changed = LoRARequest("moved", str(target))
+    eng.add_lora(changed)
+    eng.add_request("changed", [5, 6, 7], params, changed)
+    assert eng.remove_lora("moved")
+    shutil.rmtree(target)
+    shutil.copytree(dirs["qv-r8-rslora"], target)
+    done = {}
+    deadline = time.monotonic() + 60
+    while eng.has_unfinished_requests() and time.monotonic() < deadline:
+        done |= {o.request_id: o for o in eng.step() if o.finished}
+    assert done["same"].error is None
+    assert done["same"].outputs[0].token_ids == oracle.greedy([5, 6, 7], NEW, dirs["gud-r12"])
+    assert "removed or changed" in done["changed"].error
+    assert eng.get_stats().kv_blocks_used == 0

@@ -9,6 +9,8 @@ import pytest
 from engine import LLM, SamplingParams
 from tests.helpers.tiny_models import ARCHS
 
+pytestmark = pytest.mark.slow  # the HF oracle on tiny models
+
 NEW_TOKENS = 10
 
 

@@ -19,12 +19,12 @@ def test_decodes_first_and_budget_respected(checkpoint):
     eng = _engine(checkpoint, max_num_batched_tokens=10)
     eng.add_request("a", list(range(3, 9)), _params())
     plan = eng.scheduler.schedule()
-    assert [(s.request.request_id, s.num_tokens) for s in plan.scheduled] == [("a", 6)]
+    assert [(s.seq.seq_id, s.num_tokens) for s in plan.scheduled] == [("a", 6)]
     eng.scheduler.update(plan, eng.runner.run(plan))
     eng.add_request("b", list(range(3, 40)), _params())
     plan = eng.scheduler.schedule()
     # a's decode (1 token) goes first, b gets the rest of the budget as a prefill chunk
-    assert [(s.request.request_id, s.num_tokens) for s in plan.scheduled] == [("a", 1), ("b", 9)]
+    assert [(s.seq.seq_id, s.num_tokens) for s in plan.scheduled] == [("a", 1), ("b", 9)]
     assert plan.num_batched_tokens == 10 and not plan.scheduled[1].sample
     eng.scheduler.update(plan, eng.runner.run(plan))
     while eng.has_unfinished_requests():
@@ -47,7 +47,7 @@ def test_priority_policy_admits_lower_value_first(checkpoint):
     eng.add_request("low", [5, 6, 7], _params(), priority=5)
     eng.add_request("high", [5, 6, 8], _params(), priority=0)
     plan = eng.scheduler.schedule()
-    assert plan.scheduled[0].request.request_id == "high"
+    assert plan.scheduled[0].seq.seq_id == "high"
 
 
 def test_lpm_policy_prefers_longest_cached_prefix(checkpoint):
@@ -59,7 +59,7 @@ def test_lpm_policy_prefers_longest_cached_prefix(checkpoint):
     eng.add_request("cold", list(range(60, 80)), _params(1))
     eng.add_request("hot", shared + [51], _params(1))
     plan = eng.scheduler.schedule()
-    assert plan.scheduled[0].request.request_id == "hot"
+    assert plan.scheduled[0].seq.seq_id == "hot"
     assert plan.scheduled[0].start == 20 and plan.scheduled[0].num_tokens == 1
 
 

@@ -8,6 +8,8 @@ import pytest
 from engine import LLM, LoRARequest, SamplingParams
 from tests.helpers.tiny_adapters import ADAPTER_SPECS, PeftGreedyOracle, build_adapter
 
+pytestmark = pytest.mark.slow  # Triton kernels interpreted on CPU through the engine
+
 
 @pytest.fixture(scope="module")
 def setup(checkpoint, tmp_path_factory):

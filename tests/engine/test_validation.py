@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.config import ModelConfigError
+from engine.model_config import ModelConfigError
 
 
 @pytest.fixture(scope="module")

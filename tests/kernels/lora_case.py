@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kernels.intmath import cdiv
 from kernels.lora_meta import LoRABatchMeta, build_lora_batch_meta
 
 NUM_LAYERS = 2  # pools span layers; tests use the strided view of layer 1
@@ -41,11 +42,11 @@ def make_case(
     num_slices, max_slots = len(slot_ranks), len(slot_ranks[0])
     all_ranks = [r for row in slot_ranks for r in row]
     max_rank = max_rank or max(max(all_ranks), 1)
-    max_pages = -(-max_rank // page_rank)
+    max_pages = cdiv(max_rank, page_rank)
     page_table = torch.full((num_slices, max_slots, max_pages), -1, dtype=torch.int32)
     a_pools, b_pools, dense_a, dense_b = [], [], {}, {}
     for s in range(num_slices):
-        needed = sum(-(-r // page_rank) for r in slot_ranks[s])
+        needed = sum(cdiv(r, page_rank) for r in slot_ranks[s])
         num_pages = needed + 3  # spare pages stay NaN
         perm = torch.randperm(num_pages, generator=gen).tolist()
         a_full = torch.full((num_pages, NUM_LAYERS, page_rank, h_in), float("nan"))
@@ -56,7 +57,7 @@ def make_case(
             a = (torch.randn(r, h_in, generator=gen) / h_in**0.5).to(dtype).float()
             b = (torch.randn(h_outs[s], r, generator=gen) / r**0.5).to(dtype).float()
             dense_a[s, slot], dense_b[s, slot] = a, b
-            for j in range(-(-r // page_rank)):
+            for j in range(cdiv(r, page_rank)):
                 page = perm.pop()
                 page_table[s, slot, j] = page
                 rows = slice(j * page_rank, min((j + 1) * page_rank, r))

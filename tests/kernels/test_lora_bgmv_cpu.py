@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.intmath import cdiv
 from kernels.lora_bgmv_cpu import PreparedBGMV, lora_bgmv_cpu, supported_dtypes
 from kernels.reference import lora_expand_ref, lora_shrink_ref
 from tests.kernels.lora_case import LoRACase, make_case
@@ -26,7 +27,7 @@ def _pairs(case: LoRACase, s: int, page_rank: int, runs: bool = False) -> tuple[
     pages, ranks, starts, counts, scale = [], [], [], [], []
     for start, count, slot in spans:
         r = int(case.ranks[s, slot]) if slot >= 0 else 0
-        for j in range(-(-r // page_rank)):
+        for j in range(cdiv(r, page_rank)):
             pages.append(int(case.page_table[s, slot, j]))
             ranks.append(min(page_rank, r - j * page_rank))
             starts.append(start)

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels.intmath import cdiv
 from kernels.paged_attention import paged_attention_decode, paged_attention_prefill, write_kv
 from kernels.reference import paged_attention_decode_ref, paged_attention_prefill_ref, write_kv_ref
 
@@ -16,13 +17,13 @@ TOL = {torch.float32: (2e-4, 2e-4), torch.float16: (5e-3, 5e-3)}
 def _paged_setup(seq_lens: list[int], hkv: int, block_size: int, dtype: torch.dtype, seed: int = 0):
     """Dense K/V per sequence, written into NaN-poisoned caches through random block tables by write_kv."""
     gen = torch.Generator().manual_seed(seed)
-    max_blocks = max(-(-n // block_size) for n in seq_lens) + 1
-    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 4
+    max_blocks = max(cdiv(n, block_size) for n in seq_lens) + 1
+    num_blocks = sum(cdiv(n, block_size) for n in seq_lens) + 4
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     block_tables = torch.full((len(seq_lens), max_blocks), -1, dtype=torch.int32)
     dense_k, dense_v, slots = [], [], []
     for b, n in enumerate(seq_lens):
-        for j in range(-(-n // block_size)):
+        for j in range(cdiv(n, block_size)):
             block_tables[b, j] = perm.pop()
         dense_k.append(torch.randn(n, hkv, D, generator=gen).to(dtype))
         dense_v.append(torch.randn(n, hkv, D, generator=gen).to(dtype))

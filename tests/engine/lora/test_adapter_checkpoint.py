@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import ModelConfig
 from engine.lora.adapter_checkpoint import AdapterError, adapter_digest, inspect_adapter
+from engine.model_config import ModelConfig
 
 from .peft_factory import TINY_LLAMA, edit_config, make_adapter, read_tensors, write_base_model, write_tensors
 

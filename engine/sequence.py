@@ -1,6 +1,6 @@
-"""A request as the scheduler sees it: tokens, how many of them have KV computed, and its status.
+"""One generated sequence as the scheduler sees it: tokens, how many of them have KV computed, and its status.
 
-There are no prefill/decode phases: a request has `num_tokens` (prompt + generated) and
+There are no prefill/decode phases: a sequence has `num_tokens` (prompt + generated) and
 `num_computed_tokens` (those whose K/V sit in the cache). Each step schedules some of the difference.
 """
 
@@ -16,7 +16,7 @@ from engine.outputs import Logprob
 from engine.sampling_params import SamplingParams
 
 
-class RequestStatus(enum.IntEnum):
+class SequenceStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
@@ -26,22 +26,22 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+        return self >= SequenceStatus.FINISHED_STOPPED
 
 
 FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
 }
 
 
 @dataclass(slots=True, eq=False)
-class Request:
+class Sequence:
     """One sequence being generated (a prompt with `n > 1` becomes `n` of these, sharing prompt blocks
     through the prefix cache)."""
 
-    request_id: str
+    seq_id: str  # the request id, with `#i` appended for the i-th of `n > 1` sequences
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
@@ -55,7 +55,7 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit on first scheduling; -1 = not scheduled yet
-    status: RequestStatus = RequestStatus.WAITING
+    status: SequenceStatus = SequenceStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     num_lora_skips: int = 0  # times admission passed over it because max_loras adapters were running

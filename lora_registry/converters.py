@@ -1,9 +1,10 @@
-"""Conversions from ORM rows to API schema objects, and the audit-log writer."""
+"""ORM rows -> API schema objects (`AdapterInfo`, `VersionInfo`, ...), and the audit-log writer."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 from sqlalchemy.orm import Session
 
 from lora_registry.models import Adapter, AdapterVersion, ApiKey, AuditEntry
@@ -11,19 +12,8 @@ from lora_registry.schemas import AdapterInfo, ApiKeyInfo, AuditRecord, VersionI
 
 
 def version_info(v: AdapterVersion) -> VersionInfo:
-    return VersionInfo(
-        version=v.version,
-        digest=v.digest,
-        rank=v.rank,
-        alpha=v.alpha,
-        target_modules=tuple(v.target_modules),
-        use_rslora=v.use_rslora,
-        size_bytes=v.size_bytes,
-        base_model_name=v.base_model_name,
-        base_model_fingerprint=v.base_model_fingerprint,
-        source=v.source,
-        created_at=v.created_at,
-    )
+    """The row's `VersionInfo` fields, read by name (the dataclass is the one list of them)."""
+    return msgspec.convert(v, VersionInfo, from_attributes=True)
 
 
 def current_version(a: Adapter) -> AdapterVersion | None:

@@ -1,9 +1,8 @@
-"""Typed views of a Hugging Face checkpoint's `config.json` and of the engine's settings."""
+"""Typed views of a Hugging Face checkpoint's `config.json` and the dtype choices made from it."""
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -211,12 +210,3 @@ def resolve_lora_dtype(lora_dtype: str | torch.dtype, model_dtype: torch.dtype) 
     if isinstance(lora_dtype, torch.dtype):
         return lora_dtype
     return model_dtype if lora_dtype == "auto" else _DTYPES[lora_dtype]
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division for non-negative ints."""
-    return -(-a // b)
-
-
-def next_power_of_2(n: int) -> int:
-    return 1 if n <= 1 else 2 ** math.ceil(math.log2(n))

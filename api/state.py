@@ -1,0 +1,45 @@
+"""`AppState`: what the server's lifespan creates and every route uses (reached through `api.deps`)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+
+from api.admission import ClientAdmission
+from api.engine_client import EngineClient
+from api.engine_protocol import Ready
+from api.metrics import Metrics
+from api.settings import ServerSettings
+from api.traffic import TrafficLog
+from lora_registry.follower import RegistryFollower
+from lora_registry.registry import Registry
+
+if TYPE_CHECKING:  # api.auth imports `app_state` from this module
+    from api.auth import AdminAuth
+
+
+@dataclass(slots=True)
+class AppState:
+    settings: ServerSettings
+    client: EngineClient
+    tokenizer: Any
+    registry: Registry
+    follower: RegistryFollower
+    admin_auth: AdminAuth
+    admission: ClientAdmission
+    metrics: Metrics = field(default_factory=Metrics)
+    traffic: TrafficLog = field(default_factory=TrafficLog)
+    started_at: float = field(default_factory=time.time)
+
+    def engine_info(self) -> Ready:
+        assert self.client.info is not None
+        return self.client.info
+
+
+def app_state(request: Request) -> AppState:
+    """The server's state (set by the lifespan before the first request); routes ask for it as
+    `api.deps.StateDep`."""
+    return request.app.state.loraplex

@@ -1,0 +1,99 @@
+"""`AdapterResidency`: where loaded adapters live — device pages or host memory — and the step context.
+
+Tiers: device pages (`AdapterPool`) <- host cache (`CpuAdapterCache`, LRU, `max_cpu_loras`) <- disk (the
+loader's business). Adapters in the caller's `protected` set (used by a running sequence, or pinned) are
+never evicted; other residents are evicted least-recently-used first to make room. "Used" is counted
+by `step_context`, which stamps every adapter of a step with a logical clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.lora.adapter_checkpoint import AdapterCheckpoint
+from engine.lora.cpu_cache import CpuAdapterCache
+from engine.lora.pool import AdapterPool, ResidentAdapter
+from engine.lora.step_context import CpuLoRAContext, TritonLoRAContext, token_segments
+from engine.model.linear import LoRAStepContext
+from engine.scheduler.output import ScheduledSequence
+
+
+@dataclass(slots=True)
+class ResidencyStats:
+    device_uploads: int = 0
+    evictions: int = 0
+
+
+class AdapterResidency:
+    """The device pool and the host cache of adapters, with pinning, LRU eviction and per-step contexts."""
+
+    def __init__(self, pool: AdapterPool, cpu: CpuAdapterCache, backend: str, device: torch.device) -> None:
+        self.pool = pool
+        self.cpu = cpu
+        self.backend = backend  # how the step context applies LoRA: "native" | "torch" | "triton"
+        self.device = device
+        self.pinned: set[str] = set()
+        self.stats = ResidencyStats()
+        self._clock = 0
+
+    def is_resident(self, digest: str) -> bool:
+        return digest in self.pool.resident
+
+    def host_copy(self, digest: str) -> AdapterCheckpoint | None:
+        return self.cpu.get(digest)
+
+    def keep_on_host(self, ckpt: AdapterCheckpoint, in_use: set[str]) -> None:
+        """Put a loaded adapter in the host cache (evicting LRU entries that are not in use or pinned)."""
+        self.cpu.put(ckpt, keep=in_use | self.pinned)
+
+    def upload(self, ckpt: AdapterCheckpoint, protected: set[str]) -> bool:
+        """Copy the adapter into device pages, evicting residents that are neither `protected` nor pinned,
+        least recently used first, until it fits; False if it still does not fit."""
+        if ckpt.digest in self.pool.resident:
+            return True
+        keep = protected | self.pinned
+        victims = sorted(
+            (r for d, r in self.pool.resident.items() if d not in keep), key=lambda r: r.last_used
+        )
+        while not self.pool.fits(ckpt):
+            if not victims:
+                return False
+            self.pool.evict(victims.pop(0).digest)
+            self.stats.evictions += 1
+        self.pool.upload(ckpt)
+        self.stats.device_uploads += 1
+        return True
+
+    def drop(self, digest: str) -> None:
+        """Remove the adapter from every tier (and unpin it)."""
+        if digest in self.pool.resident:
+            self.pool.evict(digest)
+        self.cpu.drop(digest)
+        self.pinned.discard(digest)
+
+    def step_context(self, items: Sequence[ScheduledSequence]) -> LoRAStepContext | None:
+        """The LoRA context for a step's scheduled sequences (flat-batch order); None if none uses one."""
+        adapters: list[ResidentAdapter | None] = []
+        any_lora = False
+        for it in items:
+            key = it.seq.lora_key
+            res = self.pool.resident.get(key) if key is not None else None
+            assert key is None or res is not None, "scheduled adapter must be resident"
+            if res is not None:
+                self._clock += 1
+                res.last_used = self._clock
+                any_lora = True
+            adapters.append(res)
+        if not any_lora:
+            return None
+        counts = [it.num_tokens for it in items]
+        if self.backend != "triton":
+            native = self.backend == "native"
+            return CpuLoRAContext(self.pool, token_segments(counts, adapters), native=native)
+        slots = [
+            (-1 if a is None else a.slot) for a, n in zip(adapters, counts, strict=True) for _ in range(n)
+        ]
+        return TritonLoRAContext(self.pool, torch.tensor(slots, dtype=torch.int32, device=self.device))
