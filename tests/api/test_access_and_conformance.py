@@ -9,17 +9,16 @@ import httpx
 import pytest
 
 from api.settings import ServerSettings, checkpoint_names
-from tests.api.conftest import SERVED_ADAPTERS, register
-from tests.helpers.live_server import ADMIN_TOKEN, start_server
+from tests.api.conftest import SERVED_ADAPTERS
+from tests.helpers.live_server import ADMIN_TOKEN
+from tests.helpers.served import serve_text_model
 
 
 @pytest.fixture(scope="module")
 def keyed(text_model, tmp_path_factory):
-    base, adapters, _ = text_model
-    data = tmp_path_factory.mktemp("data")
-    for name in SERVED_ADAPTERS:
-        register(data, base, name, adapters[name])
-    srv = start_server(base, data, settings_overrides={"require_api_key": True})
+    srv = serve_text_model(
+        text_model, tmp_path_factory.mktemp("data"), settings_overrides={"require_api_key": True}
+    )
     created = srv.admin().post("/admin/api/keys", json={"name": "scoped", "adapters": ["all7-r4"]})
     assert created.status_code == 201
     yield srv, created.json()["secret"]

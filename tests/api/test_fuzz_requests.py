@@ -9,8 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.api.conftest import SERVED_ADAPTERS, register
-from tests.helpers.live_server import start_server, wait_until
+from tests.api.conftest import SERVED_ADAPTERS
+from tests.helpers.live_server import wait_until
+from tests.helpers.served import serve_text_model
 
 BIG = 2**70
 garbage = st.one_of(
@@ -71,11 +72,7 @@ chat_bodies = st.fixed_dictionaries(
 
 @pytest.fixture(scope="module")
 def server(text_model, tmp_path_factory):
-    base, adapters, _ = text_model
-    data = tmp_path_factory.mktemp("data")
-    for name in SERVED_ADAPTERS:
-        register(data, base, name, adapters[name])
-    srv = start_server(base, data)
+    srv = serve_text_model(text_model, tmp_path_factory.mktemp("data"))
     yield srv
     assert httpx.get(f"{srv.url}/health", timeout=10).json() == {"status": "ok", "engine_restarts": 0}
     engine = srv.state.client.stats.engine

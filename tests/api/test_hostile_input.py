@@ -13,8 +13,8 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.api.conftest import SERVED_ADAPTERS, register
-from tests.helpers.live_server import start_server, wait_until
+from tests.helpers.live_server import wait_until
+from tests.helpers.served import serve_text_model
 
 INNOCENT_PROMPT = "innocent"
 BIG = 2**63
@@ -22,11 +22,9 @@ BIG = 2**63
 
 @pytest.fixture(scope="module")
 def server(text_model, tmp_path_factory):
-    base, adapters, _ = text_model
-    data = tmp_path_factory.mktemp("data")
-    for name in SERVED_ADAPTERS:
-        register(data, base, name, adapters[name])
-    srv = start_server(base, data, settings_overrides={"max_request_bytes": 2 * 1024**2})
+    srv = serve_text_model(
+        text_model, tmp_path_factory.mktemp("data"), settings_overrides={"max_request_bytes": 2 * 1024**2}
+    )
     yield srv
     srv.stop()
 

@@ -9,8 +9,9 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.api.conftest import SERVED_ADAPTERS, register
-from tests.helpers.live_server import start_server, wait_until
+from tests.api.conftest import SERVED_ADAPTERS
+from tests.helpers.live_server import wait_until
+from tests.helpers.served import serve_text_model
 
 pytestmark = pytest.mark.slow  # a live server
 
@@ -19,11 +20,7 @@ PROMPTS = ["hello world", "abc xyz", "Q: 2+2?"]
 
 @pytest.fixture(scope="module")
 def server(text_model, tmp_path_factory):
-    base, adapters, _ = text_model
-    data = tmp_path_factory.mktemp("data")
-    for name in SERVED_ADAPTERS:
-        register(data, base, name, adapters[name])
-    srv = start_server(base, data)
+    srv = serve_text_model(text_model, tmp_path_factory.mktemp("data"))
     yield srv
     srv.stop()
 

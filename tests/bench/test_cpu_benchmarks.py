@@ -10,23 +10,16 @@ import pytest
 
 from bench import history
 from bench.cold_load import run_cold_load
+from bench.gpu_e2e import SIZES
 from bench.kernels_cpu import run_kernels_cpu
 from bench.offline import run_offline
 from bench.plots import plot_cold_load, plot_offline, plot_scaling
 from bench.scaling import run_scaling
-from bench.workload import LoRAOptions, ModelSpec
+from bench.workload import LoRAOptions
 
 pytestmark = pytest.mark.slow  # benchmark runs
 
-TINY = ModelSpec(
-    vocab_size=300,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    max_position_embeddings=128,
-)
+TINY = SIZES["tiny"]
 
 
 @pytest.fixture(scope="module")

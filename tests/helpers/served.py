@@ -29,3 +29,14 @@ def register(data_dir, model, name, path, activate=True):
         return reg.adapters.register(name, path, activate=activate)
     finally:
         reg.close()
+
+
+def serve_text_model(text_model, data_dir, **server_kwargs):
+    """Register every served adapter of `text_model` (from `build_text_model`) in `data_dir` and start a live
+    server on it (`tests.helpers.live_server.start_server` keyword arguments pass through)."""
+    from tests.helpers.live_server import start_server
+
+    base, adapters, _ = text_model
+    for name in SERVED_ADAPTERS:
+        register(data_dir, base, name, adapters[name])
+    return start_server(base, data_dir, **server_kwargs)
