@@ -21,6 +21,14 @@ def serve(
     dtype: Annotated[str | None, typer.Option(help="auto, float32, bfloat16 or float16.")] = None,
     served_model_name: Annotated[str | None, typer.Option(help="Model id of the base model.")] = None,
     require_api_key: Annotated[bool, typer.Option(help="Require an API key for inference.")] = False,
+    max_seqs_per_client: Annotated[
+        int | None,
+        typer.Option(
+            help="Engine sequences one API key (or, without keys, one client address) runs at once; "
+            "more wait their turn (default: half of the engine's max_num_seqs).",
+            min=1,
+        ),
+    ] = None,
     max_loras: Annotated[int | None, typer.Option(help="Distinct adapters in one step.")] = None,
     max_lora_rank: Annotated[int | None, typer.Option(help="Largest adapter rank accepted.")] = None,
     max_num_seqs: Annotated[int | None, typer.Option(help="Sequences in the running batch.")] = None,
@@ -64,6 +72,7 @@ def serve(
             port=port,
             served_model_name=served_model_name,
             require_api_key=require_api_key,
+            max_seqs_per_client=max_seqs_per_client,
             engine_kwargs=engine_options(
                 device=device,
                 dtype=dtype,

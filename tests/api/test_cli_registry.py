@@ -187,3 +187,14 @@ def test_serve_refuses_bad_engine_options_before_starting(tmp_path: Path, assets
     assert result.exit_code == 1, result.output
     assert message in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(("option", "limit"), [((), 128), (("--max-seqs-per-client", "300"), 300)])
+def test_serve_per_client_share(tmp_path: Path, assets, monkeypatch, option, limit) -> None:
+    """`--max-seqs-per-client` reaches the server's settings (default: half of the engine's 256 sequences)."""
+    started = []
+    monkeypatch.setattr("api.server.serve", lambda settings, **_: started.append(settings))
+    env = {"LORAPLEX_DATA_DIR": str(tmp_path / "data"), "LORAPLEX_MODEL": str(assets["base"])}
+    result = CliRunner().invoke(app, ["serve", "--port", "1", *option], env=env)
+    assert result.exit_code == 0, result.output
+    assert [s.client_seq_limit() for s in started] == [limit]
