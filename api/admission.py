@@ -19,6 +19,7 @@ from api.errors import APIError
 @dataclass(slots=True)
 class _Share:
     used: int = 0
+    waiting: int = 0  # requests between taking this share and holding their slots
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
 
 
@@ -37,25 +38,40 @@ class ClientAdmission:
         """Hold `choices` of `client`'s slots for the body of the `async with` (429 if none free in time)."""
         need = min(choices, self.limit)
         share = self._shares.setdefault(client, _Share())
-        async with share.changed:
-            try:
-                await asyncio.wait_for(
-                    share.changed.wait_for(lambda: share.used + need <= self.limit), self.wait_seconds
-                )
-            except TimeoutError:
-                raise APIError(
-                    429,
-                    f"this client already runs {share.used} sequences (limit {self.limit}); retry later",
-                    code="too_many_requests",
-                    headers={"Retry-After": "1"},
-                ) from None
-            share.used += need
+        share.waiting += 1  # before any await: a releasing request must not drop this share meanwhile
+        try:
+            async with share.changed:
+                try:
+                    await asyncio.wait_for(
+                        share.changed.wait_for(lambda: share.used + need <= self.limit), self.wait_seconds
+                    )
+                except TimeoutError:
+                    raise APIError(
+                        429,
+                        f"this client already runs {share.used} sequences (limit {self.limit}); retry later",
+                        code="too_many_requests",
+                        headers={"Retry-After": "1"},
+                    ) from None
+                share.used += need
+        finally:
+            share.waiting -= 1
+            self._forget_if_idle(client, share)
         try:
             yield
         finally:
             async with share.changed:
                 share.used -= need
                 share.changed.notify_all()
+            self._forget_if_idle(client, share)
+
+    def clients(self) -> int:
+        """Clients with a share in memory (holding or waiting for slots)."""
+        return len(self._shares)
+
+    def _forget_if_idle(self, client: str, share: _Share) -> None:
+        """Drop an idle client's share, so that memory follows the clients in flight, not all ever seen."""
+        if share.used == 0 and share.waiting == 0 and self._shares.get(client) is share:
+            del self._shares[client]
 
 
 def client_id(key, request) -> str:

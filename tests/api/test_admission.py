@@ -29,8 +29,10 @@ def test_a_client_over_its_share_waits_while_others_run():
         await asyncio.sleep(0.05)
         await hold("innocent", 4, "innocent")  # not behind the attacker's line
         assert adm.in_use("attacker") == 4 and "start more" not in events
+        assert adm.clients() == 1  # the attacker's; the innocent client's share went when it ended
         release.set()
         await asyncio.gather(flood, more)
+        assert adm.clients() == 0  # memory follows the clients in flight
         return events
 
     events = asyncio.run(run())
@@ -46,6 +48,6 @@ def test_waiting_too_long_is_429_with_retry_after():
                 async with adm.hold("c", 1):
                     pass
         assert exc.value.status == 429 and exc.value.headers == {"Retry-After": "1"}
-        assert adm.in_use("c") == 0
+        assert adm.in_use("c") == 0 and adm.clients() == 0
 
     asyncio.run(run())
