@@ -347,6 +347,9 @@ class LLMEngine:
                 continue
             kept.append(item)
             sampled.append(one.sampled[0])
+        # a sequence that ran may belong to a request (n > 1) that a later failure of its sibling ended
+        alive = [i for i, it in enumerate(kept) if not it.seq.is_finished]
+        kept, sampled = [kept[i] for i in alive], [sampled[i] for i in alive]
         tokens = sum(it.num_tokens for it in kept)
         return SchedulerOutput(kept, tokens, plan.preempted), RunnerOutput(sampled), failed
 

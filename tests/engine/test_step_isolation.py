@@ -29,11 +29,11 @@ def _run(engine, limit: int = 200) -> dict:
     return outs
 
 
-@pytest.mark.parametrize("in_prefill", [True, False])
-def test_request_failing_in_step_ends_alone(llm, in_prefill):
+@pytest.mark.parametrize(("in_prefill", "n"), [(True, 1), (False, 1), (False, 2)])
+def test_request_failing_in_step_ends_alone(llm, in_prefill, n):
     engine = llm.engine
     expected = llm.generate([[7, 8, 9]], _greedy())[0].outputs[0].token_ids
-    bad = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)
+    bad = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True, n=n)
     engine.add_request("innocent", [7, 8, 9], _greedy())
     engine.add_request("hostile", [5, 6], bad)
     if not in_prefill:
