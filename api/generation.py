@@ -1,9 +1,10 @@
 """One API request's generation: fan out prompts × n to the engine and follow each choice's output.
 
-Each choice is one engine request with `params.n == 1` (prompt blocks are shared through the engine's
-prefix cache; choice j gets seed + j). Tokens arrive as ids; each choice's text, stop strings and
-streaming hold-back come from the engine's one output path (`SequenceText`), and a stop string ends the
-choice (leaving the engine stream aborts that engine request). Per-token log-probabilities keep the
+Each choice is one engine request, fanned out by `SamplingParams.choices()` as `LLMEngine` does for `n`
+(choice j: `n=1`, seed + j; prompt blocks are shared through the engine's prefix cache). Tokens arrive as
+ids; each choice's text, stop strings, finish reason and streaming hold-back come from the engine's one
+output path (`SequenceText.accept`), and a stop string ends the choice (leaving the engine stream aborts
+that engine request). Per-token log-probabilities keep the
 token's own bytes and its offset in the returned text.
 """
 
@@ -16,8 +17,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
-
-import msgspec
 
 from api.engine_client import EngineClient
 from api.engine_protocol import AddRequest, RequestDelta
@@ -81,27 +80,25 @@ class Generation:
         tokenizer: Any,
         prompts: list[list[int]],
         params: SamplingParams,
-        n: int,
         lora: LoRARequest | None,
         priority: int = 0,
     ) -> None:
         self.client, self.tokenizer, self.prompts = client, tokenizer, prompts
-        self.params, self.n, self.lora, self.priority = params, n, lora, priority
+        self.params, self.n, self.lora, self.priority = params, params.n, lora, priority
         self.id = uuid.uuid4().hex
         self.choices = [
-            Choice(index=p * n + j, prompt_index=p, out=SequenceText(tokenizer, params.stop))
+            Choice(index=p * self.n + j, prompt_index=p, out=SequenceText(tokenizer, params.stop))
             for p in range(len(prompts))
-            for j in range(n)
+            for j in range(self.n)
         ]
+        self._per_choice = params.choices()
         self._token_info = lru_cache(maxsize=4096)(self._describe)
 
     def _engine_request(self, choice: Choice) -> AddRequest:
-        j = choice.index % self.n
-        seed = None if self.params.seed is None else self.params.seed + j
         return AddRequest(
             request_id=f"{self.id}-{choice.index}",
             prompt_token_ids=self.prompts[choice.prompt_index],
-            params=msgspec.structs.replace(self.params, n=1, seed=seed),
+            params=self._per_choice[choice.index % self.n],
             lora=self.lora,
             priority=self.priority,
         )
@@ -145,13 +142,16 @@ class Generation:
         new_lps: list[TokenLogprob] = []
         first_new = len(choice.token_ids)
         choice.num_cached_tokens = max(choice.num_cached_tokens, delta.num_cached_tokens)
+        last = len(delta.token_ids) - 1
+        engine_finish = delta.finish_reason if delta.finish_reason in ("stop", "length") else None
         for i, tok in enumerate(delta.token_ids):
             choice.token_ids.append(tok)
             if delta.logprobs is not None:
                 lp = self._logprob(delta.logprobs[i], len(choice.out.text))
                 choice.logprobs.append(lp)
                 new_lps.append(lp)
-            if choice.out.push(tok) is not None:
+            choice.out.accept(tok, engine_finish if i == last else None)
+            if choice.out.stopped:
                 choice.finish_reason = "stop"
                 break
         if choice.finish_reason is None and delta.finish_reason is not None:

@@ -87,13 +87,13 @@ class SamplingFields(BaseModel):
         return stops
 
     def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """The engine's `SamplingParams` for one choice of this request (the one OpenAI -> engine map).
+        """The engine's `SamplingParams` for this request (the one OpenAI -> engine map).
 
         `max_tokens` is the resolved completion budget and `logprobs` the number of top tokens per
-        position (None: no log-probabilities); `n` fans out in the API, so each engine request has n=1.
+        position (None: no log-probabilities); `n` fans out with `SamplingParams.choices()`.
         """
         return SamplingParams(
-            n=1,
+            n=self.n,
             max_tokens=max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,

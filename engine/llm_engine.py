@@ -165,14 +165,14 @@ class LLMEngine:
         lora_key = self._lora_key(lora_request)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs = []
-        for i in range(params.n):
+        for i, choice in enumerate(params.choices()):
             gen = None
-            if params.seed is not None:
+            if choice.seed is not None:
                 gen = torch.Generator(device=self.device)
-                gen.manual_seed(params.seed + i)
+                gen.manual_seed(choice.seed)
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             seqs.append(
-                Sequence(seq_id, ids, params, arrival, priority, lora_request, lora_key, gen, max_total)
+                Sequence(seq_id, ids, choice, arrival, priority, lora_request, lora_key, gen, max_total)
             )
         texts = [self._sequence_text(params) for _ in seqs]
         self._groups[request_id] = RequestGroup(request_id, text, ids, seqs, texts)

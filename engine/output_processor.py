@@ -44,6 +44,19 @@ class SequenceText:
         self.stop_hit = hit[1]
         return hit[1]
 
+    def accept(self, token_id: int, engine_finish: str | None) -> str | None:
+        """Append a token the engine produced; return the sequence's finish reason after it.
+
+        `engine_finish` is what the engine decided for this token: "stop" (EOS or a stop token id),
+        "length" (max_tokens or the context) or None (still running). The one rule, for `LLM` and the
+        server alike: a stop string completed by the token's text ends the sequence with "stop", also
+        over "length"; the text of a stop token is appended but not searched for stop strings.
+        """
+        if self.stopped:
+            return "stop"
+        hit = self.push(token_id, check_stops=engine_finish != "stop")
+        return "stop" if hit is not None else engine_finish
+
     def releasable(self, finished: bool) -> str:
         """Text not released before that can be released now (a possible stop-string prefix is held back
         until the sequence finishes or the prefix stops matching)."""

@@ -27,12 +27,12 @@ class RequestGroup:
         text = self.texts[self.seqs.index(seq)]
         if text is None:
             return
-        stopped_by_token = seq.is_finished and seq.finish_reason == "stop"
-        hit = text.push(seq.output_token_ids[-1], check_stops=not stopped_by_token)
+        engine_finish = seq.finish_reason if seq.is_finished else None
+        text.accept(seq.output_token_ids[-1], engine_finish)
         seq.text = text.text
-        if hit is None:
+        if text.stop_hit is None:
             return
-        seq.stop_reason = hit
+        seq.stop_reason = text.stop_hit
         if seq.is_finished:  # length limit reached on the same token: the stop string wins
             seq.status = SequenceStatus.FINISHED_STOPPED
         else:

@@ -117,6 +117,15 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
                     "stop_token_ids", f"token ids must be integers in [0, {MAX_TOKEN_ID}]"
                 )
 
+    def choices(self) -> list[SamplingParams]:
+        """The `n` single-choice params of this request: choice j samples with `n=1` and seed `seed + j`
+        (no seed stays no seed). `LLMEngine` and the API server both fan out `n` with this, so choice j
+        draws the same tokens whichever of them runs it."""
+        return [
+            msgspec.structs.replace(self, n=1, seed=None if self.seed is None else self.seed + j)
+            for j in range(self.n)
+        ]
+
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS

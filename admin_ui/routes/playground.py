@@ -70,7 +70,7 @@ async def generate(request: Request, state: StateDep, _: CsrfSession) -> Respons
         params = sampling_params(state, body, [prompt], body.max_tokens, None)
     except APIError as exc:
         return JSONResponse({"error": {"message": exc.message}}, exc.status)
-    gen = Generation(state.client, state.tokenizer, [prompt], params, 1, target.lora)
+    gen = Generation(state.client, state.tokenizer, [prompt], params, target.lora)
     run = RequestRun(request, target, gen, len(prompt))
 
     async def events() -> AsyncIterator[str]:

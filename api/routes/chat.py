@@ -61,7 +61,7 @@ async def _chat(body: ChatCompletionRequest, request: Request, adapter: str | No
         raise APIError(400, "messages render to an empty prompt", param="messages")
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(state, body, [ids], body.token_limit(), top)
-    gen = Generation(state.client, state.tokenizer, [ids], params, body.n, target.lora, body.priority)
+    gen = Generation(state.client, state.tokenizer, [ids], params, target.lora, body.priority)
     run = RequestRun(request, target, gen, len(ids))
     head = {"id": f"chatcmpl-{gen.id}", "created": int(time.time()), "model": target.model_name}
     if body.stream:

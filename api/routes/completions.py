@@ -49,7 +49,7 @@ async def _complete(body: CompletionRequest, request: Request, adapter: str | No
     check_choices(state, len(raw_prompts), body.n)
     prompts = await tokenize_prompts(state, raw_prompts)
     params = sampling_params(state, body, prompts, body.max_tokens, body.logprobs)
-    gen = Generation(state.client, state.tokenizer, prompts, params, body.n, target.lora, body.priority)
+    gen = Generation(state.client, state.tokenizer, prompts, params, target.lora, body.priority)
     n_prompt = sum(len(p) for p in prompts)
     run = RequestRun(request, target, gen, n_prompt)
     created = int(time.time())

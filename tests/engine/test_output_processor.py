@@ -57,3 +57,23 @@ def test_partial_characters_are_not_released(byte_level):
 def test_held_back_is_the_longest_stop_prefix():
     assert held_back("hello wo", ["world", "o"]) == 2
     assert held_back("abc", ["x"]) == 0
+
+
+def test_accept_is_the_one_finish_rule(byte_level):
+    """A stop string completed on the last token wins over "length"; a stop token's own text is not
+    searched for stop strings; tokens after a stop are ignored."""
+    seq = SequenceText(byte_level, ["END"])
+    ids = byte_level.encode("xEND")
+    assert [seq.accept(t, None) for t in ids[:-1]] == [None, None, None]
+    assert seq.accept(ids[-1], "length") == "stop"
+    assert seq.text == "x" and seq.stop_hit == "END"
+    assert seq.accept(byte_level.encode("y")[0], None) == "stop" and seq.text == "x"
+
+    by_token = SequenceText(byte_level, ["END"])
+    for t in byte_level.encode("xEN"):
+        assert by_token.accept(t, None) is None
+    assert by_token.accept(byte_level.encode("D")[0], "stop") == "stop"
+    assert by_token.stop_hit is None and by_token.text == "xEND"
+
+    running = SequenceText(byte_level, ["END"])
+    assert running.accept(byte_level.encode("a")[0], "length") == "length"

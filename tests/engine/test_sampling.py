@@ -71,6 +71,18 @@ def test_n_samples_share_prompt_blocks(llm):
     assert engine.get_stats().kv_blocks_used == 0
 
 
+def test_choice_j_of_n_is_the_single_request_with_seed_plus_j(llm):
+    """`n` fans out in one way for `LLM` and the server (`SamplingParams.choices()`): choice j of an
+    n-way request draws exactly what a single request with seed + j draws."""
+    prompt = [5, 9, 11, 40]
+    grouped = llm.generate([prompt], _sample(n=3, seed=40))[0].outputs
+    singles = [llm.generate([prompt], _sample(seed=40 + j))[0].outputs[0] for j in range(3)]
+    assert [c.token_ids for c in grouped] == [s.token_ids for s in singles]
+    assert len({tuple(c.token_ids) for c in grouped}) > 1
+    assert [c.seed for c in _sample(n=3, seed=40).choices()] == [40, 41, 42]
+    assert {c.n for c in _sample(n=3).choices()} == {1} and _sample(n=2).choices()[1].seed is None
+
+
 def test_logprobs_match_hf(llm, checkpoint, oracle):
     prompt = [5, 9, 11, 40, 3]
     out = llm.generate([prompt], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=3))[0]
