@@ -100,7 +100,7 @@ async def _start(settings: ServerSettings, client_factory: Callable[[Any], Any])
         loop.call_soon_threadsafe(lambda: asyncio.ensure_future(_sync_engine(state, name, adapter)))
 
     follower = RegistryFollower(registry.adapters, registry.bus, on_change)
-    admission = ClientAdmission(settings.client_seq_limit())
+    admission = ClientAdmission(settings.client_seq_limit(), capacity=settings.engine.max_num_seqs)
     state = AppState(settings, client, tokenizer, registry, follower, admin_auth, admission)
     await asyncio.to_thread(follower.start)
     if follower.resyncs == 0:

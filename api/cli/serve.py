@@ -24,8 +24,9 @@ def serve(
     max_seqs_per_client: Annotated[
         int | None,
         typer.Option(
-            help="Engine sequences one API key (or, without keys, one client address) runs at once; "
-            "more wait their turn (default: half of the engine's max_num_seqs).",
+            help="Engine sequences one API key (or, without keys, one client address) is guaranteed at "
+            "once (default: half of the engine's max_num_seqs); beyond it a client borrows idle capacity, "
+            "first come, first served.",
             min=1,
         ),
     ] = None,

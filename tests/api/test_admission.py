@@ -1,8 +1,10 @@
-"""Per-client fair share of engine sequences: one client's flood waits in its own line, others don't."""
+"""Per-client fair share of engine sequences: one client's flood waits in its own line, others don't;
+a lone client borrows idle capacity (work conserving) but always leaves headroom for a newcomer."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -51,3 +53,48 @@ def test_waiting_too_long_is_429_with_retry_after():
         assert adm.in_use("c") == 0 and adm.clients() == 0
 
     asyncio.run(run())
+
+
+def test_a_lone_client_borrows_idle_capacity_and_leaves_headroom():
+    async def run() -> None:
+        adm = ClientAdmission(limit=4, capacity=16, headroom=2, wait_seconds=0.2)
+        async with contextlib.AsyncExitStack() as stack:
+            for _ in range(14):  # 4 guaranteed + 10 borrowed = capacity - headroom
+                await stack.enter_async_context(adm.hold("lone", 1))
+            assert adm.in_use("lone") == 14
+            with pytest.raises(APIError) as exc:  # the headroom is not borrowed
+                async with adm.hold("lone", 1):
+                    pass
+            assert exc.value.status == 429
+            async with adm.hold("newcomer", 4):  # its guarantee at once, whatever the borrower holds
+                assert adm.total_in_use() == 18
+        assert adm.total_in_use() == 0 and adm.clients() == 0
+
+    asyncio.run(run())
+
+
+def test_borrowers_queue_first_come_first_served():
+    async def run() -> list[str]:
+        adm = ClientAdmission(limit=2, capacity=8, headroom=1, wait_seconds=5)
+        events: list[str] = []
+        release = asyncio.Event()
+
+        async def hold(client: str, n: int, name: str, until: asyncio.Event | None = None) -> None:
+            async with adm.hold(client, n):
+                events.append(f"start {name}")
+                if until is not None:
+                    await until.wait()
+
+        base = [asyncio.create_task(hold(c, 2, f"{c}0", release)) for c in ("a", "b")]
+        lent = asyncio.create_task(hold("a", 2, "a-borrow", release))  # 4 + 2 <= 8 - 1: borrowed
+        await asyncio.sleep(0.05)
+        late = [asyncio.create_task(hold("b", 2, "b-borrow")), asyncio.create_task(hold("a", 1, "a-late"))]
+        await asyncio.sleep(0.05)
+        assert "start a-borrow" in events  # a lone borrower is not capped at its guarantee
+        assert "start b-borrow" not in events and "start a-late" not in events  # 6 + 2 > 7, 1st in line waits
+        release.set()
+        await asyncio.gather(*base, lent, *late)
+        return events
+
+    events = asyncio.run(run())
+    assert events.index("start b-borrow") < events.index("start a-late")
