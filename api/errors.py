@@ -104,8 +104,9 @@ def _openapi_without_422(app: FastAPI) -> None:
         if not cached:
             for item in schema.get("paths", {}).values():
                 for op in item.values():
-                    if isinstance(op, dict):
-                        op.get("responses", {}).pop("422", None)
+                    responses = op.get("responses", {}) if isinstance(op, dict) else {}
+                    if "HTTPValidationError" in str(responses.get("422", "")):  # FastAPI's, not declared
+                        responses.pop("422")
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile as UploadedFile  # what forms hold (FastAPI's is a subclass)
 
 from api.deps import AdaptersDep, AdminActor, KeysDep, StateDep
-from api.errors import APIError
+from api.errors import APIError, error_responses
 from api.openai_protocol import LoadLoRARequest, UnloadLoRARequest
 from api.state import AppState
 from lora_registry.errors import RegistryError
@@ -55,8 +55,11 @@ class Deleted:
     deleted: str
 
 
-router = APIRouter(prefix="/admin/api", tags=["admin"])
-compat = APIRouter(tags=["admin"])
+# Every admin route may answer these (bad input, credentials, unknown names, conflicts, size, throttling,
+# registry down), always with the OpenAI error body; declared once for the OpenAPI document.
+ADMIN_ERRORS = error_responses(400, 401, 403, 404, 409, 413, 422, 429, 503)
+router = APIRouter(prefix="/admin/api", tags=["admin"], responses=ADMIN_ERRORS)
+compat = APIRouter(tags=["admin"], responses=ADMIN_ERRORS)
 PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
