@@ -22,8 +22,6 @@ from api.auth import ensure_admin_token
 from api.engine_client import EngineClient
 from api.errors import install_error_handlers
 from api.guard import RequestGuard
-from api.json_body import add_body_schemas
-from api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from api.settings import ServerSettings
 from api.state import AppState
 from engine.tokenizer import load_tokenizer
@@ -65,7 +63,6 @@ def create_app(settings: ServerSettings, client_factory: Callable[[Any], Any] | 
         system.router,
     ):
         app.include_router(r)
-    add_body_schemas(app, [CompletionRequest, ChatCompletionRequest])
     _mount_admin_ui(app)
     return app
 

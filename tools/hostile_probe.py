@@ -73,6 +73,14 @@ def attacks(url: str) -> list[tuple[str, Callable[[httpx.Client], httpx.Response
                 headers={"content-type": "multipart/form-data; boundary=x"},
             ),
         ),
+        (
+            "15 MB of token ids (JSON parse)",
+            lambda c: c.post(
+                comp,
+                content=_stream(b'{"prompt":[', b"1,", 15 * MB, b'1],"max_tokens":1}'),
+                headers={"content-type": "application/json"},
+            ),
+        ),
         ("fan-out 50 prompts x n=64", post(comp, {"prompt": ["ab="] * 50, "n": 64, "max_tokens": 8})),
         ("max_tokens=2**63", post(comp, {"prompt": "a", "max_tokens": big})),
         ("seed=2**63", post(comp, {"prompt": "a", "seed": big, "max_tokens": 1})),

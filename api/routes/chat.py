@@ -11,7 +11,6 @@ from starlette.concurrency import run_in_threadpool
 from api.chat_template import render_chat
 from api.errors import APIError, error_responses
 from api.generation import ChoiceUpdate, Generation, TokenInfo, TokenLogprob
-from api.json_body import json_body_schema, read_json
 from api.openai_protocol import AdapterName, ChatCompletionRequest, ChatCompletionResponse
 from api.serving import (
     RequestRun,
@@ -33,26 +32,16 @@ ERRORS = error_responses(400, 401, 403, 404, 413, 429, 500, 503) | {
 }
 
 
-BODY = json_body_schema(ChatCompletionRequest)
-
-
-@router.post(
-    "/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS, openapi_extra=BODY
-)
-async def chat_completions(request: Request):
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
+async def chat_completions(body: ChatCompletionRequest, request: Request):
     """OpenAI chat completion (`stream: true` answers with server-sent `chat.completion.chunk`s)."""
-    return await _chat(await read_json(request, ChatCompletionRequest), request, None)
+    return await _chat(body, request, None)
 
 
-@router.post(
-    "/v1/adapters/{name}/chat/completions",
-    response_model=ChatCompletionResponse,
-    responses=ERRORS,
-    openapi_extra=BODY,
-)
-async def adapter_chat_completions(name: AdapterName, request: Request):
+@router.post("/v1/adapters/{name}/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
+async def adapter_chat_completions(name: AdapterName, body: ChatCompletionRequest, request: Request):
     """Chat completion on adapter `name` (the body's `model` is ignored)."""
-    return await _chat(await read_json(request, ChatCompletionRequest), request, name)
+    return await _chat(body, request, name)
 
 
 async def _chat(body: ChatCompletionRequest, request: Request, adapter: str | None):

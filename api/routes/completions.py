@@ -9,7 +9,6 @@ from fastapi.responses import JSONResponse
 
 from api.errors import error_responses
 from api.generation import Choice, ChoiceUpdate, Generation, TokenLogprob
-from api.json_body import json_body_schema, read_json
 from api.openai_protocol import AdapterName, CompletionRequest, CompletionResponse
 from api.serving import (
     RequestRun,
@@ -31,21 +30,16 @@ ERRORS = error_responses(400, 401, 403, 404, 413, 429, 500, 503) | {
 }
 
 
-BODY = json_body_schema(CompletionRequest)
-
-
-@router.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS, openapi_extra=BODY)
-async def completions(request: Request):
+@router.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
+async def completions(body: CompletionRequest, request: Request):
     """OpenAI text completion (`stream: true` answers with server-sent events of the same chunks)."""
-    return await _complete(await read_json(request, CompletionRequest), request, None)
+    return await _complete(body, request, None)
 
 
-@router.post(
-    "/v1/adapters/{name}/completions", response_model=CompletionResponse, responses=ERRORS, openapi_extra=BODY
-)
-async def adapter_completions(name: AdapterName, request: Request):
+@router.post("/v1/adapters/{name}/completions", response_model=CompletionResponse, responses=ERRORS)
+async def adapter_completions(name: AdapterName, body: CompletionRequest, request: Request):
     """Text completion on adapter `name` (the body's `model` is ignored)."""
-    return await _complete(await read_json(request, CompletionRequest), request, name)
+    return await _complete(body, request, name)
 
 
 async def _complete(body: CompletionRequest, request: Request, adapter: str | None):
