@@ -40,7 +40,8 @@ def test_request_failing_in_step_ends_alone(llm, in_prefill, n):
         engine.step()  # both prefilled; the hostile one then fails while decoding
     # Bypass the checks after admission, as a bug for one request would: the sampler raises on it
     # (top-k log-probabilities over more tokens than the vocabulary has).
-    bad.logprobs = 10**6
+    for seq in engine._groups["hostile"].seqs:
+        seq.params.logprobs = 10**6
     outs = _run(engine)
     assert outs["hostile"].error and "failed" in outs["hostile"].error
     assert outs["hostile"].outputs[0].finish_reason == "abort"

@@ -47,9 +47,7 @@ def test_every_answer_exact_streaming_and_not(cluster: Cluster) -> None:
 
 
 def test_affinity_each_adapter_stays_on_one_replica(cluster: Cluster) -> None:
-    for name in ADAPTERS:  # warm-up: one request each, one after the other
-        assert _complete(cluster.url, name, "warm up").status_code == 200
-    time.sleep(0.5)  # replicas report their multiplexed ids to Serve's router
+    _warm_up_until_routing_is_stable(cluster)
     loads_before = sum(r["lora"]["loads"] for r in cluster.replicas())
     jobs = [(name, text) for name in ADAPTERS for text in TEXTS * 3]
     with ThreadPoolExecutor(6) as pool:
@@ -67,6 +65,25 @@ def test_affinity_each_adapter_stays_on_one_replica(cluster: Cluster) -> None:
         (rid,) = ids
         holder = next(r for r in replicas if r["replica"] == rid)
         assert any(name in a["names"] and a["tier"] == "device" for a in holder["adapters"])
+
+
+def _warm_up_until_routing_is_stable(cluster: Cluster, timeout: float = 60.0) -> None:
+    """One request per adapter, one after the other, in rounds until two rounds in a row reach the same
+    replica per adapter: replicas report their multiplexed ids to Serve's routers asynchronously, which
+    takes longer on a busy machine than any fixed sleep would allow for."""
+    previous: dict[str, str] = {}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        placed = {}
+        for name in ADAPTERS:
+            r = _complete(cluster.url, name, "warm up")
+            assert r.status_code == 200, r.text
+            placed[name] = r.headers["x-loraplex-replica"]
+        if placed == previous:
+            return
+        previous = placed
+        time.sleep(0.5)
+    raise AssertionError(f"routing did not settle in {timeout} s: {previous}")
 
 
 def _zip(name: str) -> bytes:
