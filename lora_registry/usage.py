@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 from sqlalchemy import BigInteger, Integer, case, cast, func, insert, select
 from sqlalchemy.orm import Session, sessionmaker
@@ -131,7 +132,7 @@ class UsageStore:
                 func.sum(UsageRecord.completion_tokens).label("completion"),
                 func.sum(UsageRecord.cached_tokens).label("cached"),
             ]
-            keys: list[ColumnElement] = [group]
+            keys: list[Any] = [group]
             if bucket_col is not None:
                 cols.insert(0, bucket_col.label("bucket"))
                 keys.insert(0, bucket_col)
