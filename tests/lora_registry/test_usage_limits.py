@@ -16,7 +16,9 @@ from lora_registry.usage import UsageEntry
 T0 = datetime(2026, 3, 1, 10, 0, tzinfo=UTC)
 
 
-def entry(at: datetime, key: str | None, adapter: str | None, p: int, c: int, status: str = "ok") -> UsageEntry:
+def entry(
+    at: datetime, key: str | None, adapter: str | None, p: int, c: int, status: str = "ok"
+) -> UsageEntry:
     return UsageEntry(at, key, adapter, "d" * 64 if adapter else None, p, c, p // 2, 12, status)
 
 
