@@ -44,8 +44,12 @@ def traffic_chart(
     height: int = 260,
     title: str = "Generated tokens per minute",
     chart_id: str = "traffic",
+    x_labels: list[tuple[int, str]] | None = None,
+    empty_text: str | None = None,
 ) -> Markup:
-    """An SVG chart: one line per adapter over the minutes in `starts` (unix times of minute starts)."""
+    """An SVG chart: one line per adapter over the minutes in `starts` (unix times of minute starts).
+    `x_labels` ((index, text) pairs) and `empty_text` replace the minute axis labels and the empty-chart
+    note, for other time steps (the usage page's hours and days)."""
     names = sorted(series)
     legend = _legend_rows(names, width) if names else []
     total_h = height + LEGEND_ROW * len(legend)
@@ -59,12 +63,13 @@ def traffic_chart(
     def py(v: float) -> float:
         return TOP + plot_h * (1 - v / top)
 
+    span = f"Last {len(starts)} minutes" if x_labels is None else "Range"
     summary = "; ".join(f"{name}: {sum(series[name])} tokens" for name in names) or "no traffic"
     out = [
         f'<svg class="chart" viewBox="0 0 {width} {total_h}" role="img" '
         f'aria-labelledby="{chart_id}-title {chart_id}-desc" xmlns="http://www.w3.org/2000/svg">',
         f'<title id="{chart_id}-title">{escape(title)}</title>',
-        f'<desc id="{chart_id}-desc">Last {len(starts)} minutes: {escape(summary)}</desc>',
+        f'<desc id="{chart_id}-desc">{span}: {escape(summary)}</desc>',
     ]
     steps = 4 if f"{top:g}"[0] == "2" else 5  # round tick values: 0-5-10-15-20, 0-10-20-…-50
     for k in range(steps + 1):  # horizontal grid and y labels
@@ -73,7 +78,8 @@ def traffic_chart(
         label = f"{v:.0f}" if top >= 10 else f"{v:g}"
         out.append(f'<line class="grid" x1="{LEFT}" x2="{width - RIGHT}" y1="{y:.1f}" y2="{y:.1f}"/>')
         out.append(f'<text class="axis" x="{LEFT - 8}" y="{y + 4:.1f}" text-anchor="end">{label}</text>')
-    for i, label in ((0, f"−{n - 1} min"), ((n - 1) // 2, f"−{n - 1 - (n - 1) // 2} min"), (n - 1, "now")):
+    minute_labels = [(0, f"−{n - 1} min"), ((n - 1) // 2, f"−{n - 1 - (n - 1) // 2} min"), (n - 1, "now")]
+    for i, label in x_labels if x_labels is not None else minute_labels:
         anchor = "start" if i == 0 else ("end" if i == n - 1 else "middle")
         out.append(
             f'<text class="axis" x="{px(i):.1f}" y="{height - 8}" text-anchor="{anchor}">{label}</text>'
@@ -81,7 +87,7 @@ def traffic_chart(
     if not names:
         out.append(
             f'<text class="empty" x="{LEFT + plot_w / 2:.1f}" y="{TOP + plot_h / 2:.1f}" '
-            f'text-anchor="middle">No requests in the last {n} minutes</text>'
+            f'text-anchor="middle">{escape(empty_text or f"No requests in the last {n} minutes")}</text>'
         )
     for idx, name in enumerate(names):
         color = PALETTE[idx % len(PALETTE)]

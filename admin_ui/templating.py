@@ -22,6 +22,7 @@ NAV = (
     ("adapters", "/admin/adapters", "Adapters"),
     ("playground", "/admin/playground", "Playground"),
     ("keys", "/admin/keys", "API keys"),
+    ("usage", "/admin/usage", "Usage"),
 )
 
 

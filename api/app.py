@@ -22,8 +22,10 @@ from api.auth import ensure_admin_token
 from api.engine_client import EngineClient
 from api.errors import install_error_handlers
 from api.guard import RequestGuard
+from api.limits.headers import RateLimitHeaders
 from api.settings import ServerSettings
 from api.state import AppState
+from api.usage.service import UsageLimits
 from engine.tokenizer import load_tokenizer
 from lora_registry import open_registry
 from lora_registry.follower import RegistryFollower
@@ -47,14 +49,18 @@ def create_app(settings: ServerSettings, client_factory: Callable[[Any], Any] | 
             resync.cancel()
             state.follower.close()
             await state.client.shutdown()
+            if state.usage is not None:  # after the in-flight requests: writes their usage records
+                await state.usage.close()
             state.registry.close()
 
     app = FastAPI(title="loraplex", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
+    app.add_middleware(RateLimitHeaders)
     app.add_middleware(RequestGuard)
-    from api.routes import admin_api, chat, completions, models, system
+    from api.routes import admin_api, chat, completions, models, system, usage_api
 
     for r in (
+        usage_api.router,
         completions.router,
         chat.router,
         models.router,
@@ -105,6 +111,15 @@ async def _start(settings: ServerSettings, client_factory: Callable[[Any], Any])
     await asyncio.to_thread(follower.start)
     if follower.resyncs == 0:
         await asyncio.to_thread(follower.resync)
+    try:
+        state.usage = await UsageLimits.start(
+            registry, settings.usage, state.metrics.registry, reg_settings.redis_url
+        )
+    except BaseException:
+        follower.close()
+        await client.shutdown()
+        registry.close()
+        raise
     return state
 
 

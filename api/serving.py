@@ -17,10 +17,13 @@ from api.auth import authenticate, authorize
 from api.engine_client import EngineDeadError, EngineUnavailableError
 from api.errors import APIError
 from api.generation import ChoiceUpdate, Generation
+from api.limits.limiter import Grant
 from api.openai_protocol import SamplingFields
+from api.usage.service import usage_entry
 from engine.lora_request import LoRARequest
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from kernels.intmath import cdiv
+from lora_registry.usage import UsageEntry
 
 
 @dataclass(slots=True)
@@ -170,7 +173,9 @@ class RequestRun:
     async def updates(self) -> AsyncIterator[ChoiceUpdate]:
         status = "error"
         client = client_id(self.target.key, self.request)
+        grant: Grant | None = None
         try:
+            grant = await self._admit()
             async with self.state.admission.hold(client, len(self.gen.choices)):
                 async for up in self.gen.stream():
                     if up.choice.error:
@@ -183,16 +188,39 @@ class RequestRun:
             raise APIError(503, "the engine process died while serving this request; retry shortly") from exc
         except EngineUnavailableError as exc:
             raise APIError(503, "the engine is restarting; retry shortly") from exc
+        except APIError as exc:
+            if exc.status == 429:  # refused by a rate limit or the client's fair share: it never ran
+                status = "rate_limited"
+            raise
         except (asyncio.CancelledError, GeneratorExit):
             status = "aborted"
             raise
         finally:
+            if grant is not None:
+                grant.release(self.num_prompt_tokens + sum(len(c.token_ids) for c in self.gen.choices))
             self._record(status)
+
+    async def _admit(self) -> Grant:
+        """Admit this request under its key's and adapter's limits, charging its most tokens: the
+        prompts plus `max_tokens` per choice (the unused part is refunded when it finishes). 429 over a
+        limit; the grant's `x-ratelimit-*` headers go on the answer."""
+        usage = self.state.usage
+        if usage is None:
+            return Grant()
+        most = self.num_prompt_tokens + len(self.gen.choices) * self.gen.params.max_tokens
+        grant = await usage.admit(self.target.key, self.target.adapter, most)
+        if grant.headers:
+            self.request.state.ratelimit_headers = grant.headers
+        return grant
 
     def _record(self, status: str) -> None:
         m, label = self.state.metrics, self.target.adapter or ""
         tokens = sum(len(c.token_ids) for c in self.gen.choices)
         m.requests.labels(label, status).inc()
+        if self.state.usage is not None:
+            self.state.usage.record(self._usage_entry(status, tokens))
+        if status == "rate_limited":
+            return
         m.prompt_tokens.labels(label).inc(self.num_prompt_tokens)
         m.generation_tokens.labels(label).inc(tokens)
         if self.first_token is not None:
@@ -200,6 +228,25 @@ class RequestRun:
             if tokens > 1:
                 m.tpot.labels(label).observe((time.monotonic() - self.first_token) / (tokens - 1))
         self.state.traffic.record(self.target.adapter, tokens)
+
+    def _usage_entry(self, status: str, completion: int) -> UsageEntry:
+        """The usage record of this request: its `usage` numbers (none when it never ran), the prompt
+        tokens served from the prefix cache (per prompt, the most any of its choices reused), latency."""
+        ran = status != "rate_limited"
+        cached: dict[int, int] = {}
+        for c in self.gen.choices:
+            cached[c.prompt_index] = max(cached.get(c.prompt_index, 0), c.num_cached_tokens)
+        lora = self.target.lora
+        return usage_entry(
+            self.target.key,
+            self.target.adapter,
+            lora.digest if lora is not None else None,
+            self.num_prompt_tokens if ran else 0,
+            completion if ran else 0,
+            min(sum(cached.values()), self.num_prompt_tokens) if ran else 0,
+            time.monotonic() - self.t0,
+            status,
+        )
 
     async def collect(self) -> None:
         """Run to completion, aborting the engine requests if the client disconnects meanwhile."""

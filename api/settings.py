@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from api.usage.settings import UsageSettings
 from engine.engine_config import EngineConfig
 from lora_registry.settings import RegistrySettings
 
@@ -50,6 +51,7 @@ class ServerSettings:
     model_aliases: tuple[str, ...] = ()  # other ids of the base model (the checkpoint's own name)
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(model="."))
     registry: RegistrySettings | None = None
+    usage: UsageSettings = field(default_factory=UsageSettings)  # accounting + rate limits (README)
 
     @classmethod
     def build(
@@ -82,6 +84,7 @@ class ServerSettings:
             admin_token=overrides.pop("admin_token", None) or env.get("LORAPLEX_ADMIN_TOKEN") or None,
             engine=engine_cfg,
             registry=registry,
+            usage=overrides.pop("usage", None) or UsageSettings.from_env(env),
             **overrides,
         )
 

@@ -19,6 +19,7 @@ from lora_registry.registry import Registry
 
 if TYPE_CHECKING:  # api.auth imports `app_state` from this module
     from api.auth import AdminAuth
+    from api.usage.service import UsageLimits
 
 
 @dataclass(slots=True)
@@ -33,6 +34,7 @@ class AppState:
     metrics: Metrics = field(default_factory=Metrics)
     traffic: TrafficLog = field(default_factory=TrafficLog)
     started_at: float = field(default_factory=time.time)
+    usage: UsageLimits | None = None  # usage accounting + rate limits (set by the lifespan)
 
     def engine_info(self) -> Ready:
         assert self.client.info is not None

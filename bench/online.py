@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import statistics
@@ -194,8 +195,20 @@ def main(argv: list[str] | None = None) -> OnlineResult:
     ap.add_argument("--rates", default="1,2,4", help="comma-separated arrival rates (req/s)")
     ap.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per rate")
     ap.add_argument("--alpha", type=float, default=1.1, help="power-law exponent of adapter popularity")
+    ap.add_argument(
+        "--accounting-cost",
+        action="store_true",
+        help="with --self-host: throughput with usage accounting + rate limits off vs on, alternating",
+    )
+    ap.add_argument("--repeats", type=int, default=2, help="off/on pairs for --accounting-cost")
+    ap.add_argument("--redis", help="Redis URL for the limits in --accounting-cost (default: in-process)")
     args = ap.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
+    if args.accounting_cost:
+        if not args.self_host:
+            ap.error("--accounting-cost needs --self-host")
+        print(accounting_cost(args, rates))
+        return OnlineResult()
     if args.url:
         result = run(args.url, rates, args.duration, args.alpha)
     elif args.self_host:
@@ -209,65 +222,99 @@ def main(argv: list[str] | None = None) -> OnlineResult:
 def _self_hosted(args, rates: list[float]) -> OnlineResult:
     """Serve a random Llama with `args.adapters` registered rank-16 adapters on a free loopback port (a
     `loraplex serve` subprocess with a temporary data dir), benchmark it, then stop it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        base, env = _build(Path(tmp), args.adapters)
+        with _serving(base, env, args) as url:
+            return run(url, rates, args.duration, args.alpha)
+
+
+def _build(root: Path, adapters: int) -> tuple[Path, dict[str, str]]:
+    """A random base model and `adapters` active rank-16 adapters in a fresh data dir; the server's env."""
     import os
-    import signal
-    import socket
-    import subprocess
 
     from bench.workload import ModelSpec, build_adapter, build_base
     from lora_registry import RegistrySettings, open_registry
 
+    base = build_base(root)
+    env = os.environ | {
+        "LORAPLEX_DATA_DIR": str(root / "data"),
+        "LORAPLEX_MODEL": str(base),
+        "LORAPLEX_ADMIN_TOKEN": "bench",
+    }
+    reg = open_registry(RegistrySettings.from_env(env))
+    try:
+        for i in range(adapters):
+            adapter = build_adapter(root / f"a{i}", ModelSpec(), 16, i)
+            reg.adapters.register(f"a{i}", adapter, activate=True)
+    finally:
+        reg.close()
+    return base, env
+
+
+@contextlib.contextmanager
+def _serving(base: Path, env: dict[str, str], args):
+    """`loraplex serve` on a free loopback port until the block ends; yields its URL."""
+    import signal
+    import socket
+    import subprocess
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    exe = str(Path(sys.executable).parent / "loraplex")
+    cmd = [exe, "serve", "--model", str(base), "--port", str(port), "--device", "cpu"]
+    cmd += ["--max-loras", "16", "--threads", str(args.threads), "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+
+
+def accounting_cost(args, rates: list[float]) -> str:
+    """Throughput with usage accounting + rate limiting off and on, alternating `args.repeats` times on
+    one model (limits on: every adapter limited far above the load, so every request is checked and
+    charged; with `--redis URL` the limits live in Redis). Returns a markdown table and the ratio."""
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        base = build_base(root)
-        env = os.environ | {
-            "LORAPLEX_DATA_DIR": str(root / "data"),
-            "LORAPLEX_MODEL": str(base),
-            "LORAPLEX_ADMIN_TOKEN": "bench",
-        }
+        base, env = _build(Path(tmp), args.adapters)
+        from lora_registry import RegistrySettings, open_registry
+
         reg = open_registry(RegistrySettings.from_env(env))
         try:
             for i in range(args.adapters):
-                adapter = build_adapter(root / f"a{i}", ModelSpec(), 16, i)
-                reg.adapters.register(f"a{i}", adapter, activate=True)
+                reg.limits.set("adapter", f"a{i}", requests_per_minute=10**6, tokens_per_minute=10**9)
+                reg.limits.set("adapter", f"a{i}", max_concurrent=10**4)
         finally:
             reg.close()
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        exe = str(Path(sys.executable).parent / "loraplex")
-        proc = subprocess.Popen(
-            [
-                exe,
-                "serve",
-                "--model",
-                str(base),
-                "--port",
-                str(port),
-                "--device",
-                "cpu",
-                "--max-loras",
-                "16",
-                "--threads",
-                str(args.threads),
-                "--log-level",
-                "warning",
-            ],
-            env=env,
-        )
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 300
-            while time.monotonic() < deadline:
-                try:
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(0.5)
-            return run(url, rates, args.duration, args.alpha)
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=60)
+        modes = {
+            "off": env | {"LORAPLEX_USAGE_ACCOUNTING": "0", "LORAPLEX_RATE_LIMITS": "0"},
+            "on": env | {"LORAPLEX_USAGE_ACCOUNTING": "1", "LORAPLEX_RATE_LIMITS": "1"},
+        }
+        if args.redis:
+            modes["on"] |= {"LORAPLEX_REDIS_URL": args.redis}
+        tput: dict[str, list[float]] = {"off": [], "on": []}
+        for _ in range(args.repeats):
+            for mode, mode_env in modes.items():
+                with _serving(base, mode_env, args) as url:
+                    result = run(url, rates, args.duration, args.alpha)
+                tput[mode].append(sum(r.output_tokens_per_s for r in result.rates))
+    rows = ["| accounting + limits | output tok/s per run | mean |", "|---|---|---|"]
+    for mode, values in tput.items():
+        rows.append(f"| {mode} | {', '.join(f'{v:.0f}' for v in values)} | {statistics.mean(values):.0f} |")
+    ratio = statistics.mean(tput["on"]) / statistics.mean(tput["off"])
+    rows.append(
+        f"\nThroughput with accounting + limits: **{ratio:.3f}x** of without ({(1 - ratio) * 100:+.1f}% cost)"
+    )
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

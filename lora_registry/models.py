@@ -7,6 +7,8 @@ audit_log         who did which admin action to what, when
 registry_meta     small key/value facts (e.g. the base model the registry was set up with)
 blobs             content-addressed blobs kept in the database (the "database" blob store backend)
 blob_chunks       their bytes, in chunks of at most 8 MiB
+usage_records     one row per finished generation request: key, adapter + digest, tokens, latency, status
+rate_limits       requests/minute, tokens/minute and concurrent requests of one API key or adapter name
 """
 
 from __future__ import annotations
@@ -172,6 +174,45 @@ class BlobChunk(Base):
     )
     seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     data: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+LIMIT_KINDS = ("key", "adapter")
+
+
+class UsageRecord(Base):
+    """One finished request. `api_key` is the key's name ("admin" for the admin token, NULL without
+    keys); `adapter` NULL is the base model. Written in batches by the server (`api.usage`)."""
+
+    __tablename__ = "usage_records"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
+    api_key: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
+    adapter: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
+    adapter_digest: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    completion_tokens: Mapped[int] = mapped_column(Integer)
+    cached_tokens: Mapped[int] = mapped_column(Integer)
+    latency_ms: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16))
+
+
+class RateLimit(Base):
+    """The limits of one API key or adapter, by name; a NULL limit is no limit."""
+
+    __tablename__ = "rate_limits"
+    __table_args__ = (
+        UniqueConstraint("kind", "name", name="uq_rate_limits_kind_name"),
+        CheckConstraint("kind IN ('key', 'adapter')", name="kind_valid"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    name: Mapped[str] = mapped_column(String(64))
+    requests_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    tokens_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_concurrent: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
 
 
 @event.listens_for(AdapterVersion, "before_update")

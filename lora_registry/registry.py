@@ -11,9 +11,11 @@ from lora_registry.db import make_engine, make_session_factory
 from lora_registry.errors import RegistryUnavailable, first_line
 from lora_registry.events import EventBus, InProcessBus
 from lora_registry.keys import KeyService
+from lora_registry.limits import LimitStore
 from lora_registry.migrate import is_up_to_date, upgrade
 from lora_registry.service import RegistryService
 from lora_registry.settings import RegistrySettings
+from lora_registry.usage import UsageStore
 
 
 @dataclass(slots=True)
@@ -23,6 +25,8 @@ class Registry:
     bus: EventBus
     adapters: RegistryService
     keys: KeyService
+    usage: UsageStore
+    limits: LimitStore
 
     def close(self) -> None:
         self.bus.close()
@@ -78,5 +82,11 @@ def open_registry(
     sessions = make_session_factory(engine)
     blobs = make_blob_store(settings, sessions)
     return Registry(
-        settings, engine, bus, RegistryService(sessions, blobs, bus, settings), KeyService(sessions, bus)
+        settings,
+        engine,
+        bus,
+        RegistryService(sessions, blobs, bus, settings),
+        KeyService(sessions, bus),
+        UsageStore(sessions),
+        LimitStore(sessions, bus),
     )

@@ -42,6 +42,7 @@ async def detail_page(name: str, request: Request, state: StateDep, session: Ses
         "requests": total.requests if total else 0,
         "tokens": total.tokens if total else 0,
         "last_used": state.traffic.last_used.get(name),
+        "limits": await call_registry(state.registry.limits.get, "adapter", name),
     }
     return render(request, "adapter_detail.html", context, session, active="adapters")
 

@@ -10,13 +10,16 @@ from __future__ import annotations
 import builtins  # `list` is also a method name in this module's classes
 import getpass
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Protocol
 
 from api.cli.output import CliError
+from lora_registry.limits import LimitInfo
 from lora_registry.progress import ProgressReporter
 from lora_registry.registry import Registry
 from lora_registry.schemas import AdapterDetail, AdapterInfo, ApiKeyInfo, CreatedKey, RegisterResult
+from lora_registry.usage import UsageReport
 
 
 class Backend(Protocol):
@@ -32,6 +35,19 @@ class Backend(Protocol):
     def create_key(self, name: str, admin: bool, adapters: Sequence[str]) -> CreatedKey: ...
     def list_keys(self) -> builtins.list[ApiKeyInfo]: ...
     def revoke_key(self, name: str) -> ApiKeyInfo: ...
+    def usage(
+        self,
+        by: str,
+        start: datetime,
+        end: datetime,
+        bucket: str | None,
+        adapter: str | None,
+        key: str | None,
+    ) -> UsageReport: ...
+    def get_limits(self, kind: str, name: str) -> LimitInfo: ...
+    def set_limits(
+        self, kind: str, name: str, rpm: int | None, tpm: int | None, conc: int | None
+    ) -> LimitInfo: ...
     def close(self) -> None: ...
 
 
@@ -78,6 +94,27 @@ class LocalBackend:
 
     def revoke_key(self, name: str) -> ApiKeyInfo:
         return self.registry.keys.revoke(name, actor=self.actor)
+
+    def usage(
+        self,
+        by: str,
+        start: datetime,
+        end: datetime,
+        bucket: str | None,
+        adapter: str | None,
+        key: str | None,
+    ) -> UsageReport:
+        return self.registry.usage.summary(by, start, end, bucket, adapter=adapter, api_key=key)
+
+    def get_limits(self, kind: str, name: str) -> LimitInfo:
+        return self.registry.limits.get(kind, name)
+
+    def set_limits(
+        self, kind: str, name: str, rpm: int | None, tpm: int | None, conc: int | None
+    ) -> LimitInfo:
+        return self.registry.limits.set(
+            kind, name, requests_per_minute=rpm, tokens_per_minute=tpm, max_concurrent=conc, actor=self.actor
+        )
 
     def close(self) -> None:
         self.registry.close()

@@ -27,6 +27,10 @@ BENCHMARKS = {
         "bench.kernels_cpu",
         "CPU LoRA: torch path vs native kernel, one decode and one prefill step.",
     ),
+    "accounting": (
+        "bench.accounting_overhead",
+        "Per-request cost of rate limiting (in-process, Redis) and usage recording.",
+    ),
     "peer": (
         "bench.peer_vllm",
         "loraplex vs vLLM CPU on the identical workload (needs make bench-peer-venv).",

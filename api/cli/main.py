@@ -10,9 +10,10 @@ from typing import Annotated
 
 import typer
 
-from api.cli import adapters, bench, db, keys
+from api.cli import adapters, bench, db, keys, limits
 from api.cli.serve import serve
 from api.cli.state import CliState
+from api.cli.usage import usage
 
 app = typer.Typer(
     name="loraplex",
@@ -29,6 +30,9 @@ app.add_typer(keys.app, name="keys")
 app.add_typer(db.app, name="db")
 app.add_typer(bench.app, name="bench")
 app.command("serve")(serve)
+app.command("usage")(usage)
+adapters.app.command("limit")(limits.adapter_limit)
+keys.app.command("limit")(limits.key_limit)
 
 
 @app.callback()

@@ -13,6 +13,7 @@ import contextlib
 import os
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import IO, Any, TypeVar
 from urllib.parse import quote
@@ -20,9 +21,11 @@ from urllib.parse import quote
 import httpx
 
 from api.cli.output import CliError
+from lora_registry.limits import LimitInfo
 from lora_registry.names import validate_name
 from lora_registry.progress import ProgressReporter
 from lora_registry.schemas import AdapterDetail, AdapterInfo, ApiKeyInfo, CreatedKey, RegisterResult
+from lora_registry.usage import UsageReport
 
 T = TypeVar("T")
 
@@ -215,8 +218,39 @@ class RemoteBackend:
     def revoke_key(self, name: str) -> ApiKeyInfo:
         return self._parse(ApiKeyInfo.from_dict, self._request("DELETE", f"/keys/{_seg(name, 'key name')}"))
 
+    def usage(
+        self,
+        by: str,
+        start: datetime,
+        end: datetime,
+        bucket: str | None,
+        adapter: str | None,
+        key: str | None,
+    ) -> UsageReport:
+        params = {"by": by, "from": start.isoformat(), "to": end.isoformat()}
+        params |= {k: v for k, v in (("bucket", bucket), ("adapter", adapter), ("key", key)) if v}
+        return self._parse(UsageReport.from_dict, self._request("GET", "/usage", params=params))
+
+    def get_limits(self, kind: str, name: str) -> LimitInfo:
+        return self._parse(LimitInfo.from_dict, self._request("GET", _limits_path(kind, name)))
+
+    def set_limits(
+        self, kind: str, name: str, rpm: int | None, tpm: int | None, conc: int | None
+    ) -> LimitInfo:
+        body = {
+            f: v
+            for f, v in (("requests_per_minute", rpm), ("tokens_per_minute", tpm), ("max_concurrent", conc))
+            if v is not None
+        }
+        return self._parse(LimitInfo.from_dict, self._request("PATCH", _limits_path(kind, name), json=body))
+
     def close(self) -> None:
         self._client.close()
+
+
+def _limits_path(kind: str, name: str) -> str:
+    what = "key name" if kind == "key" else "adapter name"
+    return f"/{'keys' if kind == 'key' else 'adapters'}/{_seg(name, what)}/limits"
 
 
 def _seg(name: str, what: str = "adapter name") -> str:

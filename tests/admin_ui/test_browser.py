@@ -193,6 +193,18 @@ def test_dashboard_shows_engine_pool_and_traffic(page, shots):
     snap(page, shots, "dashboard")
 
 
+def test_usage_page_renders_its_charts(page, server, shots):
+    assert server.state.usage.recorder.flush()  # the playground's requests are in the database now
+    page.click("nav a:has-text('Usage')")
+    page.wait_for_url("**/admin/usage")
+    chart = page.locator("#usage-adapter [data-chart] svg")
+    assert chart.is_visible() and chart.bounding_box()["height"] > 100
+    assert chart.locator("polyline").count() >= 2  # both playground adapters
+    assert UPLOADED in chart.inner_html()
+    assert page.locator("#usage-key [data-chart] svg").is_visible()
+    snap(page, shots, "usage")
+
+
 def test_narrow_screen(page, shots):
     page.set_viewport_size(NARROW)
     try:
