@@ -22,6 +22,7 @@ from api.auth import ensure_admin_token
 from api.engine_client import EngineClient
 from api.errors import install_error_handlers
 from api.guard import RequestGuard
+from api.registry_lane import RegistryLane
 from api.settings import ServerSettings
 from api.state import AppState
 from engine.tokenizer import load_tokenizer
@@ -48,6 +49,8 @@ def create_app(settings: ServerSettings, client_factory: Callable[[Any], Any] | 
             state.follower.close()
             await state.client.shutdown()
             state.registry.close()
+            state.lookups.close()
+            state.admin_calls.close()
 
     app = FastAPI(title="loraplex", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
@@ -101,7 +104,8 @@ async def _start(settings: ServerSettings, client_factory: Callable[[Any], Any])
 
     follower = RegistryFollower(registry.adapters, registry.bus, on_change)
     admission = ClientAdmission(settings.client_seq_limit())
-    state = AppState(settings, client, tokenizer, registry, follower, admin_auth, admission)
+    lookups = RegistryLane("lookup", threads=8, timeout=reg_settings.db_connect_timeout + 1.0)
+    state = AppState(settings, client, tokenizer, registry, follower, admin_auth, admission, lookups)
     await asyncio.to_thread(follower.start)
     if follower.resyncs == 0:
         await asyncio.to_thread(follower.resync)

@@ -17,6 +17,7 @@ from fastapi import Request
 
 from api.errors import APIError
 from api.state import app_state
+from lora_registry.errors import RegistryUnavailable
 
 TOKEN_FILE = "admin_token.sha256"
 
@@ -81,12 +82,24 @@ async def authenticate(request: Request):
         raise APIError(401, "API key required: send 'Authorization: Bearer <key>'")
     if state.admin_auth.check(secret):
         return "admin"
-    from starlette.concurrency import run_in_threadpool
-
-    key = await run_in_threadpool(state.registry.keys.verify, secret)
+    key = await verify_key(state, secret)
     if key is None:
         raise APIError(401, "invalid API key")
     return key
+
+
+async def verify_key(state, secret: str):
+    """The API key `secret` is (None if invalid), looked up on the registry lookup lane; 503 when the
+    registry cannot be reached to check it."""
+    try:
+        return await state.lookups.run(state.registry.keys.verify, secret)
+    except RegistryUnavailable as exc:
+        raise APIError(
+            503,
+            "the registry is unreachable, so the API key cannot be checked; retry shortly",
+            code="registry_unavailable",
+            headers={"Retry-After": "2"},
+        ) from exc
 
 
 def may_use(key, adapter: str | None) -> bool:

@@ -14,10 +14,15 @@
 
 from __future__ import annotations
 
-from starlette.concurrency import run_in_threadpool
+import logging
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.errors import error_response
+from api.auth import verify_key
+from api.errors import APIError, error_response
+from lora_registry.errors import RegistryError
+
+log = logging.getLogger("loraplex.errors")
 
 OTHER_BODY_BYTES = 1024**2
 FORM_OVERHEAD_BYTES = 1024**2
@@ -33,6 +38,25 @@ class RequestGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        started = False
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self._guarded(scope, receive, tracked_send)
+        except Exception as exc:
+            # Nothing leaves the app as an exception: uvicorn would answer plain text, or (once the
+            # error handler has answered) drop the keep-alive connection. Registry errors keep their
+            # status (503 when the database is unreachable); anything else is a JSON 500.
+            if started:
+                raise
+            await _unexpected(exc)(scope, receive, send)
+
+    async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
         state = getattr(scope["app"].state, "loraplex", None) if "app" in scope else None
         if state is None:  # not started yet (or a bare app in a test): nothing to check against
             await self.app(scope, receive, send)
@@ -114,11 +138,24 @@ async def _credentials(state, path: str, headers: dict[str, str]):
     if state.admin_auth.check(secret):
         return None
     if level == "api_key":
-        key = await run_in_threadpool(state.registry.keys.verify, secret)
+        try:
+            key = await verify_key(state, secret)
+        except APIError as exc:
+            return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
         if key is not None:
             return None
         return error_response(401, "invalid API key", headers={"WWW-Authenticate": "Bearer"})
     return error_response(403, "invalid admin token")
+
+
+def _unexpected(exc: Exception):
+    """The JSON answer to an exception that escaped the app (see `RequestGuard.__call__`)."""
+    if isinstance(exc, RegistryError):
+        if exc.status_code >= 500:
+            log.warning("registry error: %s", exc)
+        return error_response(exc.status_code, str(exc))
+    log.error("unhandled error", exc_info=exc)
+    return error_response(500, "internal error")
 
 
 def _too_large(limit: int):

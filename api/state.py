@@ -12,6 +12,7 @@ from api.admission import ClientAdmission
 from api.engine_client import EngineClient
 from api.engine_protocol import Ready
 from api.metrics import Metrics
+from api.registry_lane import RegistryLane
 from api.settings import ServerSettings
 from api.traffic import TrafficLog
 from lora_registry.follower import RegistryFollower
@@ -30,6 +31,9 @@ class AppState:
     follower: RegistryFollower
     admin_auth: AdminAuth
     admission: ClientAdmission
+    # Blocking registry calls: request-path lookups (bounded wait, own threads) and admin changes.
+    lookups: RegistryLane = field(default_factory=lambda: RegistryLane("lookup", threads=8, timeout=6.0))
+    admin_calls: RegistryLane = field(default_factory=lambda: RegistryLane("admin", threads=4, timeout=None))
     metrics: Metrics = field(default_factory=Metrics)
     traffic: TrafficLog = field(default_factory=TrafficLog)
     started_at: float = field(default_factory=time.time)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 
 from lora_registry.blobstore import BlobStore, LocalBlobStore
 from lora_registry.db import make_engine, make_session_factory
+from lora_registry.dbsession import transaction
 from lora_registry.errors import RegistryUnavailable, first_line
 from lora_registry.events import EventBus, InProcessBus
 from lora_registry.keys import KeyService
@@ -23,6 +24,11 @@ class Registry:
     bus: EventBus
     adapters: RegistryService
     keys: KeyService
+
+    def ping(self) -> None:
+        """Check that the database answers (`SELECT 1`); `RegistryUnavailable` if it does not."""
+        with transaction(make_session_factory(self.engine)) as s:
+            s.execute(text("SELECT 1"))
 
     def close(self) -> None:
         self.bus.close()
@@ -58,7 +64,9 @@ def open_registry(
     revision; otherwise an out-of-date schema is reported with the command that fixes it.
     """
     settings = settings or RegistrySettings.from_env()
-    engine = make_engine(settings.database_url)
+    engine = make_engine(
+        settings.database_url, settings.db_connect_timeout, statement_timeout=settings.db_statement_timeout
+    )
     try:
         if auto_upgrade if auto_upgrade is not None else settings.uses_default_database:
             upgrade(settings.database_url)

@@ -49,6 +49,15 @@ if TYPE_CHECKING:
 META_BASE_MODEL = "base_model_path"
 
 
+def _active_query():
+    """(name, version, digest) of active adapters at their current version."""
+    return (
+        select(Adapter.name, AdapterVersion.version, AdapterVersion.digest)
+        .join(AdapterVersion, AdapterVersion.adapter_id == Adapter.id)
+        .where(Adapter.status == STATUS_ACTIVE, AdapterVersion.version == Adapter.current_version)
+    )
+
+
 class RegistryService:
     def __init__(
         self,
@@ -79,17 +88,18 @@ class RegistryService:
     def active_adapters(self) -> builtins.list[ActiveAdapter]:
         """(name, version, digest) of every active adapter: what a serving engine should hold."""
         with transaction(self.sessions) as s:
-            q = (
-                select(Adapter.name, AdapterVersion.version, AdapterVersion.digest)
-                .join(AdapterVersion, AdapterVersion.adapter_id == Adapter.id)
-                .where(Adapter.status == STATUS_ACTIVE, AdapterVersion.version == Adapter.current_version)
-                .order_by(Adapter.name)
-            )
-            return [ActiveAdapter(n, v, d) for n, v, d in s.execute(q)]
+            return [ActiveAdapter(n, v, d) for n, v, d in s.execute(_active_query().order_by(Adapter.name))]
 
     def active_adapter(self, name: str) -> ActiveAdapter | None:
-        """The served version of `name`, or None if it is unknown or inactive."""
-        return next((a for a in self.active_adapters() if a.name == name), None)
+        """The served version of `name`, or None if it is unknown or inactive (one indexed lookup)."""
+        with transaction(self.sessions) as s:
+            row = s.execute(_active_query().where(Adapter.name == name)).first()
+            return ActiveAdapter(*row) if row is not None else None
+
+    def materialized_path(self, digest: str) -> Path | None:
+        """The PEFT directory of `digest` if `adapter_path` already wrote it, else None (no database)."""
+        target = self.settings.data_dir / "adapters" / digest
+        return target if (target / "adapter_model.safetensors").is_file() else None
 
     def audit_log(self, limit: int = 100) -> builtins.list[AuditRecord]:
         """The newest `limit` audit entries, newest first."""
@@ -103,9 +113,10 @@ class RegistryService:
         This is the `path` of the engine's `LoRARequest`; the directory is written to a temp dir and renamed
         into `<data dir>/adapters/<digest>`, so it is complete or absent.
         """
+        ready = self.materialized_path(digest)
+        if ready is not None:
+            return ready
         target = self.settings.data_dir / "adapters" / digest
-        if (target / "adapter_model.safetensors").is_file():
-            return target
         with transaction(self.sessions) as s:
             v = s.scalars(select(AdapterVersion).where(AdapterVersion.digest == digest).limit(1)).first()
             if v is None:

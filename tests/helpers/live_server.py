@@ -48,11 +48,13 @@ def start_server(
     data_dir: Path,
     startup_timeout: float = 180.0,
     settings_overrides: dict | None = None,
+    env: dict[str, str] | None = None,
     **engine_kwargs,
 ) -> LiveServer:
     """Start a server for `model` with its registry in `data_dir`; returns once /health answers 200.
-    `settings_overrides` sets `ServerSettings` fields (e.g. require_api_key)."""
-    env = {"LORAPLEX_DATA_DIR": str(data_dir)}
+    `settings_overrides` sets `ServerSettings` fields (e.g. require_api_key); `env` adds `LORAPLEX_*`
+    variables (e.g. `LORAPLEX_DATABASE_URL`, `LORAPLEX_REDIS_URL`)."""
+    env = {"LORAPLEX_DATA_DIR": str(data_dir)} | (env or {})
     kwargs = dict(device="cpu", dtype="float32", max_lora_rank=32, num_kv_blocks=256) | engine_kwargs
     settings = ServerSettings.build(
         str(model), env=env, admin_token=ADMIN_TOKEN, engine_kwargs=kwargs, **(settings_overrides or {})
