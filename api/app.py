@@ -107,6 +107,7 @@ async def _start(settings: ServerSettings, client_factory: Callable[[Any], Any])
     lookups = RegistryLane("lookup", threads=8, timeout=reg_settings.db_connect_timeout + 1.0)
     state = AppState(settings, client, tokenizer, registry, follower, admin_auth, admission, lookups)
     await asyncio.to_thread(follower.start)
+    registry.start_outbox_relay()  # events written while the bus was down are delivered when it is back
     if follower.resyncs == 0:
         await asyncio.to_thread(follower.resync)
     return state

@@ -7,6 +7,8 @@ audit_log         who did which admin action to what, when
 registry_meta     small key/value facts (e.g. the base model the registry was set up with)
 blobs             content-addressed blobs kept in the database (the "database" blob store backend)
 blob_chunks       their bytes, in chunks of at most 8 MiB
+event_outbox      change events written with their change, published to the bus by the relay
+admin_sessions    admin UI logins (by the sha256 of the session id), so logout holds everywhere
 """
 
 from __future__ import annotations
@@ -172,6 +174,29 @@ class BlobChunk(Base):
     )
     seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     data: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class OutboxEvent(Base):
+    """A registry event, written in the same transaction as the change it describes; `delivered_at` is
+    set once the outbox relay has published it on the event bus (see `lora_registry.outbox`)."""
+
+    __tablename__ = "event_outbox"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    payload: Mapped[str] = mapped_column(Text)  # RegistryEvent.to_json()
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    delivered_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True, index=True)
+
+
+class AdminSessionRow(Base):
+    """An admin UI login. The cookie carries the session id; only its sha256 is stored here."""
+
+    __tablename__ = "admin_sessions"
+
+    sid_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
 
 @event.listens_for(AdapterVersion, "before_update")

@@ -13,6 +13,7 @@ from lora_registry.errors import RegistryUnavailable, first_line
 from lora_registry.events import EventBus, InProcessBus
 from lora_registry.keys import KeyService
 from lora_registry.migrate import is_up_to_date, upgrade
+from lora_registry.outbox import Outbox, OutboxRelay
 from lora_registry.service import RegistryService
 from lora_registry.settings import RegistrySettings
 
@@ -24,6 +25,15 @@ class Registry:
     bus: EventBus
     adapters: RegistryService
     keys: KeyService
+    outbox: Outbox
+    relay: OutboxRelay | None = None
+
+    def start_outbox_relay(self, interval: float = 1.0) -> OutboxRelay:
+        """Deliver pending events (written while the bus was down, or by another process) from a
+        background thread every `interval` seconds, until `close()`."""
+        if self.relay is None:
+            self.relay = OutboxRelay(self.outbox, interval).start()
+        return self.relay
 
     def ping(self) -> None:
         """Check that the database answers (`SELECT 1`); `RegistryUnavailable` if it does not."""
@@ -31,6 +41,8 @@ class Registry:
             s.execute(text("SELECT 1"))
 
     def close(self) -> None:
+        if self.relay is not None:
+            self.relay.close()
         self.bus.close()
         self.engine.dispose()
 
@@ -85,6 +97,12 @@ def open_registry(
     bus = bus or make_bus(settings)
     sessions = make_session_factory(engine)
     blobs = make_blob_store(settings, sessions)
+    outbox = Outbox(sessions, bus)
     return Registry(
-        settings, engine, bus, RegistryService(sessions, blobs, bus, settings), KeyService(sessions, bus)
+        settings,
+        engine,
+        bus,
+        RegistryService(sessions, blobs, bus, settings, outbox),
+        KeyService(sessions, bus, outbox),
+        outbox,
     )

@@ -17,7 +17,17 @@ from lora_registry.registry import open_registry
 from lora_registry.settings import RegistrySettings
 from tests.lora_registry.pg import postgres_database
 
-TABLES = {"adapters", "adapter_versions", "api_keys", "audit_log", "registry_meta", "blobs", "blob_chunks"}
+TABLES = {
+    "adapters",
+    "adapter_versions",
+    "api_keys",
+    "audit_log",
+    "registry_meta",
+    "blobs",
+    "blob_chunks",
+    "event_outbox",
+    "admin_sessions",
+}
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
