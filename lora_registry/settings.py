@@ -29,6 +29,7 @@ class RegistrySettings:
     max_upload_bytes: int = 2 * 1024**3
     max_unpacked_bytes: int = 4 * 1024**3
     max_zip_entries: int = 64
+    max_zip_ratio: float = 100.0  # unpacked : packed bytes of one zip entry over 1 MiB (zip bombs)
     # Every database call is bounded: connecting (PostgreSQL connect_timeout, also the wait for a pooled
     # connection) and each statement (PostgreSQL statement_timeout; SQLite's busy timeout).
     db_connect_timeout: float = 5.0
