@@ -59,12 +59,23 @@ def bearer(request: Request) -> str | None:
     return value.strip() if scheme.lower() == "bearer" and value.strip() else None
 
 
-def require_admin(request: Request) -> str:
-    """Dependency: 401 without a bearer token, 403 with a wrong one. Returns the actor name."""
+async def require_admin(request: Request) -> str:
+    """Dependency: 401 without a bearer token, 403 with a wrong one, 429 while this client's guesses
+    are throttled (`AuthThrottle`). Returns the actor name."""
     token = bearer(request)
     if token is None:
         raise APIError(401, "admin token required: send 'Authorization: Bearer <token>'")
-    if not app_state(request).admin_auth.check(token):
+    state = app_state(request)
+    if getattr(request.state, "loraplex_admin_checked", False) and state.admin_auth.check(token):
+        return "admin"  # verified (through the throttle) by the request guard already
+    client = request.client.host if request.client else "?"
+    ok = await state.auth_throttle.check(client, lambda: state.admin_auth.check(token))
+    if ok is None:
+        retry = str(state.auth_throttle.retry_after())
+        raise APIError(
+            429, "too many wrong admin tokens from this client; slow down", headers={"Retry-After": retry}
+        )
+    if not ok:
         raise APIError(403, "invalid admin token")
     return "admin"
 

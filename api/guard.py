@@ -23,6 +23,7 @@ from api.errors import APIError, error_response
 from lora_registry.errors import RegistryError
 
 log = logging.getLogger("loraplex.errors")
+ADMIN_CHECKED = "loraplex_admin_checked"  # request state: the guard verified the admin token
 
 OTHER_BODY_BYTES = 1024**2
 FORM_OVERHEAD_BYTES = 1024**2
@@ -63,7 +64,7 @@ class RequestGuard:
             return
         path, method = scope["path"].rstrip("/") or "/", scope["method"]
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        refusal = await _credentials(state, path, headers)
+        refusal = await _credentials(state, path, headers, scope)
         if refusal is not None:
             await refusal(scope, receive, send)
             return
@@ -114,8 +115,11 @@ def body_limit(settings, path: str, method: str) -> int:
     return OTHER_BODY_BYTES
 
 
-async def _credentials(state, path: str, headers: dict[str, str]):
-    """A refusal response when the route needs credentials the request lacks, else None."""
+async def _credentials(state, path: str, headers: dict[str, str], scope: Scope):
+    """A refusal response when the route needs credentials the request lacks, else None.
+
+    Admin-token checks go through the per-client `AuthThrottle` (429 when a guessing client's attempts
+    are already waiting); a request that passed is marked in `scope["state"]` for `require_admin`."""
     if path == "/admin/api" or path.startswith("/admin/api/"):
         level = "admin"
     elif path == "/metrics":
@@ -135,6 +139,17 @@ async def _credentials(state, path: str, headers: dict[str, str]):
             f"{what} required: send 'Authorization: Bearer <token>'",
             headers={"WWW-Authenticate": "Bearer"},
         )
+    if level == "admin":
+        ok = await state.auth_throttle.check(client_address(scope), lambda: state.admin_auth.check(secret))
+        if ok is None:
+            retry = str(state.auth_throttle.retry_after())
+            return error_response(
+                429, "too many wrong admin tokens from this client; slow down", headers={"Retry-After": retry}
+            )
+        if not ok:
+            return error_response(403, "invalid admin token")
+        scope.setdefault("state", {})[ADMIN_CHECKED] = True
+        return None
     if state.admin_auth.check(secret):
         return None
     if level == "api_key":
@@ -146,6 +161,12 @@ async def _credentials(state, path: str, headers: dict[str, str]):
             return None
         return error_response(401, "invalid API key", headers={"WWW-Authenticate": "Bearer"})
     return error_response(403, "invalid admin token")
+
+
+def client_address(scope: Scope) -> str:
+    """The client's address as the server sees it (a trusted proxy's `X-Forwarded-For` when configured)."""
+    client = scope.get("client")
+    return str(client[0]) if client else "?"
 
 
 def _unexpected(exc: Exception):

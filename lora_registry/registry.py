@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import Engine, text
 
+from lora_registry.admin_sessions import AdminSessionStore
 from lora_registry.blobstore import BlobStore, LocalBlobStore
 from lora_registry.db import make_engine, make_session_factory
 from lora_registry.dbsession import transaction
@@ -26,6 +27,7 @@ class Registry:
     adapters: RegistryService
     keys: KeyService
     outbox: Outbox
+    admin_sessions: AdminSessionStore
     relay: OutboxRelay | None = None
 
     def start_outbox_relay(self, interval: float = 1.0) -> OutboxRelay:
@@ -105,4 +107,5 @@ def open_registry(
         RegistryService(sessions, blobs, bus, settings, outbox),
         KeyService(sessions, bus, outbox),
         outbox,
+        AdminSessionStore(sessions),
     )

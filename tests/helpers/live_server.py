@@ -61,7 +61,10 @@ def start_server(
     )
     settings.port = free_port()
     app = create_app(settings)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning"))
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=settings.port, log_level="warning", **settings.uvicorn_proxy_options()
+    )
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{settings.port}"
