@@ -1,6 +1,9 @@
 """The admin session: a signed, HttpOnly, SameSite=Strict cookie, and CSRF tokens bound to it.
 
 Cookie value = itsdangerous-signed `{"sid", "csrf"}` with a timestamp (expires after `SESSION_SECONDS`).
+The session itself lives in the registry database (`lora_registry.admin_sessions`): a cookie is a
+session only while its row exists, unexpired and unrevoked, so logout holds after a restart and on
+every replica.
 Every state-changing request must present the session's `csrf` value, as the form field `csrf_token` or
 the `X-CSRF-Token` header (compared in constant time). The login form, which has no session yet, uses a
 double-submit token: a signed pre-session cookie whose value the form echoes.
@@ -18,6 +21,7 @@ from fastapi import Depends, Request, Response
 from itsdangerous import BadSignature, SignatureExpired
 
 from admin_ui.state import ui_state
+from api.state import app_state
 
 SESSION_COOKIE = "loraplex_admin_session"
 LOGIN_CSRF_COOKIE = "loraplex_admin_login_csrf"
@@ -72,8 +76,8 @@ def _cookie_kwargs(request: Request, max_age: int) -> dict:
     )
 
 
-def read_session(request: Request) -> AdminSession | None:
-    """The request's valid, unrevoked session, or None."""
+async def read_session(request: Request) -> AdminSession | None:
+    """The request's valid, unrevoked session, or None (503 when the registry cannot be asked)."""
     raw = request.cookies.get(SESSION_COOKIE)
     if not raw:
         return None
@@ -84,14 +88,15 @@ def read_session(request: Request) -> AdminSession | None:
         return None
     if not isinstance(data, dict) or not all(isinstance(data.get(k), str) for k in ("sid", "csrf")):
         return None
-    if ui.is_revoked(data["sid"]):
+    core = app_state(request)
+    if not await core.lookups.run(core.registry.admin_sessions.is_valid, data["sid"]):
         return None
     return AdminSession(data["sid"], data["csrf"], issued.timestamp())
 
 
-def require_session(request: Request) -> AdminSession:
+async def require_session(request: Request) -> AdminSession:
     """Dependency: the admin session, or `LoginRequired` (redirect to the login form)."""
-    session = read_session(request)
+    session = await read_session(request)
     if session is None:
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         raise LoginRequired(path, _wants_html(request))
@@ -101,17 +106,20 @@ def require_session(request: Request) -> AdminSession:
 Session = Annotated[AdminSession, Depends(require_session)]
 
 
-def start_session(request: Request, response: Response) -> None:
-    """Set a fresh session cookie on `response` (after a successful login)."""
-    payload = {"sid": secrets.token_urlsafe(16), "csrf": secrets.token_urlsafe(32)}
+async def start_session(request: Request, response: Response) -> None:
+    """Record a fresh session in the registry and set its cookie on `response` (after a login)."""
+    payload = {"sid": secrets.token_urlsafe(32), "csrf": secrets.token_urlsafe(32)}
+    core = app_state(request)
+    await core.admin_calls.run(core.registry.admin_sessions.create, payload["sid"], SESSION_SECONDS)
     value = ui_state(request).signer.dumps(payload)
     response.set_cookie(SESSION_COOKIE, value, **_cookie_kwargs(request, SESSION_SECONDS))
     response.delete_cookie(LOGIN_CSRF_COOKIE, path=COOKIE_PATH)
 
 
-def end_session(request: Request, response: Response, session: AdminSession) -> None:
-    """Revoke `session` server-side and clear its cookie."""
-    ui_state(request).revoke(session.sid, session.issued_at + SESSION_SECONDS)
+async def end_session(request: Request, response: Response, session: AdminSession) -> None:
+    """Revoke `session` in the registry (for every replica, for good) and clear its cookie."""
+    core = app_state(request)
+    await core.admin_calls.run(core.registry.admin_sessions.revoke, session.sid)
     response.delete_cookie(SESSION_COOKIE, path=COOKIE_PATH)
 
 

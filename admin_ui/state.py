@@ -1,4 +1,5 @@
-"""Per-app state of the admin UI (session signer, revoked sessions, rate meter), created on first use.
+"""Per-app state of the admin UI (session signer, rate meter), created on first use. Sessions themselves
+are kept in the registry database (`lora_registry.admin_sessions`).
 
 The session-signing secret is HMAC(random per-data-dir secret, admin token hash): a stolen data dir file
 alone does not forge sessions for a different token, and changing the admin token logs everyone out.
@@ -10,7 +11,6 @@ import hashlib
 import hmac
 import secrets
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
@@ -29,19 +29,7 @@ _create_lock = threading.Lock()
 @dataclass(slots=True)
 class UiState:
     signer: URLSafeTimedSerializer
-    revoked: dict[str, float] = field(default_factory=dict)  # session id -> when it would have expired
     rates: RateMeter = field(default_factory=RateMeter)
-    login_failures: dict[str, list[float]] = field(default_factory=dict)  # client -> failure times
-
-    def revoke(self, sid: str, until: float) -> None:
-        """Refuse session `sid` from now on (logout); forgets entries past their expiry."""
-        now = time.time()
-        for old in [k for k, t in self.revoked.items() if t < now]:
-            del self.revoked[old]
-        self.revoked[sid] = until
-
-    def is_revoked(self, sid: str) -> bool:
-        return sid in self.revoked
 
 
 def read_or_create_secret(data_dir: Path) -> bytes:

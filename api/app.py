@@ -23,6 +23,7 @@ from api.engine_client import EngineClient
 from api.errors import install_error_handlers
 from api.guard import RequestGuard
 from api.limits.headers import RateLimitHeaders
+from api.registry_lane import RegistryLane
 from api.settings import ServerSettings
 from api.state import AppState
 from api.usage.service import UsageLimits
@@ -52,6 +53,8 @@ def create_app(settings: ServerSettings, client_factory: Callable[[Any], Any] | 
             if state.usage is not None:  # after the in-flight requests: writes their usage records
                 await state.usage.close()
             state.registry.close()
+            state.lookups.close()
+            state.admin_calls.close()
 
     app = FastAPI(title="loraplex", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
@@ -107,8 +110,10 @@ async def _start(settings: ServerSettings, client_factory: Callable[[Any], Any])
 
     follower = RegistryFollower(registry.adapters, registry.bus, on_change)
     admission = ClientAdmission(settings.client_seq_limit(), capacity=settings.engine.max_num_seqs)
-    state = AppState(settings, client, tokenizer, registry, follower, admin_auth, admission)
+    lookups = RegistryLane("lookup", threads=8, timeout=reg_settings.db_connect_timeout + 1.0)
+    state = AppState(settings, client, tokenizer, registry, follower, admin_auth, admission, lookups)
     await asyncio.to_thread(follower.start)
+    registry.start_outbox_relay()  # events written while the bus was down are delivered when it is back
     if follower.resyncs == 0:
         await asyncio.to_thread(follower.resync)
     try:

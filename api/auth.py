@@ -17,6 +17,7 @@ from fastapi import Request
 
 from api.errors import APIError
 from api.state import app_state
+from lora_registry.errors import RegistryUnavailable
 
 TOKEN_FILE = "admin_token.sha256"
 
@@ -58,12 +59,23 @@ def bearer(request: Request) -> str | None:
     return value.strip() if scheme.lower() == "bearer" and value.strip() else None
 
 
-def require_admin(request: Request) -> str:
-    """Dependency: 401 without a bearer token, 403 with a wrong one. Returns the actor name."""
+async def require_admin(request: Request) -> str:
+    """Dependency: 401 without a bearer token, 403 with a wrong one, 429 while this client's guesses
+    are throttled (`AuthThrottle`). Returns the actor name."""
     token = bearer(request)
     if token is None:
         raise APIError(401, "admin token required: send 'Authorization: Bearer <token>'")
-    if not app_state(request).admin_auth.check(token):
+    state = app_state(request)
+    if getattr(request.state, "loraplex_admin_checked", False) and state.admin_auth.check(token):
+        return "admin"  # verified (through the throttle) by the request guard already
+    client = request.client.host if request.client else "?"
+    ok = await state.auth_throttle.check(client, lambda: state.admin_auth.check(token))
+    if ok is None:
+        retry = str(state.auth_throttle.retry_after())
+        raise APIError(
+            429, "too many wrong admin tokens from this client; slow down", headers={"Retry-After": retry}
+        )
+    if not ok:
         raise APIError(403, "invalid admin token")
     return "admin"
 
@@ -81,12 +93,24 @@ async def authenticate(request: Request):
         raise APIError(401, "API key required: send 'Authorization: Bearer <key>'")
     if state.admin_auth.check(secret):
         return "admin"
-    from starlette.concurrency import run_in_threadpool
-
-    key = await run_in_threadpool(state.registry.keys.verify, secret)
+    key = await verify_key(state, secret)
     if key is None:
         raise APIError(401, "invalid API key")
     return key
+
+
+async def verify_key(state, secret: str):
+    """The API key `secret` is (None if invalid), looked up on the registry lookup lane; 503 when the
+    registry cannot be reached to check it."""
+    try:
+        return await state.lookups.run(state.registry.keys.verify, secret)
+    except RegistryUnavailable as exc:
+        raise APIError(
+            503,
+            "the registry is unreachable, so the API key cannot be checked; retry shortly",
+            code="registry_unavailable",
+            headers={"Retry-After": "2"},
+        ) from exc
 
 
 def may_use(key, adapter: str | None) -> bool:

@@ -9,6 +9,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lora_registry.errors import RegistryError, RegistryUnavailable
+
 log = logging.getLogger("loraplex.errors")
 
 _TYPES = {
@@ -72,6 +74,12 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status == 401:
             headers["WWW-Authenticate"] = "Bearer"
         return error_response(exc.status, exc.message, exc.param, exc.code, headers or None)
+
+    @app.exception_handler(RegistryError)
+    async def _registry_error(_: Request, exc: RegistryError) -> JSONResponse:
+        # A registry error a route did not map itself: its own status (503 = database unreachable).
+        headers = {"Retry-After": "2"} if isinstance(exc, RegistryUnavailable) else None
+        return error_response(exc.status_code, str(exc), headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -14,10 +14,16 @@
 
 from __future__ import annotations
 
-from starlette.concurrency import run_in_threadpool
+import logging
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.errors import error_response
+from api.auth import verify_key
+from api.errors import APIError, error_response
+from lora_registry.errors import RegistryError
+
+log = logging.getLogger("loraplex.errors")
+ADMIN_CHECKED = "loraplex_admin_checked"  # request state: the guard verified the admin token
 
 OTHER_BODY_BYTES = 1024**2
 FORM_OVERHEAD_BYTES = 1024**2
@@ -33,13 +39,32 @@ class RequestGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        started = False
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self._guarded(scope, receive, tracked_send)
+        except Exception as exc:
+            # Nothing leaves the app as an exception: uvicorn would answer plain text, or (once the
+            # error handler has answered) drop the keep-alive connection. Registry errors keep their
+            # status (503 when the database is unreachable); anything else is a JSON 500.
+            if started:
+                raise
+            await _unexpected(exc)(scope, receive, send)
+
+    async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
         state = getattr(scope["app"].state, "loraplex", None) if "app" in scope else None
         if state is None:  # not started yet (or a bare app in a test): nothing to check against
             await self.app(scope, receive, send)
             return
         path, method = scope["path"].rstrip("/") or "/", scope["method"]
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        refusal = await _credentials(state, path, headers)
+        refusal = await _credentials(state, path, headers, scope)
         if refusal is not None:
             await refusal(scope, receive, send)
             return
@@ -90,8 +115,11 @@ def body_limit(settings, path: str, method: str) -> int:
     return OTHER_BODY_BYTES
 
 
-async def _credentials(state, path: str, headers: dict[str, str]):
-    """A refusal response when the route needs credentials the request lacks, else None."""
+async def _credentials(state, path: str, headers: dict[str, str], scope: Scope):
+    """A refusal response when the route needs credentials the request lacks, else None.
+
+    Admin-token checks go through the per-client `AuthThrottle` (429 when a guessing client's attempts
+    are already waiting); a request that passed is marked in `scope["state"]` for `require_admin`."""
     if path == "/admin/api" or path.startswith("/admin/api/"):
         level = "admin"
     elif path == "/metrics":
@@ -111,14 +139,44 @@ async def _credentials(state, path: str, headers: dict[str, str]):
             f"{what} required: send 'Authorization: Bearer <token>'",
             headers={"WWW-Authenticate": "Bearer"},
         )
+    if level == "admin":
+        ok = await state.auth_throttle.check(client_address(scope), lambda: state.admin_auth.check(secret))
+        if ok is None:
+            retry = str(state.auth_throttle.retry_after())
+            return error_response(
+                429, "too many wrong admin tokens from this client; slow down", headers={"Retry-After": retry}
+            )
+        if not ok:
+            return error_response(403, "invalid admin token")
+        scope.setdefault("state", {})[ADMIN_CHECKED] = True
+        return None
     if state.admin_auth.check(secret):
         return None
     if level == "api_key":
-        key = await run_in_threadpool(state.registry.keys.verify, secret)
+        try:
+            key = await verify_key(state, secret)
+        except APIError as exc:
+            return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
         if key is not None:
             return None
         return error_response(401, "invalid API key", headers={"WWW-Authenticate": "Bearer"})
     return error_response(403, "invalid admin token")
+
+
+def client_address(scope: Scope) -> str:
+    """The client's address as the server sees it (a trusted proxy's `X-Forwarded-For` when configured)."""
+    client = scope.get("client")
+    return str(client[0]) if client else "?"
+
+
+def _unexpected(exc: Exception):
+    """The JSON answer to an exception that escaped the app (see `RequestGuard.__call__`)."""
+    if isinstance(exc, RegistryError):
+        if exc.status_code >= 500:
+            log.warning("registry error: %s", exc)
+        return error_response(exc.status_code, str(exc))
+    log.error("unhandled error", exc_info=exc)
+    return error_response(500, "internal error")
 
 
 def _too_large(limit: int):

@@ -31,5 +31,6 @@ def serve(settings: ServerSettings, log_level: str = "info") -> None:
         log_level=log_level,
         timeout_graceful_shutdown=30,
         lifespan="on",
+        **settings.uvicorn_proxy_options(),  # type: ignore[arg-type]
     )
     _Server(config).run()

@@ -23,6 +23,7 @@ from api.usage.service import usage_entry
 from engine.lora_request import LoRARequest
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from kernels.intmath import cdiv
+from lora_registry.errors import RegistryUnavailable
 from lora_registry.usage import UsageEntry
 
 
@@ -61,16 +62,42 @@ async def resolve_target(request: Request, model: str | None, forced_adapter: st
 
 
 async def adapter_target(state, name: str) -> Target:
-    """The active adapter `name` with its PEFT directory; 404 when it is unknown or inactive."""
-    active = state.follower.snapshot().get(name)
-    if active is None:
-        active = await run_in_threadpool(state.registry.adapters.active_adapter, name)
-    if active is None:
-        raise APIError(
-            404, f"The model '{name}' does not exist or is not active", param="model", code="model_not_found"
-        )
-    path = await run_in_threadpool(state.registry.adapters.adapter_path, active.digest)
+    """The active adapter `name` with its PEFT directory; 404 when it is unknown or inactive.
+
+    Hot path: an adapter in the in-memory active set (kept current by the registry's events) whose
+    directory is already materialized costs no database call and no worker thread. Only a name the
+    set does not hold is looked up in the database (it may have been activated a moment ago), on the
+    registry lookup lane; an unreachable registry then answers 503.
+    """
+    registry = state.registry.adapters
+    try:
+        active = state.follower.get(name)
+        if active is None:
+            active = await state.lookups.run(registry.active_adapter, name)
+        if active is None:
+            raise APIError(
+                404,
+                f"The model '{name}' does not exist or is not active",
+                param="model",
+                code="model_not_found",
+            )
+        path = registry.materialized_path(active.digest)
+        if path is None:
+            path = await state.lookups.run(registry.adapter_path, active.digest)
+    except RegistryUnavailable as exc:
+        raise registry_unavailable(name) from exc
     return Target(name, LoRARequest(name, str(path), active.digest))
+
+
+def registry_unavailable(name: str) -> APIError:
+    """503 for a request whose adapter cannot be looked up while the registry database is unreachable."""
+    return APIError(
+        503,
+        f"the adapter registry is unreachable, so the model '{name}' cannot be looked up; retry shortly",
+        param="model",
+        code="registry_unavailable",
+        headers={"Retry-After": "2"},
+    )
 
 
 def check_choices(state, num_prompts: int, n: int) -> None:

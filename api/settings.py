@@ -49,6 +49,10 @@ class ServerSettings:
     metrics_access: str = "auto"
     docs_access: str = "auto"
     model_aliases: tuple[str, ...] = ()  # other ids of the base model (the checkpoint's own name)
+    # Proxies whose X-Forwarded-For / -Proto are believed (comma-separated addresses, "*" for any);
+    # None: none, the client is the connection's peer (per-client throttles cannot be dodged by
+    # sending the header). LORAPLEX_FORWARDED_ALLOW_IPS.
+    forwarded_allow_ips: str | None = None
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(model="."))
     registry: RegistrySettings | None = None
     usage: UsageSettings = field(default_factory=UsageSettings)  # accounting + rate limits (README)
@@ -77,6 +81,7 @@ class ServerSettings:
                 raise ValueError(f"{name} must be one of {', '.join(ACCESS_LEVELS)}, got {value!r}")
             overrides[name] = value
         served = overrides.pop("served_model_name", None) or path.name
+        overrides.setdefault("forwarded_allow_ips", env.get("LORAPLEX_FORWARDED_ALLOW_IPS") or None)
         return cls(
             model=path,
             served_model_name=served,
@@ -87,6 +92,12 @@ class ServerSettings:
             usage=overrides.pop("usage", None) or UsageSettings.from_env(env),
             **overrides,
         )
+
+    def uvicorn_proxy_options(self) -> dict[str, object]:
+        """uvicorn.Config keywords: trust forwarded headers only from the configured proxies."""
+        if not self.forwarded_allow_ips:
+            return {"proxy_headers": False}
+        return {"proxy_headers": True, "forwarded_allow_ips": self.forwarded_allow_ips}
 
     def access(self, what: str) -> str:
         """The effective access level of `what` ("metrics" or "docs"): "auto" resolved."""

@@ -9,9 +9,11 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 
 from api.admission import ClientAdmission
+from api.auth_throttle import AuthThrottle
 from api.engine_client import EngineClient
 from api.engine_protocol import Ready
 from api.metrics import Metrics
+from api.registry_lane import RegistryLane
 from api.settings import ServerSettings
 from api.traffic import TrafficLog
 from lora_registry.follower import RegistryFollower
@@ -31,6 +33,10 @@ class AppState:
     follower: RegistryFollower
     admin_auth: AdminAuth
     admission: ClientAdmission
+    # Blocking registry calls: request-path lookups (bounded wait, own threads) and admin changes.
+    lookups: RegistryLane = field(default_factory=lambda: RegistryLane("lookup", threads=8, timeout=6.0))
+    admin_calls: RegistryLane = field(default_factory=lambda: RegistryLane("admin", threads=4, timeout=None))
+    auth_throttle: AuthThrottle = field(default_factory=AuthThrottle)  # admin-token guessing, per client
     metrics: Metrics = field(default_factory=Metrics)
     traffic: TrafficLog = field(default_factory=TrafficLog)
     started_at: float = field(default_factory=time.time)

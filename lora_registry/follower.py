@@ -37,6 +37,11 @@ class RegistryFollower:
         with self._lock:
             return dict(self._active)
 
+    def get(self, name: str) -> ActiveAdapter | None:
+        """The active adapter `name` as this follower believes it to be (memory only, no database)."""
+        with self._lock:
+            return self._active.get(name)
+
     def resync(self) -> None:
         """Re-read every active adapter and report the differences."""
         fresh = {a.name: a for a in self.service.active_adapters()}

@@ -22,6 +22,7 @@ from lora_registry.errors import Conflict, NotFound, RegistryError
 from lora_registry.events import EventBus, RegistryEvent
 from lora_registry.models import ApiKey
 from lora_registry.names import validate_name
+from lora_registry.outbox import Outbox
 from lora_registry.schemas import ApiKeyInfo, CreatedKey
 
 KEY_PREFIX = "lpx_"
@@ -33,9 +34,10 @@ def hash_key(secret: str) -> str:
 
 
 class KeyService:
-    def __init__(self, sessions: sessionmaker[Session], bus: EventBus) -> None:
+    def __init__(self, sessions: sessionmaker[Session], bus: EventBus, outbox: Outbox | None = None) -> None:
         self.sessions = sessions
         self.bus = bus
+        self.outbox = outbox or Outbox(sessions, bus)
 
     def create(
         self, name: str, *, admin: bool = False, adapters: Sequence[str] = (), actor: str = "local"
@@ -53,9 +55,10 @@ class KeyService:
             row = ApiKey(name=name, prefix=public, key_hash=hash_key(secret), scopes=scopes)
             s.add(row)
             audit(s, actor, ev.KEY_CREATED, name, scopes=scopes)
+            self.outbox.add(s, RegistryEvent(type=ev.KEY_CREATED, name=name))
             s.flush()
             info = key_info(row)
-        self.bus.publish(RegistryEvent(type=ev.KEY_CREATED, name=name))
+        self.outbox.flush()
         return CreatedKey(info, secret)
 
     def list(self) -> list[ApiKeyInfo]:
@@ -72,10 +75,11 @@ class KeyService:
             if changed:
                 row.revoked_at = datetime.now(UTC)
                 audit(s, actor, ev.KEY_REVOKED, name)
+                self.outbox.add(s, RegistryEvent(type=ev.KEY_REVOKED, name=name))
                 s.flush()
             info = key_info(row)
         if changed:
-            self.bus.publish(RegistryEvent(type=ev.KEY_REVOKED, name=name))
+            self.outbox.flush()
         return info
 
     def verify(self, secret: str) -> ApiKeyInfo | None:

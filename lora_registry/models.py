@@ -9,6 +9,8 @@ blobs             content-addressed blobs kept in the database (the "database" b
 blob_chunks       their bytes, in chunks of at most 8 MiB
 usage_records     one row per finished generation request: key, adapter + digest, tokens, latency, status
 rate_limits       requests/minute, tokens/minute and concurrent requests of one API key or adapter name
+event_outbox      change events written with their change, published to the bus by the relay
+admin_sessions    admin UI logins (by the sha256 of the session id), so logout holds everywhere
 """
 
 from __future__ import annotations
@@ -213,6 +215,29 @@ class RateLimit(Base):
     tokens_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
     max_concurrent: Mapped[int | None] = mapped_column(Integer, nullable=True)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
+
+
+class OutboxEvent(Base):
+    """A registry event, written in the same transaction as the change it describes; `delivered_at` is
+    set once the outbox relay has published it on the event bus (see `lora_registry.outbox`)."""
+
+    __tablename__ = "event_outbox"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    payload: Mapped[str] = mapped_column(Text)  # RegistryEvent.to_json()
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    delivered_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True, index=True)
+
+
+class AdminSessionRow(Base):
+    """An admin UI login. The cookie carries the session id; only its sha256 is stored here."""
+
+    __tablename__ = "admin_sessions"
+
+    sid_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
 
 @event.listens_for(AdapterVersion, "before_update")

@@ -33,7 +33,10 @@ class RedisEventBus:
         self.channel = channel
         self.retry_delay = retry_delay
         self.client_name = client_name
-        self._client = redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
+        # Publishing gives up fast (the outbox keeps the event and the relay retries).
+        self._client = redis.Redis.from_url(
+            url, socket_connect_timeout=2, socket_timeout=2, retry=Retry(NoBackoff(), 1)
+        )
         self._subs: list[RedisSubscription] = []
 
     def publish(self, event: RegistryEvent) -> None:

@@ -16,7 +16,7 @@ from lora_registry.blobstore import BlobStore
 from lora_registry.progress import NoProgress, ProgressReporter
 from lora_registry.settings import RegistrySettings
 from lora_registry.staging import UploadLimits, stage_upload
-from lora_registry.validation import load_base_model, model_fingerprint, validate_adapter
+from lora_registry.validation import load_base_model, max_adapter_bytes, model_fingerprint, validate_adapter
 
 
 @dataclass(slots=True)
@@ -57,7 +57,13 @@ def prepare(
     """Stage `source` (dir or zip) and validate it against the base model at `model_path`."""
     progress = progress or NoProgress()
     model = load_base_model(model_path)
-    limits = UploadLimits(settings.max_upload_bytes, settings.max_unpacked_bytes, settings.max_zip_entries)
+    limits = UploadLimits(
+        settings.max_upload_bytes,
+        settings.max_unpacked_bytes,
+        settings.max_zip_entries,
+        max_ratio=settings.max_zip_ratio,
+        max_weights_bytes=max_adapter_bytes(model, settings.max_lora_rank),
+    )
     with stage_upload(Path(source), settings.data_dir / "tmp", limits, progress) as staged:
         checkpoint, config_bytes = validate_adapter(staged.directory, model, settings.max_lora_rank)
         yield PreparedUpload(

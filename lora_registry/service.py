@@ -1,8 +1,9 @@
 """The registry's service layer, shared by the CLI, the HTTP admin API and the admin UI.
 
-Every mutating call runs in one transaction that also writes an audit-log row, and publishes its event
-after the commit. Adapter versions are immutable; a name points at one of its versions
-(`current_version`) and is served while its status is "active".
+Every mutating call runs in one transaction that also writes an audit-log row and its event's outbox
+row; the event is published after the commit (`lora_registry.outbox`: later, if the bus is down).
+Adapter versions are immutable; a name points at one of its versions (`current_version`) and is served
+while its status is "active".
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from lora_registry.models import (
     RegistryMeta,
 )
 from lora_registry.names import validate_name
+from lora_registry.outbox import Outbox
 from lora_registry.progress import ProgressReporter
 from lora_registry.schemas import (
     ActiveAdapter,
@@ -49,6 +51,15 @@ if TYPE_CHECKING:
 META_BASE_MODEL = "base_model_path"
 
 
+def _active_query():
+    """(name, version, digest) of active adapters at their current version."""
+    return (
+        select(Adapter.name, AdapterVersion.version, AdapterVersion.digest)
+        .join(AdapterVersion, AdapterVersion.adapter_id == Adapter.id)
+        .where(Adapter.status == STATUS_ACTIVE, AdapterVersion.version == Adapter.current_version)
+    )
+
+
 class RegistryService:
     def __init__(
         self,
@@ -56,11 +67,13 @@ class RegistryService:
         blobs: BlobStore,
         bus: EventBus,
         settings: RegistrySettings,
+        outbox: Outbox | None = None,
     ) -> None:
         self.sessions = sessions
         self.blobs = blobs
         self.bus = bus
         self.settings = settings
+        self.outbox = outbox or Outbox(sessions, bus)
 
     # ---- reads ------------------------------------------------------------------------------------
 
@@ -79,17 +92,18 @@ class RegistryService:
     def active_adapters(self) -> builtins.list[ActiveAdapter]:
         """(name, version, digest) of every active adapter: what a serving engine should hold."""
         with transaction(self.sessions) as s:
-            q = (
-                select(Adapter.name, AdapterVersion.version, AdapterVersion.digest)
-                .join(AdapterVersion, AdapterVersion.adapter_id == Adapter.id)
-                .where(Adapter.status == STATUS_ACTIVE, AdapterVersion.version == Adapter.current_version)
-                .order_by(Adapter.name)
-            )
-            return [ActiveAdapter(n, v, d) for n, v, d in s.execute(q)]
+            return [ActiveAdapter(n, v, d) for n, v, d in s.execute(_active_query().order_by(Adapter.name))]
 
     def active_adapter(self, name: str) -> ActiveAdapter | None:
-        """The served version of `name`, or None if it is unknown or inactive."""
-        return next((a for a in self.active_adapters() if a.name == name), None)
+        """The served version of `name`, or None if it is unknown or inactive (one indexed lookup)."""
+        with transaction(self.sessions) as s:
+            row = s.execute(_active_query().where(Adapter.name == name)).first()
+            return ActiveAdapter(*row) if row is not None else None
+
+    def materialized_path(self, digest: str) -> Path | None:
+        """The PEFT directory of `digest` if `adapter_path` already wrote it, else None (no database)."""
+        target = self.settings.data_dir / "adapters" / digest
+        return target if (target / "adapter_model.safetensors").is_file() else None
 
     def audit_log(self, limit: int = 100) -> builtins.list[AuditRecord]:
         """The newest `limit` audit entries, newest first."""
@@ -103,9 +117,10 @@ class RegistryService:
         This is the `path` of the engine's `LoRARequest`; the directory is written to a temp dir and renamed
         into `<data dir>/adapters/<digest>`, so it is complete or absent.
         """
+        ready = self.materialized_path(digest)
+        if ready is not None:
+            return ready
         target = self.settings.data_dir / "adapters" / digest
-        if (target / "adapter_model.safetensors").is_file():
-            return target
         with transaction(self.sessions) as s:
             v = s.scalars(select(AdapterVersion).where(AdapterVersion.digest == digest).limit(1)).first()
             if v is None:
@@ -157,9 +172,7 @@ class RegistryService:
             except BaseException:
                 self._drop_unreferenced(new_blobs)
                 raise
-        self._publish(ev.ADAPTER_REGISTERED, result.adapter)
-        if activate and result.adapter.is_active:
-            self._publish(ev.ADAPTER_ACTIVATED, result.adapter)
+        self.outbox.flush()
         return result
 
     def _existing_version(self, name: str, digest: str) -> VersionInfo | None:
@@ -208,7 +221,11 @@ class RegistryService:
                 a.status = STATUS_ACTIVE
             audit(s, actor, ev.ADAPTER_REGISTERED, name, version=number, digest=ck.digest, activate=activate)
             s.flush()
-            return RegisterResult(adapter_info(a), version_info(v), created=True)
+            info = adapter_info(a)
+            self._event(s, ev.ADAPTER_REGISTERED, info)
+            if activate:
+                self._event(s, ev.ADAPTER_ACTIVATED, info)
+            return RegisterResult(info, version_info(v), created=True)
 
     def activate(self, name: str, *, actor: str = "local") -> AdapterInfo:
         """Serve `name` (its current version)."""
@@ -227,8 +244,10 @@ class RegistryService:
                 audit(s, actor, event, name, version=a.current_version)
                 s.flush()
             info = adapter_info(a)
+            if changed:
+                self._event(s, event, info)
         if changed:
-            self._publish(event, info)
+            self.outbox.flush()
         return info
 
     def rollback(self, name: str, version: int, *, actor: str = "local") -> AdapterInfo:
@@ -246,8 +265,10 @@ class RegistryService:
                 a.current_version = version
                 s.flush()
             info = adapter_info(a)
+            if changed:
+                self._event(s, ev.ADAPTER_ROLLED_BACK, info)
         if changed:
-            self._publish(ev.ADAPTER_ROLLED_BACK, info)
+            self.outbox.flush()
         return info
 
     def delete(self, name: str, *, actor: str = "local") -> None:
@@ -258,8 +279,9 @@ class RegistryService:
             digests = {v.digest for v in a.versions}
             audit(s, actor, ev.ADAPTER_DELETED, name, versions=len(a.versions))
             s.delete(a)
+            self._event(s, ev.ADAPTER_DELETED, None, name=name)
         self._drop_unreferenced(blobs, digests)
-        self._publish(ev.ADAPTER_DELETED, None, name=name)
+        self.outbox.flush()
 
     # ---- helpers ----------------------------------------------------------------------------------
 
@@ -298,14 +320,16 @@ class RegistryService:
         for d in set(digests) - live:
             shutil.rmtree(self.settings.data_dir / "adapters" / d, ignore_errors=True)
 
-    def _publish(self, kind: str, info: AdapterInfo | None, name: str | None = None) -> None:
+    def _event(self, s: Session, kind: str, info: AdapterInfo | None, name: str | None = None) -> None:
+        """Queue the event of a change in the change's own transaction (the outbox publishes it)."""
         cur = info.current if info else None
-        self.bus.publish(
+        self.outbox.add(
+            s,
             RegistryEvent(
                 type=kind,
                 name=info.name if info else str(name),
                 status=info.status if info else None,
                 version=cur.version if cur else None,
                 digest=cur.digest if cur else None,
-            )
+            ),
         )

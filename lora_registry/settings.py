@@ -29,6 +29,11 @@ class RegistrySettings:
     max_upload_bytes: int = 2 * 1024**3
     max_unpacked_bytes: int = 4 * 1024**3
     max_zip_entries: int = 64
+    max_zip_ratio: float = 100.0  # unpacked : packed bytes of one zip entry over 1 MiB (zip bombs)
+    # Every database call is bounded: connecting (PostgreSQL connect_timeout, also the wait for a pooled
+    # connection) and each statement (PostgreSQL statement_timeout; SQLite's busy timeout).
+    db_connect_timeout: float = 5.0
+    db_statement_timeout: float = 15.0
 
     @property
     def uses_default_database(self) -> bool:
@@ -38,7 +43,8 @@ class RegistrySettings:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RegistrySettings:
         """Settings from `LORAPLEX_DATA_DIR`, `LORAPLEX_DATABASE_URL`, `LORAPLEX_MODEL`, `LORAPLEX_REDIS_URL`,
-        `LORAPLEX_MAX_LORA_RANK`, `LORAPLEX_MAX_UPLOAD_BYTES` and `LORAPLEX_BLOB_STORE`."""
+        `LORAPLEX_MAX_LORA_RANK`, `LORAPLEX_MAX_UPLOAD_BYTES`, `LORAPLEX_BLOB_STORE`,
+        `LORAPLEX_DB_CONNECT_TIMEOUT` and `LORAPLEX_DB_STATEMENT_TIMEOUT` (seconds)."""
         env = os.environ if env is None else env
         data_dir = Path(env.get("LORAPLEX_DATA_DIR") or "./data").expanduser().absolute()
         model = env.get("LORAPLEX_MODEL")
@@ -53,6 +59,13 @@ class RegistrySettings:
                     kwargs[field] = int(env[key])
                 except ValueError as exc:
                     raise ValueError(f"{key}: expected an integer, got {env[key]!r}") from exc
+        seconds = (
+            ("LORAPLEX_DB_CONNECT_TIMEOUT", "db_connect_timeout"),
+            ("LORAPLEX_DB_STATEMENT_TIMEOUT", "db_statement_timeout"),
+        )
+        for key, field in seconds:
+            if env.get(key):
+                kwargs[field] = _seconds(key, env[key])
         blob_store = env.get("LORAPLEX_BLOB_STORE") or "local"
         if blob_store not in BLOB_STORES:
             raise ValueError(
@@ -71,3 +84,14 @@ class RegistrySettings:
 def default_database_url(data_dir: Path) -> str:
     """The SQLite file `data_dir/registry.db` as an SQLAlchemy URL."""
     return f"sqlite:///{data_dir / 'registry.db'}"
+
+
+def _seconds(key: str, text: str) -> float:
+    """A positive number of seconds (at most a day) from environment variable `key`."""
+    try:
+        value = float(text)
+    except ValueError as exc:
+        raise ValueError(f"{key}: expected a number of seconds, got {text!r}") from exc
+    if not 0 < value <= 86400:
+        raise ValueError(f"{key}: expected seconds in (0, 86400], got {text!r}")
+    return value

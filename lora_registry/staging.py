@@ -1,8 +1,10 @@
 """Turn an upload (a PEFT directory or a zip of one) into a private staging directory.
 
 Zip archives are checked entry by entry before anything is extracted: no absolute paths, no `..`, no
-links, no encrypted or duplicate entries, a cap on the number of entries and on the unpacked size
-(enforced again while extracting, since a zip's declared sizes can lie). Only the two adapter files are
+links, no encrypted or duplicate entries, a cap on the number of entries, on the unpacked size, on each
+entry's compression ratio (a zip bomb inflates 1000:1; model weights barely compress) and on the
+weights' size (the largest adapter the model admits); sizes are enforced again while streaming the
+entries out, since a zip's declared sizes can lie. Only the two adapter files are
 extracted; pickle weights without safetensors are refused.
 """
 
@@ -23,6 +25,7 @@ from lora_registry.errors import InvalidAdapter
 from lora_registry.progress import NoProgress, ProgressReporter
 
 _CHUNK = 1 << 20
+RATIO_FLOOR_BYTES = 1 << 20  # smaller entries (the config) may compress as well as they like
 
 
 @dataclass(slots=True, frozen=True)
@@ -30,6 +33,8 @@ class UploadLimits:
     max_upload_bytes: int
     max_unpacked_bytes: int
     max_entries: int
+    max_ratio: float = 100.0  # unpacked : packed bytes of one entry (entries over 1 MiB unpacked)
+    max_weights_bytes: int | None = None  # the largest adapter the base model admits
 
 
 @dataclass(slots=True, frozen=True)
@@ -59,6 +64,7 @@ def stage_upload(
     try:
         if kind == "dir":
             total = sum(f.stat().st_size for f in files)
+            _check_weights_size(files[1].stat().st_size, limits)
             if total > limits.max_upload_bytes:
                 raise InvalidAdapter(
                     f"{source}: {total} bytes exceeds the upload limit of {limits.max_upload_bytes}"
@@ -121,6 +127,12 @@ def check_zip_entries(zf: zipfile.ZipFile, limits: UploadLimits) -> tuple[zipfil
         total += info.file_size
         if total > limits.max_unpacked_bytes:
             raise InvalidAdapter(f"zip: unpacks to more than {limits.max_unpacked_bytes} bytes")
+        if info.file_size > RATIO_FLOOR_BYTES and info.file_size > limits.max_ratio * info.compress_size:
+            ratio = info.file_size / max(1, info.compress_size)
+            raise InvalidAdapter(
+                f"zip entry {name!r}: compressed {ratio:.0f}:1 (at most {limits.max_ratio:.0f}:1 is "
+                "accepted; adapter weights barely compress)"
+            )
     files = {PurePosixPath(i.filename): i for i in infos if not i.is_dir()}
     configs = [p for p in files if p.name == CONFIG_FILE and len(p.parts) <= 2]
     if not configs:
@@ -131,7 +143,16 @@ def check_zip_entries(zf: zipfile.ZipFile, limits: UploadLimits) -> tuple[zipfil
     weights = files.get(folder / WEIGHTS_FILE)
     if weights is None:
         _refuse_missing_weights([p for p in PICKLE_FILES if folder / p in files], "the zip")
+    _check_weights_size(weights.file_size, limits)  # type: ignore[union-attr]
     return files[configs[0]], weights  # type: ignore[return-value]
+
+
+def _check_weights_size(size: int, limits: UploadLimits) -> None:
+    if limits.max_weights_bytes is not None and size > limits.max_weights_bytes:
+        raise InvalidAdapter(
+            f"{WEIGHTS_FILE}: {size} bytes; the largest adapter this model admits has "
+            f"{limits.max_weights_bytes} bytes"
+        )
 
 
 def _extract_zip(source: Path, dest: Path, limits: UploadLimits, progress: ProgressReporter) -> None:

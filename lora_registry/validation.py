@@ -8,14 +8,20 @@ from pathlib import Path
 
 from engine.lora.adapter_checkpoint import (
     CONFIG_FILE,
+    PROJECTIONS,
+    WEIGHTS_FILE,
     AdapterCheckpoint,
     AdapterError,
     canonical_config_bytes,
     inspect_adapter,
     load_adapter_config,
+    module_features,
 )
 from engine.model_config import ModelConfig, ModelConfigError
+from lora_registry.config_limits import check_config_file
 from lora_registry.errors import InvalidAdapter, RegistryError
+
+HEADER_SLACK_BYTES = 1024**2  # the safetensors header (tensor names, shapes) beside the weights
 
 
 def load_base_model(path: Path) -> ModelConfig:
@@ -44,10 +50,28 @@ def model_fingerprint(model: ModelConfig) -> str:
 def validate_adapter(
     directory: Path, model: ModelConfig, max_lora_rank: int
 ) -> tuple[AdapterCheckpoint, bytes]:
-    """(checkpoint facts, canonical config bytes) of the adapter in `directory`, or `InvalidAdapter`."""
+    """(checkpoint facts, canonical config bytes) of the adapter in `directory`, or `InvalidAdapter`.
+
+    The config's fields are bounded first (`config_limits`) and the weights file's size against the
+    largest adapter the model admits, before the adapter reader loads either."""
+    check_config_file(directory / CONFIG_FILE)
+    weights = (directory / WEIGHTS_FILE).stat().st_size
+    limit = max_adapter_bytes(model, max_lora_rank)
+    if weights > limit:
+        raise InvalidAdapter(
+            f"{WEIGHTS_FILE}: {weights} bytes; an adapter of rank <= {max_lora_rank} for this model "
+            f"has at most {limit} bytes"
+        )
     try:
         checkpoint = inspect_adapter(directory, model, max_lora_rank=max_lora_rank, load_weights=True)
         config = canonical_config_bytes(load_adapter_config(directory / CONFIG_FILE))
     except AdapterError as exc:
         raise InvalidAdapter(str(exc)) from exc
     return checkpoint, config
+
+
+def max_adapter_bytes(model: ModelConfig, max_lora_rank: int) -> int:
+    """The largest valid adapter file for `model`: every projection of every layer at `max_lora_rank`,
+    in float64 (8 bytes), plus the header: sum over layers and projections of r·(in + out)·8 + slack."""
+    per_layer = sum(max_lora_rank * sum(module_features(model, p)) * 8 for p in PROJECTIONS)
+    return model.num_layers * per_layer + HEADER_SLACK_BYTES

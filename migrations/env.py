@@ -42,7 +42,7 @@ def run_online() -> None:
         with context.begin_transaction():
             context.run_migrations()
         return
-    engine = make_engine(_url())
+    engine = make_engine(_url(), statement_timeout=None)  # migrations may run long
     try:
         with engine.connect() as conn:
             _configure(connection=conn)

@@ -13,7 +13,8 @@ from admin_ui.snippets import endpoint_snippets
 from admin_ui.templating import flash, render
 from api.deps import AdaptersDep, StateDep
 from api.errors import APIError
-from api.routes.admin_api import call_registry
+from api.routes.admin_api import call_registry, read_registry
+from api.state import app_state
 
 router = APIRouter(prefix="/admin/adapters", include_in_schema=False)
 
@@ -22,7 +23,7 @@ router = APIRouter(prefix="/admin/adapters", include_in_schema=False)
 async def detail_page(name: str, request: Request, state: StateDep, session: Session) -> Response:
     """One adapter: its versions, state, engine residency, endpoint and traffic."""
     try:
-        detail = await call_registry(state.registry.adapters.show, name)
+        detail = await read_registry(state, state.registry.adapters.show, name)
     except APIError as exc:
         ctx = {"title": "Not found", "message": exc.message}
         return render(request, "error.html", ctx, session, active="adapters", status_code=exc.status)
@@ -42,7 +43,7 @@ async def detail_page(name: str, request: Request, state: StateDep, session: Ses
         "requests": total.requests if total else 0,
         "tokens": total.tokens if total else 0,
         "last_used": state.traffic.last_used.get(name),
-        "limits": await call_registry(state.registry.limits.get, "adapter", name),
+        "limits": await read_registry(state, state.registry.limits.get, "adapter", name),
     }
     return render(request, "adapter_detail.html", context, session, active="adapters")
 
@@ -56,7 +57,7 @@ def _back(request: Request, name: str, text: str, kind: str = "ok") -> Response:
 @router.post("/{name}/activate")
 async def activate(name: str, request: Request, svc: AdaptersDep, _: CsrfSession) -> Response:
     try:
-        info = await call_registry(svc.activate, name, actor="admin-ui")
+        info = await call_registry(app_state(request), svc.activate, name, actor="admin-ui")
     except APIError as exc:
         return _back(request, name, exc.message, "error")
     version = info.current.version if info.current else "?"
@@ -66,7 +67,7 @@ async def activate(name: str, request: Request, svc: AdaptersDep, _: CsrfSession
 @router.post("/{name}/deactivate")
 async def deactivate(name: str, request: Request, svc: AdaptersDep, _: CsrfSession) -> Response:
     try:
-        await call_registry(svc.deactivate, name, actor="admin-ui")
+        await call_registry(app_state(request), svc.deactivate, name, actor="admin-ui")
     except APIError as exc:
         return _back(request, name, exc.message, "error")
     return _back(request, name, f"{name} is inactive: its endpoint answers 404 until it is activated.")
@@ -78,7 +79,7 @@ async def rollback(name: str, request: Request, svc: AdaptersDep, _: CsrfSession
     if not raw.isdigit() or int(raw) < 1:
         return _back(request, name, "choose a version to roll back to", "error")
     try:
-        await call_registry(svc.rollback, name, int(raw), actor="admin-ui")
+        await call_registry(app_state(request), svc.rollback, name, int(raw), actor="admin-ui")
     except APIError as exc:
         return _back(request, name, exc.message, "error")
     return _back(request, name, f"{name} now points at version {raw}.")
@@ -90,7 +91,7 @@ async def delete(name: str, request: Request, svc: AdaptersDep, _: CsrfSession) 
     if str((await request.form()).get("confirm") or "").strip() != name:
         return _back(request, name, f"type {name} in the confirmation box to delete it", "error")
     try:
-        await call_registry(svc.delete, name, actor="admin-ui")
+        await call_registry(app_state(request), svc.delete, name, actor="admin-ui")
     except APIError as exc:
         return _back(request, name, exc.message, "error")
     response = RedirectResponse("/admin/adapters", status_code=303)

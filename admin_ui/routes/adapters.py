@@ -15,7 +15,7 @@ from admin_ui.session import AdminSession, CsrfSession, Session
 from admin_ui.templating import flash, render
 from api.deps import StateDep
 from api.errors import APIError
-from api.routes.admin_api import call_registry, register_upload
+from api.routes.admin_api import read_registry, register_upload
 from api.state import app_state
 
 router = APIRouter(prefix="/admin", include_in_schema=False)
@@ -31,7 +31,7 @@ async def _page(
     status_code: int = 200,
 ) -> Response:
     state = app_state(request)
-    infos = await call_registry(state.registry.adapters.list)
+    infos = await read_registry(state, state.registry.adapters.list)
     rows = adapter_rows(state, infos)
     query = request.query_params.get("q", "")
     status = request.query_params.get("status", "")

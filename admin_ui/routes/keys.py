@@ -9,7 +9,7 @@ from admin_ui.session import AdminSession, CsrfSession, Session
 from admin_ui.templating import flash, render
 from api.deps import KeysDep
 from api.errors import APIError
-from api.routes.admin_api import call_registry
+from api.routes.admin_api import call_registry, read_registry
 from api.state import app_state
 
 router = APIRouter(prefix="/admin/keys", include_in_schema=False)
@@ -25,8 +25,8 @@ async def _page(
     status_code: int = 200,
 ) -> Response:
     state = app_state(request)
-    keys = await call_registry(state.registry.keys.list)
-    adapters = [a.name for a in await call_registry(state.registry.adapters.list)]
+    keys = await read_registry(state, state.registry.keys.list)
+    adapters = [a.name for a in await read_registry(state, state.registry.adapters.list)]
     context = {
         "title": "API keys",
         "keys": keys,
@@ -60,6 +60,7 @@ async def create_key(request: Request, keys: KeysDep, session: CsrfSession) -> R
     if not errors:
         try:
             created = await call_registry(
+                app_state(request),
                 keys.create,
                 name,
                 admin=scope == "admin",
@@ -77,7 +78,7 @@ async def create_key(request: Request, keys: KeysDep, session: CsrfSession) -> R
 async def revoke_key(name: str, request: Request, keys: KeysDep, _: CsrfSession) -> Response:
     response = RedirectResponse("/admin/keys", status_code=303)
     try:
-        await call_registry(keys.revoke, name, actor="admin-ui")
+        await call_registry(app_state(request), keys.revoke, name, actor="admin-ui")
     except APIError as exc:
         flash(request, response, exc.message, "error")
         return response

@@ -11,7 +11,7 @@ from admin_ui.templating import flash, render
 from admin_ui.usage_page import RANGES, bucket_starts, usage_range, usage_view
 from api.deps import StateDep
 from api.errors import APIError
-from api.routes.admin_api import call_registry
+from api.routes.admin_api import call_registry, read_registry
 from lora_registry.limits import LIMIT_FIELDS, MAX_LIMIT
 
 router = APIRouter(prefix="/admin", include_in_schema=False)
@@ -25,8 +25,8 @@ async def usage_page(request: Request, state: StateDep, session: Session, range:
     starts = bucket_starts(start, end, bucket)
     views = []
     for by in ("adapter", "key"):
-        series = await call_registry(state.registry.usage.summary, by, start, end, bucket)
-        totals = await call_registry(state.registry.usage.summary, by, start, end)
+        series = await read_registry(state, state.registry.usage.summary, by, start, end, bucket)
+        totals = await read_registry(state, state.registry.usage.summary, by, start, end)
         views.append(usage_view(series, totals, starts))
     context = {"title": "Usage", "views": views, "range": choice, "ranges": list(RANGES), "start": start}
     return render(request, "usage.html", context, session, active="usage")
@@ -45,7 +45,7 @@ async def set_limits(name: str, request: Request, state: StateDep, _: CsrfSessio
             )
         values[field] = int(raw) if raw else 0
     try:
-        await call_registry(state.registry.limits.set, "adapter", name, actor="admin-ui", **values)
+        await call_registry(state, state.registry.limits.set, "adapter", name, actor="admin-ui", **values)
     except APIError as exc:
         return _back(request, name, exc.message, "error")
     return _back(request, name, f"Limits of {name} saved.")

@@ -9,6 +9,8 @@ import typer
 
 from api.cli.output import fail, stderr
 
+MIN_ADMIN_TOKEN_CHARS = 16
+
 
 def serve(
     model: Annotated[
@@ -89,6 +91,12 @@ def serve(
     except ValueError as exc:
         fail(str(exc))
     assert settings.registry is not None
+    if settings.admin_token is not None and len(settings.admin_token) < MIN_ADMIN_TOKEN_CHARS:
+        fail(
+            f"LORAPLEX_ADMIN_TOKEN has {len(settings.admin_token)} characters; an admin token needs at "
+            f"least {MIN_ADMIN_TOKEN_CHARS} (make one: python -c 'import secrets; "
+            "print(secrets.token_urlsafe(32))'), or unset it to have one generated"
+        )
     _, generated = ensure_admin_token(settings.registry.data_dir, settings.admin_token)
     err = stderr()
     base = f"http://{host}:{port}"

@@ -6,8 +6,9 @@ from fastapi import APIRouter
 
 from api.deps import AdminActor, StateDep
 from api.engine_protocol import decode_from_engine
+from api.errors import error_responses
 
-router = APIRouter(prefix="/admin/api", tags=["admin"])
+router = APIRouter(prefix="/admin/api", tags=["admin"], responses=error_responses(401, 403, 503))
 
 
 @router.get("/cluster")

@@ -17,10 +17,9 @@ from typing import Annotated
 import msgspec
 from fastapi import APIRouter, File, Form, Query, Response, UploadFile
 from pydantic import BaseModel, Field
-from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile as UploadedFile  # what forms hold (FastAPI's is a subclass)
 
-from api.deps import AdaptersDep, AdminActor, KeysDep, StateDep
+from api.deps import AdminActor, StateDep
 from api.errors import APIError, error_responses
 from api.openai_protocol import LoadLoRARequest, UnloadLoRARequest
 from api.state import AppState
@@ -63,10 +62,20 @@ compat = APIRouter(tags=["admin"], responses=ADMIN_ERRORS)
 PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
-async def call_registry(fn, *args, **kwargs):
-    """Run a (blocking) registry call off the event loop; registry errors become API errors."""
+async def call_registry(state: AppState, fn, *args, **kwargs):
+    """Run a (blocking) registry change on the admin lane (threads of its own, off the event loop, never
+    taking the threads requests need); registry errors become API errors. No time limit is put on a
+    change, so its answer is never a guess: the database's own timeouts end a stalled one."""
     try:
-        return await run_in_threadpool(fn, *args, **kwargs)
+        return await state.admin_calls.run(fn, *args, **kwargs)
+    except RegistryError as exc:
+        raise APIError(exc.status_code, str(exc)) from exc
+
+
+async def read_registry(state: AppState, fn, *args, **kwargs):
+    """Run a (blocking) registry read on the lookup lane: 503 when the database does not answer in time."""
+    try:
+        return await state.lookups.run(fn, *args, **kwargs)
     except RegistryError as exc:
         raise APIError(exc.status_code, str(exc)) from exc
 
@@ -121,6 +130,7 @@ async def register_upload(
     try:
         source = await save_upload(files, tmp, state.settings.max_upload_bytes)
         return await call_registry(
+            state,
             state.registry.adapters.register,
             name,
             source,
@@ -154,23 +164,23 @@ async def upload_adapter(
 
 
 @router.get("/adapters")
-async def list_adapters(adapters: AdaptersDep, _: AdminActor) -> AdapterList:
-    return AdapterList(await call_registry(adapters.list))
+async def list_adapters(state: StateDep, _: AdminActor) -> AdapterList:
+    return AdapterList(await read_registry(state, state.registry.adapters.list))
 
 
 @router.get("/adapters/{name}")
-async def show_adapter(name: str, adapters: AdaptersDep, _: AdminActor) -> AdapterDetail:
-    return await call_registry(adapters.show, name)
+async def show_adapter(name: str, state: StateDep, _: AdminActor) -> AdapterDetail:
+    return await read_registry(state, state.registry.adapters.show, name)
 
 
 @router.post("/adapters/{name}/activate")
-async def activate_adapter(name: str, svc: AdaptersDep, actor: AdminActor) -> AdapterInfo:
-    return await call_registry(svc.activate, name, actor=actor)
+async def activate_adapter(name: str, state: StateDep, actor: AdminActor) -> AdapterInfo:
+    return await call_registry(state, state.registry.adapters.activate, name, actor=actor)
 
 
 @router.post("/adapters/{name}/deactivate")
-async def deactivate_adapter(name: str, svc: AdaptersDep, actor: AdminActor) -> AdapterInfo:
-    return await call_registry(svc.deactivate, name, actor=actor)
+async def deactivate_adapter(name: str, state: StateDep, actor: AdminActor) -> AdapterInfo:
+    return await call_registry(state, state.registry.adapters.deactivate, name, actor=actor)
 
 
 class RollbackBody(BaseModel):
@@ -178,13 +188,13 @@ class RollbackBody(BaseModel):
 
 
 @router.post("/adapters/{name}/rollback")
-async def rollback_adapter(name: str, body: RollbackBody, svc: AdaptersDep, actor: AdminActor) -> AdapterInfo:
-    return await call_registry(svc.rollback, name, body.version, actor=actor)
+async def rollback_adapter(name: str, body: RollbackBody, state: StateDep, actor: AdminActor) -> AdapterInfo:
+    return await call_registry(state, state.registry.adapters.rollback, name, body.version, actor=actor)
 
 
 @router.delete("/adapters/{name}")
-async def delete_adapter(name: str, svc: AdaptersDep, actor: AdminActor) -> Deleted:
-    await call_registry(svc.delete, name, actor=actor)
+async def delete_adapter(name: str, state: StateDep, actor: AdminActor) -> Deleted:
+    await call_registry(state, state.registry.adapters.delete, name, actor=actor)
     return Deleted(name)
 
 
@@ -207,9 +217,9 @@ async def pool_status(state: StateDep, _: AdminActor) -> dict:
 
 @router.get("/audit")
 async def audit_log(
-    svc: AdaptersDep, _: AdminActor, limit: Annotated[int, Query(ge=1, le=10_000)] = 100
+    state: StateDep, _: AdminActor, limit: Annotated[int, Query(ge=1, le=10_000)] = 100
 ) -> AuditList:
-    return AuditList(await call_registry(svc.audit_log, limit))
+    return AuditList(await read_registry(state, state.registry.adapters.audit_log, limit))
 
 
 class KeyBody(BaseModel):
@@ -219,32 +229,39 @@ class KeyBody(BaseModel):
 
 
 @router.post("/keys", status_code=201)
-async def create_key(body: KeyBody, keys: KeysDep, actor: AdminActor) -> CreatedKey:
-    return await call_registry(keys.create, body.name, admin=body.admin, adapters=body.adapters, actor=actor)
+async def create_key(body: KeyBody, state: StateDep, actor: AdminActor) -> CreatedKey:
+    return await call_registry(
+        state, state.registry.keys.create, body.name, admin=body.admin, adapters=body.adapters, actor=actor
+    )
 
 
 @router.get("/keys")
-async def list_keys(keys: KeysDep, _: AdminActor) -> KeyList:
-    return KeyList(await call_registry(keys.list))
+async def list_keys(state: StateDep, _: AdminActor) -> KeyList:
+    return KeyList(await read_registry(state, state.registry.keys.list))
 
 
 @router.delete("/keys/{name}")
-async def revoke_key(name: str, keys: KeysDep, actor: AdminActor) -> ApiKeyInfo:
-    return await call_registry(keys.revoke, name, actor=actor)
+async def revoke_key(name: str, state: StateDep, actor: AdminActor) -> ApiKeyInfo:
+    return await call_registry(state, state.registry.keys.revoke, name, actor=actor)
 
 
 @compat.post("/v1/load_lora_adapter")
-async def load_lora_adapter(body: LoadLoRARequest, svc: AdaptersDep, actor: AdminActor) -> dict:
+async def load_lora_adapter(body: LoadLoRARequest, state: StateDep, actor: AdminActor) -> dict:
     """vLLM-compatible: register the adapter at a server-local path under `lora_name` and activate it."""
     if not Path(body.lora_path).exists():
         raise APIError(400, f"lora_path {body.lora_path!r} does not exist on the server", param="lora_path")
     result = await call_registry(
-        svc.register, body.lora_name, Path(body.lora_path), activate=True, actor=actor
+        state,
+        state.registry.adapters.register,
+        body.lora_name,
+        Path(body.lora_path),
+        activate=True,
+        actor=actor,
     )
     return {"loaded": body.lora_name, "version": result.version.version, "digest": result.version.digest}
 
 
 @compat.post("/v1/unload_lora_adapter")
-async def unload_lora_adapter(body: UnloadLoRARequest, svc: AdaptersDep, actor: AdminActor) -> dict:
-    await call_registry(svc.deactivate, body.lora_name, actor=actor)
+async def unload_lora_adapter(body: UnloadLoRARequest, state: StateDep, actor: AdminActor) -> dict:
+    await call_registry(state, state.registry.adapters.deactivate, body.lora_name, actor=actor)
     return {"unloaded": body.lora_name}

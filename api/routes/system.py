@@ -1,22 +1,36 @@
-"""`GET /health` and `GET /metrics` (Prometheus text format)."""
+"""`GET /health` (liveness), `GET /ready` (readiness) and `GET /metrics` (Prometheus text format)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from api.deps import EngineClientDep, StateDep
 from api.errors import error_responses
+from api.readiness import Readiness, RegistryProbe, events_state
 
 router = APIRouter(tags=["system"])
 
 
 @router.get("/health", responses=error_responses(503))
 async def health(client: EngineClientDep) -> JSONResponse:
-    """200 while the engine process is up, 503 while it is down or restarting."""
+    """Liveness: 200 while the engine process is up, 503 while it is down or restarting."""
     body = {"status": "ok" if client.healthy else "unhealthy", "engine_restarts": client.restarts}
     return JSONResponse(body, status_code=200 if client.healthy else 503)
+
+
+@router.get("/ready", responses=error_responses(503))
+async def ready(request: Request, state: StateDep) -> JSONResponse:
+    """Readiness: 200 when the engine is up and the registry database answers (within 2 s), else 503;
+    the body names the part that is down: `{"status", "engine", "registry", "events"}`."""
+    probe = getattr(request.app.state, "registry_probe", None)
+    if probe is None:
+        probe = request.app.state.registry_probe = RegistryProbe(state.registry.ping)
+    client = state.client
+    engine = "ok" if client.healthy else ("restarting" if client.restarts else "down")
+    result = Readiness(engine, await probe.check(), events_state(state.registry.bus))
+    return JSONResponse(result.body(), status_code=200 if result.ready else 503)
 
 
 @router.get("/metrics", responses=error_responses(401, 403))

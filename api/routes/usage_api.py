@@ -19,13 +19,14 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, Field
 
-from api.deps import AdminActor, RegistryDep
+from api.deps import AdminActor, StateDep
 from api.errors import APIError
-from api.routes.admin_api import call_registry
+from api.routes.admin_api import ADMIN_ERRORS, call_registry, read_registry
+from api.state import AppState
 from lora_registry.limits import MAX_LIMIT, LimitInfo
 from lora_registry.usage import UsageReport
 
-router = APIRouter(prefix="/admin/api", tags=["admin"])
+router = APIRouter(prefix="/admin/api", tags=["admin"], responses=ADMIN_ERRORS)
 DEFAULT_RANGE = timedelta(hours=24)
 MAX_BUCKETS = 24 * 93  # hourly buckets over three months at most per query
 
@@ -75,7 +76,7 @@ def usage_range(
 
 @router.get("/usage")
 async def usage(
-    registry: RegistryDep,
+    state: StateDep,
     _: AdminActor,
     by: Literal["key", "adapter"] = "adapter",
     from_: Annotated[str | None, Query(alias="from", max_length=64)] = None,
@@ -86,20 +87,28 @@ async def usage(
 ) -> UsageReport:
     """Requests and tokens per API key or adapter over [from, to), per hour or day when `bucket` is set."""
     start, end = usage_range(parse_time(from_, "from"), parse_time(to, "to"), bucket)
-    return await call_registry(
-        registry.usage.summary, by, start, end, bucket, adapter=adapter or None, api_key=key or None
+    return await read_registry(
+        state,
+        state.registry.usage.summary,
+        by,
+        start,
+        end,
+        bucket,
+        adapter=adapter or None,
+        api_key=key or None,
     )
 
 
 @router.get("/limits")
-async def list_limits(registry: RegistryDep, _: AdminActor) -> LimitList:
+async def list_limits(state: StateDep, _: AdminActor) -> LimitList:
     """Every API key and adapter that has a limit."""
-    return LimitList(await call_registry(registry.limits.list))
+    return LimitList(await read_registry(state, state.registry.limits.list))
 
 
-async def _set(registry, kind: str, name: str, body: LimitsBody, actor: str) -> LimitInfo:
+async def _set(state: AppState, kind: str, name: str, body: LimitsBody, actor: str) -> LimitInfo:
     return await call_registry(
-        registry.limits.set,
+        state,
+        state.registry.limits.set,
         kind,
         name,
         requests_per_minute=body.requests_per_minute,
@@ -110,24 +119,22 @@ async def _set(registry, kind: str, name: str, body: LimitsBody, actor: str) -> 
 
 
 @router.get("/adapters/{name}/limits")
-async def adapter_limits(name: str, registry: RegistryDep, _: AdminActor) -> LimitInfo:
-    return await call_registry(registry.limits.get, "adapter", name)
+async def adapter_limits(name: str, state: StateDep, _: AdminActor) -> LimitInfo:
+    return await read_registry(state, state.registry.limits.get, "adapter", name)
 
 
 @router.patch("/adapters/{name}/limits")
-async def set_adapter_limits(
-    name: str, body: LimitsBody, registry: RegistryDep, actor: AdminActor
-) -> LimitInfo:
+async def set_adapter_limits(name: str, body: LimitsBody, state: StateDep, actor: AdminActor) -> LimitInfo:
     """Change adapter `name`'s limits (404 for an unknown adapter)."""
-    return await _set(registry, "adapter", name, body, actor)
+    return await _set(state, "adapter", name, body, actor)
 
 
 @router.get("/keys/{name}/limits")
-async def key_limits(name: str, registry: RegistryDep, _: AdminActor) -> LimitInfo:
-    return await call_registry(registry.limits.get, "key", name)
+async def key_limits(name: str, state: StateDep, _: AdminActor) -> LimitInfo:
+    return await read_registry(state, state.registry.limits.get, "key", name)
 
 
 @router.patch("/keys/{name}/limits")
-async def set_key_limits(name: str, body: LimitsBody, registry: RegistryDep, actor: AdminActor) -> LimitInfo:
+async def set_key_limits(name: str, body: LimitsBody, state: StateDep, actor: AdminActor) -> LimitInfo:
     """Change API key `name`'s limits (404 for an unknown key)."""
-    return await _set(registry, "key", name, body, actor)
+    return await _set(state, "key", name, body, actor)

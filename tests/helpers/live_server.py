@@ -53,7 +53,7 @@ def start_server(
 ) -> LiveServer:
     """Start a server for `model` with its registry in `data_dir`; returns once /health answers 200.
     `settings_overrides` sets `ServerSettings` fields (e.g. require_api_key); `env` adds `LORAPLEX_*`
-    variables (e.g. LORAPLEX_REDIS_URL)."""
+    variables (e.g. `LORAPLEX_DATABASE_URL`, `LORAPLEX_REDIS_URL`)."""
     env = {"LORAPLEX_DATA_DIR": str(data_dir)} | (env or {})
     kwargs = dict(device="cpu", dtype="float32", max_lora_rank=32, num_kv_blocks=256) | engine_kwargs
     settings = ServerSettings.build(
@@ -61,7 +61,10 @@ def start_server(
     )
     settings.port = free_port()
     app = create_app(settings)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning"))
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=settings.port, log_level="warning", **settings.uvicorn_proxy_options()
+    )
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{settings.port}"

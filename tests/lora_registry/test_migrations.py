@@ -27,6 +27,8 @@ TABLES = {
     "blob_chunks",
     "usage_records",
     "rate_limits",
+    "event_outbox",
+    "admin_sessions",
 }
 
 
