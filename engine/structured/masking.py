@@ -14,28 +14,28 @@ from typing import Any
 import numpy as np
 import torch
 
-_BITS = torch.arange(32, dtype=torch.int32)
-
 
 def unpack_bitmask(bitmask: np.ndarray, vocab: int) -> torch.Tensor:
     """int32 [R, W] bitmask -> bool [R, vocab] allowed (ids >= 32 * W are not allowed)."""
-    words = torch.from_numpy(bitmask)
-    bits = ((words[:, :, None] >> _BITS) & 1).bool().reshape(words.shape[0], -1)
-    if bits.shape[1] >= vocab:
-        return bits[:, :vocab]
-    pad = torch.zeros(bits.shape[0], vocab - bits.shape[1], dtype=torch.bool)
-    return torch.cat([bits, pad], dim=1)
+    bits = np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), axis=1, bitorder="little")
+    allowed = torch.from_numpy(bits[:, :vocab]).bool()
+    if allowed.shape[1] < vocab:
+        allowed = torch.cat(
+            [allowed, torch.zeros(allowed.shape[0], vocab - allowed.shape[1], dtype=torch.bool)], 1
+        )
+    return allowed
 
 
 def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> torch.Tensor:
     """logits [S, V]; set logits[rows[i], t] = -inf where bit t of `bitmask[i]` is 0. In place; returns
     `logits`. A row whose mask allows nothing is left as it is (its matcher reports the error)."""
-    allowed = unpack_bitmask(bitmask, logits.shape[1]).to(logits.device, non_blocking=True)
+    allowed = unpack_bitmask(bitmask, logits.shape[1])
+    allowed |= ~allowed.any(dim=1, keepdim=True)
+    banned = (~allowed).to(logits.device, non_blocking=True)
+    if rows == list(range(logits.shape[0])):
+        return logits.masked_fill_(banned, float("-inf"))
     index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    any_allowed = allowed.any(dim=1, keepdim=True)
-    keep = allowed | ~any_allowed
-    logits[index] = logits[index].masked_fill(~keep, float("-inf"))
-    return logits
+    return logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(banned, float("-inf")))
 
 
 class MaskingSampler:

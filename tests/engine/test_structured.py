@@ -166,3 +166,22 @@ def test_spec_bounds_and_wire_round_trip():
     with pytest.raises(InvalidMessage) as err:
         decode_to_engine(raw)
     assert err.value.request_id == "r2"
+
+
+def test_apply_bitmask_masks_only_the_given_rows():
+    import numpy as np
+    import torch
+
+    from engine.structured.masking import apply_bitmask
+
+    logits = torch.randn(4, 70)  # wider than the 64 ids the 2-word masks cover
+    before = logits.clone()
+    bitmask = np.zeros((2, 2), dtype=np.int32)
+    bitmask[0, 0] = 0b1010  # row 1: ids 1 and 3
+    bitmask[0, 1] = 1 << 5  # row 1: id 37
+    # row 3: nothing allowed (a failed matcher) -> left as it is
+    apply_bitmask(logits, [1, 3], bitmask)
+    assert torch.equal(logits[[0, 2]], before[[0, 2]]) and torch.equal(logits[3], before[3])
+    finite = torch.isfinite(logits[1]).nonzero().flatten().tolist()
+    assert finite == [1, 3, 37]
+    assert torch.equal(logits[1, finite], before[1, finite])
