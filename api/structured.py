@@ -36,7 +36,7 @@ def schema_spec(schema: dict[str, Any], param: str) -> StructuredSpec:
     """The checked spec of JSON schema `schema`; 400 with `param` when it is too big or unsupported."""
     try:
         spec = StructuredSpec.json_schema(schema)
-    except (TypeError, ValueError) as exc:  # not serializable, or StructuredSpecError (size)
+    except (TypeError, ValueError, RecursionError) as exc:  # unserializable, too deep, too big
         raise APIError(400, f"{param}: {_reason(exc)}", param=param) from exc
     check(spec, param)
     return spec

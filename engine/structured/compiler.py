@@ -39,8 +39,8 @@ def check_spec(spec: StructuredSpec, tokenizer: Any = None) -> str:
     compile (unsupported JSON-schema keywords, invalid regex, Lark syntax errors)."""
     try:
         grammar = grammar_text(spec)
-    except (ValueError, TypeError) as exc:
-        raise StructuredSpecError(f"invalid {spec.kind}: {exc}") from exc
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise StructuredSpecError(f"invalid {spec.kind}: {exc!r}") from exc
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
     if is_error:
         raise StructuredSpecError(f"unsupported {spec.kind}: {messages[0] if messages else 'invalid'}")

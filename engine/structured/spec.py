@@ -49,8 +49,8 @@ class StructuredSpec(msgspec.Struct, frozen=True, omit_defaults=True):
         if self.kind == "json_schema":
             try:
                 schema = json.loads(self.spec)
-            except ValueError as exc:
-                raise StructuredSpecError(f"the JSON schema is not valid JSON: {exc}") from exc
+            except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
+                raise StructuredSpecError(f"the JSON schema is not valid JSON: {exc!r}") from exc
             if not isinstance(schema, dict):
                 raise StructuredSpecError("the JSON schema must be a JSON object")
 

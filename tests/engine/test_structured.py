@@ -185,3 +185,13 @@ def test_apply_bitmask_masks_only_the_given_rows():
     finite = torch.isfinite(logits[1]).nonzero().flatten().tolist()
     assert finite == [1, 3, 37]
     assert torch.equal(logits[1, finite], before[1, finite])
+
+
+def test_deeply_nested_spec_is_refused_on_the_wire():
+    raw = msgspec.msgpack.encode(
+        {"type": "add", "request_id": "deep", "prompt_token_ids": [1],
+         "params": {"structured": {"kind": "json_schema", "spec": "[" * 60000}}}
+    )  # fmt: skip
+    with pytest.raises(InvalidMessage) as err:
+        decode_to_engine(raw)
+    assert err.value.request_id == "deep"
