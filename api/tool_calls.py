@@ -133,6 +133,18 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
+def prompt_text(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+    """All the text a chat prompt is made of (contents, call arguments, tool definitions), for the
+    prompt-size check before rendering."""
+    calls = [
+        json.dumps(c["function"]["arguments"], ensure_ascii=False)
+        for m in messages
+        for c in m.get("tool_calls", [])
+    ]
+    defs = json.dumps(tools, ensure_ascii=False) if tools else ""
+    return "".join(m["content"] for m in messages) + "".join(calls) + defs
+
+
 def template_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     """Tool definitions for the chat template (OpenAI shape), or None."""
     if not body.tools:

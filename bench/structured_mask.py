@@ -279,7 +279,7 @@ def _version(dist: str) -> str:
     return version(dist)
 
 
-def engine_overhead(hf, cache: Path, batch: int = 16, max_tokens: int = 48, repeats: int = 3) -> dict:
+def engine_overhead(hf, cache: Path, batch: int = 16, max_tokens: int = 48, repeats: int = 5) -> dict:
     """Generated tokens per second of `batch` sampled sequences, unconstrained vs constrained by SCHEMA
     (best of `repeats`, interleaved), on a random 4-layer llama (hidden 256) with tokenizer `hf`."""
     import torch

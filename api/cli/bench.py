@@ -27,6 +27,10 @@ BENCHMARKS = {
         "bench.kernels_cpu",
         "CPU LoRA: torch path vs native kernel, one decode and one prefill step.",
     ),
+    "structured": (
+        "bench.structured_mask",
+        "Structured output on CPU: per-token grammar mask cost of llguidance, xgrammar, outlines-core.",
+    ),
     "peer": (
         "bench.peer_vllm",
         "loraplex vs vLLM CPU on the identical workload (needs make bench-peer-venv).",

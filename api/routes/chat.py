@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 
 import msgspec
@@ -25,7 +24,15 @@ from api.serving import (
 )
 from api.sse import sse_response
 from api.structured import response_format_spec
-from api.tool_calls import CallStream, ToolMode, parse_call, template_messages, template_tools, tool_mode
+from api.tool_calls import (
+    CallStream,
+    ToolMode,
+    parse_call,
+    prompt_text,
+    template_messages,
+    template_tools,
+    tool_mode,
+)
 
 router = APIRouter(tags=["openai"])
 ERRORS = error_responses(400, 401, 403, 404, 413, 429, 500, 503) | {
@@ -62,7 +69,7 @@ async def _chat(body: ChatCompletionRequest, request: Request, adapter: str | No
     spec = mode.spec or response_format_spec(body.response_format)
     messages = template_messages(body.messages)
     tools = template_tools(body)
-    check_prompt_chars(state, [json.dumps(messages) + json.dumps(tools)], param="messages")
+    check_prompt_chars(state, [prompt_text(messages, tools)], param="messages")
     ids = await run_in_threadpool(_render_and_encode, state.tokenizer, messages, tools)
     if not ids:
         raise APIError(400, "messages render to an empty prompt", param="messages")
@@ -134,8 +141,10 @@ async def _stream(
         finish = finish_reason(c.finish_reason) if up.finished else None
         if mode.active:
             stream = calls.setdefault(c.index, CallStream(mode))
-            for delta in stream.push(up.text, up.finished, finish):
-                out.append(choice(c.index, delta))
+            deltas = stream.push(up.text, up.finished, finish)
+            if logprobs and up.logprobs:  # the tokens' log-probabilities, whether they end up text or call
+                out.append(choice(c.index, {}, {"content": _content_logprobs(up.logprobs)}))
+            out.extend(choice(c.index, d) for d in deltas)
             if up.finished:
                 out.append(
                     choice(
