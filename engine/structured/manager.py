@@ -91,7 +91,9 @@ class StructuredOutput:
     ) -> list[tuple[Sequence, str]]:
         """Feed each constrained sequence its newest token; finish those whose grammar is complete.
         Returns (sequence, error) for the ones whose matcher refused the token."""
-        self._pending = None
+        pending, self._pending = self._pending, None
+        if pending is not None:  # the step failed before sampling: let the worker finish with the matchers
+            pending.exception()
         failed = []
         for seq in seqs:
             matcher = seq.structured

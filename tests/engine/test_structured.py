@@ -195,3 +195,10 @@ def test_deeply_nested_spec_is_refused_on_the_wire():
     with pytest.raises(InvalidMessage) as err:
         decode_to_engine(raw)
     assert err.value.request_id == "deep"
+
+
+def test_model_without_tokenizer_refuses_structured_requests(checkpoint):
+    llm = LLM(checkpoint("llama"), device="cpu", dtype="float32", num_kv_blocks=16)
+    with pytest.raises(StructuredSpecError, match="tokenizer"):
+        llm.generate([[5, 6, 7]], _schema_params())
+    assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
