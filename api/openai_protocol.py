@@ -51,6 +51,66 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# ---- structured output and tools (api/structured.py and api/tool_calls.py give them meaning) -------------
+
+MAX_TOOLS = 128
+ToolName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")]
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: ToolName
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # accepted; the schema is always enforced
+
+
+class ResponseFormat(BaseModel):
+    """`text` (no constraint), `json_object` (any JSON object) or `json_schema` (matching `json_schema`)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: ToolName
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    name: ToolName
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(BaseModel):
+    name: ToolName
+    arguments: Text  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: Name
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class SamplingFields(BaseModel):
     """The fields both generation endpoints share."""
 
@@ -70,6 +130,7 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False  # extension
     priority: int = Field(default=0, ge=PRIORITY_BOUND.lo, le=PRIORITY_BOUND.hi)  # extension
     user: Name | None = None
+    response_format: ResponseFormat | None = None
 
     @field_validator("top_k")
     @classmethod
@@ -134,6 +195,9 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Text | Annotated[list[dict[str, Any]], Field(max_length=MAX_MESSAGES)] | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None  # assistant turns
+    tool_call_id: Name | None = None  # tool turns: the call answered
+    name: Name | None = None
 
     def text(self) -> str:
         """Message content as plain text (text parts of multi-part content joined)."""
@@ -149,6 +213,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = _bounded("max_tokens", None)
     logprobs: bool = False
     top_logprobs: int | None = _bounded("logprobs", None)
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; at most one call per choice is made
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -226,6 +293,7 @@ class ChoiceLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):

@@ -32,6 +32,8 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.scheduler.output import RunnerOutput, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
+from engine.structured.manager import StructuredOutput
+from engine.structured.masking import MaskingSampler
 from engine.tokenizer import load_tokenizer
 from kernels.intmath import cdiv
 
@@ -88,6 +90,10 @@ class LLMEngine:
             config.attention_backend,
             lora_context=self.lora.step_context if self.lora is not None else None,
         )
+        self.structured = StructuredOutput(
+            self.tokenizer, self.model_config.vocab_size, self._eos_token_ids()
+        )
+        self.runner.sampler = MaskingSampler(self.runner.sampler, self.structured.masks)  # type: ignore[assignment]
         self._groups: dict[str, RequestGroup] = {}
         self._seq_to_group: dict[str, str] = {}
         self._steps = 0
@@ -150,6 +156,7 @@ class LLMEngine:
         """Queue a request; raises `ValueError` if it is malformed or could never fit in the KV cache."""
         params = params or SamplingParams()
         params.validate()
+        self.structured.check(params)  # compiles the grammar (cached); refuses a spec that does not compile
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
@@ -174,6 +181,7 @@ class LLMEngine:
             seqs.append(
                 Sequence(seq_id, ids, choice, arrival, priority, lora_request, lora_key, gen, max_total)
             )
+            self.structured.attach(seqs[-1])
         texts = [self._sequence_text(params) for _ in seqs]
         self._groups[request_id] = RequestGroup(request_id, text, ids, seqs, texts)
         for s in seqs:
@@ -295,6 +303,7 @@ class LLMEngine:
             return outputs
         if self.thread_governor is not None:
             self.thread_governor.begin()
+        self.structured.begin_step(plan)  # grammar masks are computed while the model runs
         try:
             out = self.runner.run(plan)
         except Exception:
@@ -304,6 +313,10 @@ class LLMEngine:
             self.thread_governor.end()
         progressed = self.scheduler.update(plan, out)
         self._generation_tokens += len(progressed)
+        for seq, error in self.structured.advance(progressed, self.scheduler.finish_request):
+            gid = self._seq_to_group.get(seq.seq_id)
+            if gid is not None and gid in self._groups:
+                outputs.append(self._end_with_error(gid, error))
         touched: dict[str, RequestGroup] = {}
         for seq in progressed:
             gid = self._seq_to_group.get(seq.seq_id)

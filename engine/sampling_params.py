@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import msgspec
 
+from engine.structured.spec import StructuredSpec
+
 _GREEDY_EPS = 1e-5
 INT64_MAX = 2**63 - 1
 
@@ -70,7 +72,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
 
     `temperature == 0` means greedy. `top_k == -1` and `top_p == 1.0` disable those filters. `seed` makes the
     request's sampling reproducible regardless of what else is in the batch. `logprobs=k` returns, for each
-    chosen token, its log-probability plus the `k` most likely tokens (`k = 0`: only the chosen one).
+    chosen token, its log-probability plus the `k` most likely tokens (`k = 0`: only the chosen one);
+    with `structured` set they are those of the grammar-masked distribution.
     Every field has a declared range (`BOUNDS`); out of range raises `SamplingParamsError` naming it.
     """
 
@@ -84,6 +87,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured: StructuredSpec | None = None  # constrain the output (engine.structured); None: free text
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -116,6 +120,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
                 raise SamplingParamsError(
                     "stop_token_ids", f"token ids must be integers in [0, {MAX_TOKEN_ID}]"
                 )
+        if self.structured is not None and not isinstance(self.structured, StructuredSpec):
+            raise SamplingParamsError("structured", "must be a StructuredSpec or None")
 
     def choices(self) -> list[SamplingParams]:
         """The `n` single-choice params of this request: choice j samples with `n=1` and seed `seed + j`

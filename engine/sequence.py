@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -63,6 +64,7 @@ class Sequence:
     logprobs: list[dict[int, Logprob]] | None = None
     text: str = ""
     first_token_time: float | None = None
+    structured: Any = None  # the grammar matcher of a constrained sequence (engine.structured)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -31,6 +31,10 @@ BENCHMARKS = {
         "bench.accounting_overhead",
         "Per-request cost of rate limiting (in-process, Redis) and usage recording.",
     ),
+    "structured": (
+        "bench.structured_mask",
+        "Structured output on CPU: per-token grammar mask cost of llguidance, xgrammar, outlines-core.",
+    ),
     "peer": (
         "bench.peer_vllm",
         "loraplex vs vLLM CPU on the identical workload (needs make bench-peer-venv).",

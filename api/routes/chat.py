@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
@@ -22,6 +23,16 @@ from api.serving import (
     usage,
 )
 from api.sse import sse_response
+from api.structured import response_format_spec
+from api.tool_calls import (
+    CallStream,
+    ToolMode,
+    parse_call,
+    prompt_text,
+    template_messages,
+    template_tools,
+    tool_mode,
+)
 
 router = APIRouter(tags=["openai"])
 ERRORS = error_responses(400, 401, 403, 404, 413, 429, 500, 503) | {
@@ -54,26 +65,30 @@ async def _chat(body: ChatCompletionRequest, request: Request, adapter: str | No
             param="messages",
         )
     check_choices(state, 1, body.n)
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    check_prompt_chars(state, ["".join(m["content"] for m in messages)], param="messages")
-    ids = await run_in_threadpool(_render_and_encode, state.tokenizer, messages)
+    mode = tool_mode(body)
+    spec = mode.spec or response_format_spec(body.response_format)
+    messages = template_messages(body.messages)
+    tools = template_tools(body)
+    check_prompt_chars(state, [prompt_text(messages, tools)], param="messages")
+    ids = await run_in_threadpool(_render_and_encode, state.tokenizer, messages, tools)
     if not ids:
         raise APIError(400, "messages render to an empty prompt", param="messages")
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(state, body, [ids], body.token_limit(), top)
+    if spec is not None:
+        params = msgspec.structs.replace(params, structured=spec)
     gen = Generation(state.client, state.tokenizer, [ids], params, target.lora, body.priority)
     run = RequestRun(request, target, gen, len(ids))
     head = {"id": f"chatcmpl-{gen.id}", "created": int(time.time()), "model": target.model_name}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await _stream(run, head, include_usage, len(ids), top is not None)
+        return await _stream(run, head, include_usage, len(ids), top is not None, mode)
     await run.collect()
     choices = [
-        {
+        _message(mode, c.text, finish_reason(c.finish_reason))
+        | {
             "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
             "logprobs": {"content": _content_logprobs(c.logprobs)} if top is not None else None,
-            "finish_reason": finish_reason(c.finish_reason),
         }
         for c in gen.choices
     ]
@@ -82,9 +97,19 @@ async def _chat(body: ChatCompletionRequest, request: Request, adapter: str | No
     )
 
 
-def _render_and_encode(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """Prompt token ids of `messages` under the chat template (runs in a worker thread)."""
-    return tokenizer.encode(render_chat(tokenizer, messages), add_special_tokens=False)
+def _render_and_encode(tokenizer, messages: list[dict], tools: list[dict] | None) -> list[int]:
+    """Prompt token ids of `messages` (and `tools`) under the chat template (runs in a worker thread)."""
+    return tokenizer.encode(render_chat(tokenizer, messages, tools), add_special_tokens=False)
+
+
+def _message(mode: ToolMode, text: str, finish: str | None) -> dict:
+    """`message` and `finish_reason` of a finished choice: a tool call when the tool mode finds one in a
+    reply that ended by itself, else the text."""
+    call = parse_call(text, mode.tools) if mode.active and finish == "stop" else None
+    if call is not None:
+        message = {"role": "assistant", "content": None, "tool_calls": [call]}
+        return {"message": message, "finish_reason": "tool_calls"}
+    return {"message": {"role": "assistant", "content": text}, "finish_reason": finish}
 
 
 def _content_logprobs(lps: list[TokenLogprob]) -> list[dict]:
@@ -96,9 +121,12 @@ def _content_logprobs(lps: list[TokenLogprob]) -> list[dict]:
     return [entry(lp.token, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
 
 
-async def _stream(run: RequestRun, head: dict, include_usage: bool, n_prompt: int, logprobs: bool):
+async def _stream(
+    run: RequestRun, head: dict, include_usage: bool, n_prompt: int, logprobs: bool, mode: ToolMode
+):
     chunk = head | {"object": "chat.completion.chunk"}
     started: set[int] = set()
+    calls: dict[int, CallStream] = {}
 
     def choice(index: int, delta: dict, lp: dict | None = None, finish: str | None = None) -> dict:
         return chunk | {
@@ -110,11 +138,25 @@ async def _stream(run: RequestRun, head: dict, include_usage: bool, n_prompt: in
         if c.index not in started:
             started.add(c.index)
             out.append(choice(c.index, {"role": "assistant", "content": ""}))
+        finish = finish_reason(c.finish_reason) if up.finished else None
+        if mode.active:
+            stream = calls.setdefault(c.index, CallStream(mode))
+            deltas = stream.push(up.text, up.finished, finish)
+            if logprobs and up.logprobs:  # the tokens' log-probabilities, whether they end up text or call
+                out.append(choice(c.index, {}, {"content": _content_logprobs(up.logprobs)}))
+            out.extend(choice(c.index, d) for d in deltas)
+            if up.finished:
+                out.append(
+                    choice(
+                        c.index, {}, finish="tool_calls" if stream.is_call and finish == "stop" else finish
+                    )
+                )
+            return out
         if up.text or up.logprobs:
             lp = {"content": _content_logprobs(up.logprobs)} if logprobs else None
             out.append(choice(c.index, {"content": up.text}, lp))
         if up.finished:
-            out.append(choice(c.index, {}, finish=finish_reason(c.finish_reason)))
+            out.append(choice(c.index, {}, finish=finish))
         return out
 
     def tail() -> list[dict]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
@@ -20,6 +21,7 @@ from api.serving import (
     usage,
 )
 from api.sse import sse_response
+from api.structured import response_format_spec
 
 router = APIRouter(tags=["openai"])
 ERRORS = error_responses(400, 401, 403, 404, 413, 429, 500, 503) | {
@@ -47,8 +49,11 @@ async def _complete(body: CompletionRequest, request: Request, adapter: str | No
     target = await resolve_target(request, body.model, adapter)
     raw_prompts = body.prompts()
     check_choices(state, len(raw_prompts), body.n)
+    spec = response_format_spec(body.response_format)
     prompts = await tokenize_prompts(state, raw_prompts)
     params = sampling_params(state, body, prompts, body.max_tokens, body.logprobs)
+    if spec is not None:
+        params = msgspec.structs.replace(params, structured=spec)
     gen = Generation(state.client, state.tokenizer, prompts, params, target.lora, body.priority)
     n_prompt = sum(len(p) for p in prompts)
     run = RequestRun(request, target, gen, n_prompt)
