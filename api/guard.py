@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import logging
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from api.auth import verify_key
 from api.errors import APIError, error_response
+from api.http_middleware import HTTPMiddleware
 from lora_registry.errors import RegistryError
 
 log = logging.getLogger("loraplex.errors")
@@ -31,14 +32,8 @@ UPLOAD_ROUTES = ("/admin/api/adapters", "/admin/adapters")
 DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 
 
-class RequestGuard:
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+class RequestGuard(HTTPMiddleware):
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
 
         async def tracked_send(message: Message) -> None:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from contextvars import ContextVar
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
+
+from api.http_middleware import HTTPMiddleware, with_headers
 
 HEADER = "x-loraplex-replica"
 _replicas: ContextVar[list[str] | None] = ContextVar("loraplex_replicas", default=None)
@@ -23,21 +25,14 @@ def note_replica(replica: str) -> None:
         seen.append(replica)
 
 
-class ReplicaHeaderMiddleware:
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+class ReplicaHeaderMiddleware(HTTPMiddleware):
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         seen: list[str] = []
         token = _replicas.set(seen)
 
         async def send_with_header(message: Message) -> None:
             if message["type"] == "http.response.start" and seen:
-                headers = [*message.get("headers", []), (HEADER.encode(), ",".join(seen).encode())]
-                message = {**message, "headers": headers}
+                message = with_headers(message, {HEADER: ",".join(seen)})
             await send(message)
 
         try:

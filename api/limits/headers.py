@@ -11,7 +11,9 @@ middleware adds them when the answer starts. A 429 carries them (and `Retry-Afte
 
 from __future__ import annotations
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
+
+from api.http_middleware import HTTPMiddleware, with_headers
 
 STATE_KEY = "ratelimit_headers"
 
@@ -34,24 +36,15 @@ def limit_headers(what: str, limit: int, remaining: float, reset_seconds: float)
     }
 
 
-class RateLimitHeaders:
+class RateLimitHeaders(HTTPMiddleware):
     """ASGI middleware: add the headers a limiter decision left in `scope["state"]` to the answer."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
                 extra = (scope.get("state") or {}).get(STATE_KEY)
                 if extra:
-                    present = {k.lower() for k, _ in message.get("headers", [])}
-                    added = [(k.encode(), v.encode()) for k, v in extra.items() if k.encode() not in present]
-                    message = {**message, "headers": [*message.get("headers", []), *added]}
+                    message = with_headers(message, extra)
             await send(message)
 
         await self.app(scope, receive, send_with_headers)
