@@ -32,6 +32,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.scheduler.output import RunnerOutput, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
+from engine.spec import SpecDecoder, make_spec_decoder
 from engine.tokenizer import load_tokenizer
 from kernels.intmath import cdiv
 
@@ -87,6 +88,9 @@ class LLMEngine:
             config.seed,
             config.attention_backend,
             lora_context=self.lora.step_context if self.lora is not None else None,
+        )
+        self.spec: SpecDecoder | None = make_spec_decoder(
+            config.speculative_config(), target=self.model_config, device=self.device, engine_config=config
         )
         self._groups: dict[str, RequestGroup] = {}
         self._seq_to_group: dict[str, str] = {}
@@ -302,8 +306,10 @@ class LLMEngine:
             outputs += failed
         if self.thread_governor is not None:
             self.thread_governor.end()
+        if self.spec is not None:
+            self.spec.observe(plan, out)
         progressed = self.scheduler.update(plan, out)
-        self._generation_tokens += len(progressed)
+        self._generation_tokens += sum(max(1, s.num_new_tokens) for s in progressed)
         touched: dict[str, RequestGroup] = {}
         for seq in progressed:
             gid = self._seq_to_group.get(seq.seq_id)
@@ -324,14 +330,26 @@ class LLMEngine:
             outputs.append(ro)
             if ro.finished:
                 self._forget(gid)
+        if self.spec is not None:
+            self._propose()
         return outputs
+
+    def _propose(self) -> None:
+        """Speculative proposals for the next step; a proposer that fails only turns speculation off for
+        this step (the target still decodes every sequence)."""
+        assert self.spec is not None
+        try:
+            self.spec.propose(self.scheduler.running)
+        except Exception:
+            for seq in self.scheduler.running:
+                seq.spec_token_ids = []
 
     def _run_isolated(
         self, plan: SchedulerOutput
     ) -> tuple[SchedulerOutput, RunnerOutput, list[RequestOutput]]:
         """The batch raised: run each scheduled sequence alone, end those that raise again with an error,
         and return the plan and output of the ones that ran."""
-        kept, sampled, failed = [], [], []
+        kept, sampled, spec_tokens, failed = [], [], [], []
         for item in plan.scheduled:
             seq = item.seq
             if seq.is_finished:
@@ -347,11 +365,13 @@ class LLMEngine:
                 continue
             kept.append(item)
             sampled.append(one.sampled[0])
+            spec_tokens.append(one.spec_tokens[0] if one.spec_tokens is not None else None)
         # a sequence that ran may belong to a request (n > 1) that a later failure of its sibling ended
         alive = [i for i, it in enumerate(kept) if not it.seq.is_finished]
         kept, sampled = [kept[i] for i in alive], [sampled[i] for i in alive]
+        spec_tokens = [spec_tokens[i] for i in alive]
         tokens = sum(it.num_tokens for it in kept)
-        return SchedulerOutput(kept, tokens, plan.preempted), RunnerOutput(sampled), failed
+        return SchedulerOutput(kept, tokens, plan.preempted), RunnerOutput(sampled, spec_tokens), failed
 
     def _end_with_error(self, gid: str, error: str) -> RequestOutput:
         """End every sequence of group `gid` (freeing its KV blocks and adapter pin) and report `error`."""
@@ -369,6 +389,19 @@ class LLMEngine:
 
     def get_stats(self) -> EngineStats:
         kv = self.kv.stats()
+        stats = self._base_stats(kv)
+        if self.spec is not None:
+            total = self.spec.stats.total()
+            stats.spec_proposed_tokens = total.proposed
+            stats.spec_accepted_tokens = total.accepted
+            stats.spec_verifications = total.verifications
+            stats.spec_by_adapter = {
+                name: [s.proposed, s.accepted, s.verifications]
+                for name, s in self.spec.stats.by_adapter.items()
+            }
+        return stats
+
+    def _base_stats(self, kv) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),

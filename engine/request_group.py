@@ -23,12 +23,22 @@ class RequestGroup:
     texts: list[SequenceText | None]
 
     def detokenize(self, seq: Sequence, finish: Callable[[Sequence, SequenceStatus], None]) -> None:
-        """Append the text of `seq`'s newest token; on a stop string cut the text and `finish` it."""
+        """Append the text of `seq`'s new tokens (several when speculative tokens were accepted), one at
+        a time; on a stop string cut the text, drop the tokens after it, and `finish` the sequence."""
         text = self.texts[self.seqs.index(seq)]
         if text is None:
             return
         stopped_by_token = seq.is_finished and seq.finish_reason == "stop"
-        hit = text.push(seq.output_token_ids[-1], check_stops=not stopped_by_token)
+        num_new = max(1, seq.num_new_tokens)
+        first = seq.num_output_tokens - num_new
+        new = seq.output_token_ids[first:]
+        hit = None
+        for j, tok in enumerate(new):
+            # a stop token's own text is never searched for stop strings
+            hit = text.push(tok, check_stops=not (stopped_by_token and j == len(new) - 1))
+            if hit is not None:
+                seq.truncate_output(first + j + 1)
+                break
         seq.text = text.text
         if hit is None:
             return
