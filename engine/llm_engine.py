@@ -290,6 +290,7 @@ class LLMEngine:
         that request, reported with `error` set; its KV blocks and adapter pin are released and every
         other request carries on.
         """
+        t_start = time.perf_counter()
         outputs = self._fail_adapter_requests()
         outputs += self._prepare_adapters()
         plan = self.scheduler.schedule()
@@ -331,6 +332,8 @@ class LLMEngine:
             if ro.finished:
                 self._forget(gid)
         if self.spec is not None:
+            new_tokens = sum(max(1, s.num_new_tokens) for s in progressed)
+            self.spec.end_step(plan.num_batched_tokens, time.perf_counter() - t_start, new_tokens)
             self._propose()
         return outputs
 

@@ -1,49 +1,60 @@
 """Per-sequence adaptive `k`: speculate only while it pays, back off exponentially when it does not.
 
-A verification step with `k` proposed tokens costs `k` extra query rows and yields `1 + accepted`
-tokens. Each sequence keeps an exponential moving average of the tokens it accepts per verification:
+Each sequence estimates the probability `alpha` that one of its proposed tokens is accepted (geometric
+model: a verification of k proposals that accepted `a < k` saw a accepts and one rejection; one that
+accepted all k saw k accepts), from exponentially decayed counts plus a weak prior. Given the engine's
+current break-even probability `theta` (engine/spec/cost.py), the j-th proposal is worth its row when
+alpha^j > theta, so
 
-    ema <- (1 - w) * ema + w * accepted
-    next k = clamp(ceil(ema) + 1, 1, k_max)          (propose a little past what usually lands)
-    if ema < min_accept: pause for `backoff` steps, then probe again with k = 1;
-                         a probe that fails doubles `backoff` (up to max_backoff), one that pays resets it
+    k = max { j <= k_max : alpha^j > theta }
 
-Steps where the proposer found nothing cost nothing and change nothing.
+When k is 0 the sequence pauses for `backoff` steps, then probes with one proposal; a probe that is
+rejected doubles the next pause (up to `max_backoff`), one that is accepted resets it. Steps where the
+proposer found nothing cost nothing and change nothing.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-_WEIGHT = 0.5
+_DECAY = 0.8  # weight of older verifications
+_PRIOR_ACCEPT, _PRIOR_REJECT = 0.7, 0.3  # pseudo-counts: optimistic enough to try k > 1 at first
 
 
 @dataclass(slots=True)
 class SpecState:
     k_max: int
-    min_accept: float = 0.5
     max_backoff: int = 64
-    ema: float = -1.0  # < 0: no verification yet (optimistic start at k_max)
+    accepts: float = 0.0  # decayed counts of accepted and rejected proposals
+    rejects: float = 0.0
     paused: int = 0  # steps left without speculation
     backoff: int = 2  # length of the next pause
-    probing: bool = False  # the next verification decides whether the pause was right
+    probing: bool = False  # the next step proposes one token to re-measure alpha
     proposed: int = 0  # totals, for statistics
     accepted: int = 0
     verifications: int = 0
 
-    def next_k(self) -> int:
+    @property
+    def alpha(self) -> float:
+        """Estimated probability that a proposed token is accepted."""
+        return (self.accepts + _PRIOR_ACCEPT) / (self.accepts + self.rejects + _PRIOR_ACCEPT + _PRIOR_REJECT)
+
+    def next_k(self, theta: float) -> int:
         """How many tokens to propose this step (0: do not speculate now)."""
         if self.paused > 0:
             self.paused -= 1
-            if self.paused == 0:
-                self.probing = True
+            self.probing = self.paused == 0
             return 0
         if self.probing:
             return 1
-        if self.ema < 0:
-            return self.k_max
-        return max(1, min(self.k_max, math.ceil(self.ema) + 1))
+        k, p = 0, self.alpha
+        while k < self.k_max and p > theta:
+            k += 1
+            p *= self.alpha
+        if k == 0:
+            self.paused = self.backoff
+            self.backoff = min(self.backoff * 2, self.max_backoff)
+        return k
 
     def record(self, proposed: int, accepted: int) -> None:
         """One verification of `proposed` tokens accepted `accepted` of them."""
@@ -52,16 +63,9 @@ class SpecState:
         self.proposed += proposed
         self.accepted += accepted
         self.verifications += 1
+        self.accepts = _DECAY * self.accepts + accepted
+        self.rejects = _DECAY * self.rejects + (1 if accepted < proposed else 0)
         if self.probing:
             self.probing = False
-            if accepted == 0:
-                self.paused = self.backoff
-                self.backoff = min(self.backoff * 2, self.max_backoff)
-                return
-            self.backoff = 2
-            self.ema = float(accepted)
-            return
-        self.ema = float(accepted) if self.ema < 0 else (1 - _WEIGHT) * self.ema + _WEIGHT * accepted
-        if self.ema < self.min_accept:
-            self.paused = self.backoff
-            self.backoff = min(self.backoff * 2, self.max_backoff)
+            if accepted > 0:
+                self.backoff = 2

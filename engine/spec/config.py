@@ -18,11 +18,12 @@ class SpeculativeConfig:
     draft_path: str | None = None
     ngram_min: int = 1  # shortest suffix n-gram looked up
     ngram_max: int = 4  # longest suffix n-gram looked up (the longest match wins)
-    # Adaptive k (engine/spec/adaptive.py): a sequence whose recent verifications accepted fewer than
-    # `min_accept` tokens on average stops speculating for `backoff` steps (doubling up to
-    # `max_backoff` while probes keep failing).
-    min_accept: float = 0.5
+    # Adaptive k (engine/spec/adaptive.py, cost.py): a sequence proposes only tokens likely enough to be
+    # accepted to pay for their rows; one that should not speculate pauses, probing again after a pause
+    # that doubles up to `max_backoff` steps. `cost_prior`: the break-even acceptance probability
+    # assumed until the engine has timed enough steps.
     max_backoff: int = 64
+    cost_prior: float = 0.2
 
     @classmethod
     def parse(cls, speculative: str | None, num_tokens: int) -> SpeculativeConfig | None:

@@ -4,6 +4,7 @@
     out = runner.run(plan)               # the target verifies them in the same forward (verify.py)
     spec.observe(plan, out)              # acceptance per sequence (adaptive k) and per adapter (metrics)
     scheduler.update(plan, out)          # appends the emitted tokens, rolls back rejected KV blocks
+    spec.end_step(rows, seconds, tokens) # what the step cost (the break-even acceptance, cost.py)
     spec.propose(scheduler.running)      # proposals for the next step, k chosen per sequence
 
 The scheduler never calls a proposer: it only reads `seq.spec_token_ids`.
@@ -17,6 +18,7 @@ from engine.scheduler.output import RunnerOutput, SchedulerOutput
 from engine.sequence import Sequence
 from engine.spec.adaptive import SpecState
 from engine.spec.config import SpeculativeConfig
+from engine.spec.cost import StepCostModel
 from engine.spec.proposer import Proposer
 
 
@@ -50,6 +52,11 @@ class SpecDecoder:
         self.config = config
         self.proposer = proposer
         self.stats = SpecStats()
+        self.cost = StepCostModel(prior=config.cost_prior)
+
+    def end_step(self, rows: int, seconds: float, tokens: int) -> None:
+        """A finished step's size, duration and emitted tokens (for the break-even acceptance)."""
+        self.cost.observe(rows, seconds, tokens)
 
     def observe(self, plan: SchedulerOutput, out: RunnerOutput) -> None:
         """Record, for every item that verified proposed tokens, how many the target accepted."""
@@ -71,14 +78,15 @@ class SpecDecoder:
         """Set `spec_token_ids` of each running sequence whose next step is a decode."""
         seqs, ks = [], []
         cfg = self.config
+        theta = self.cost.theta()
         for seq in running:
             seq.spec_token_ids = []
             if seq.is_finished or seq.num_tokens - seq.num_computed_tokens != 1:
                 continue
             if seq.spec is None:
-                seq.spec = SpecState(cfg.num_tokens, cfg.min_accept, cfg.max_backoff)
+                seq.spec = SpecState(cfg.num_tokens, cfg.max_backoff)
             left = min(seq.params.max_tokens - seq.num_output_tokens, seq.max_total_tokens - seq.num_tokens)
-            k = min(seq.spec.next_k(), left - 1)
+            k = min(seq.spec.next_k(theta), left - 1)
             if k > 0:
                 seqs.append(seq)
                 ks.append(k)

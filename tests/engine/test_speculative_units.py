@@ -14,6 +14,7 @@ from engine.scheduler.output import RunnerOutput, SampledToken
 from engine.sequence import Sequence
 from engine.spec.adaptive import SpecState
 from engine.spec.config import SpeculativeConfig
+from engine.spec.cost import StepCostModel
 from engine.spec.ngram import NgramProposer, lookup
 
 
@@ -41,25 +42,45 @@ def test_ngram_proposer_respects_each_k():
         NgramProposer(3, 2)
 
 
-def test_adaptive_k_backs_off_exponentially_and_recovers():
-    st = SpecState(k_max=4, min_accept=0.5, max_backoff=8)
-    assert st.next_k() == 4  # optimistic start
-    st.record(4, 4)
-    assert st.next_k() == 4
-    st.record(4, 1)  # ema 2.5
-    assert st.next_k() == 4
-    st.record(4, 0)  # ema 1.25 -> k = 3
-    assert st.next_k() == 3
-    st.record(3, 0)  # ema 0.625
-    st.record(3, 0)  # ema 0.31 < 0.5: pause 2 steps
-    assert [st.next_k() for _ in range(3)] == [0, 0, 1]  # then a probe with k = 1
-    st.record(1, 0)  # failed probe: pause 4 (doubled)
-    assert [st.next_k() for _ in range(5)] == [0, 0, 0, 0, 1]
-    st.record(1, 0)  # pause 8 (the cap)
-    assert [st.next_k() for _ in range(9)] == [0] * 8 + [1]
-    st.record(1, 1)  # a probe that pays resumes speculation and resets the back-off
-    assert st.next_k() == 2 and st.backoff == 2
-    assert (st.proposed, st.accepted) == (21, 6)
+def test_adaptive_k_follows_acceptance_and_the_break_even_probability():
+    st = SpecState(k_max=4, max_backoff=8)
+    assert st.alpha == pytest.approx(0.7)  # the prior
+    assert st.next_k(theta=0.2) == 4  # 0.7^4 = 0.24 > 0.2
+    assert st.next_k(theta=0.5) == 1  # 0.7^2 = 0.49 < 0.5
+    for _ in range(5):
+        st.record(4, 4)  # everything accepted: alpha -> 1
+    assert st.alpha > 0.9 and st.next_k(theta=0.6) == 4
+    for _ in range(15):
+        st.record(4, 0)  # nothing accepted: alpha drops
+    assert st.alpha < 0.3
+    assert st.next_k(theta=0.1) >= 1  # cheap rows: still worth a try
+    assert st.next_k(theta=0.5) == 0  # expensive rows: pause 2 more steps, then probe with k = 1
+    assert [st.next_k(0.5) for _ in range(3)] == [0, 0, 1]
+    st.record(1, 0)  # failed probe: this step decides 0 again and pauses 4 more (doubled)
+    assert [st.next_k(0.5) for _ in range(6)] == [0] * 5 + [1]
+    st.record(1, 0)  # then 8, the cap
+    assert [st.next_k(0.5) for _ in range(10)] == [0] * 9 + [1]
+    st.record(1, 0)
+    assert st.next_k(0.5) == 0 and st.paused == 8
+    assert (st.proposed, st.verifications) == (83, 23)
+
+
+def test_break_even_probability_is_fitted_from_step_times():
+    cost = StepCostModel(prior=0.3)
+    assert cost.theta() == 0.3  # no data yet
+    for _ in range(10):
+        cost.observe(8, 0.006, 8)  # R never varies: b cannot be fitted
+    assert cost.theta() == 0.3
+    for rows in (8, 16, 32, 8, 16, 32, 8, 16, 32):
+        cost.observe(rows, 0.002 + 0.0005 * rows, 8)  # a = 2 ms, b = 0.5 ms per row
+    assert cost.row_seconds() == pytest.approx(0.0005, rel=1e-6)
+    # 8 tokens per step in about 2 + 0.5 * mean(R) ms: theta = b * 8 / t
+    mean_t = cost.st / cost.w
+    assert cost.theta() == pytest.approx(0.0005 * 8 / mean_t, rel=1e-6)
+    free = StepCostModel()
+    for rows in (1, 5, 9) * 5:
+        free.observe(rows, 0.003, 1)  # extra rows cost nothing (memory-bound decode)
+    assert free.theta() == free.min_theta
 
 
 def test_options_are_validated():
