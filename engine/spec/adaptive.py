@@ -2,7 +2,9 @@
 
 Each sequence estimates the probability `alpha` that one of its proposed tokens is accepted (geometric
 model: a verification of k proposals that accepted `a < k` saw a accepts and one rejection; one that
-accepted all k saw k accepts), from exponentially decayed counts plus a weak prior. Given the engine's
+accepted all k saw k accepts), from exponentially decayed counts plus a weak prior: the acceptance its
+adapter's sequences have seen lately (`AdapterPrior`; acceptance depends mostly on the task, so a new
+sequence on an adapter whose proposals are rarely accepted starts cautious). Given the engine's
 current break-even probability `theta` (engine/spec/cost.py), the j-th proposal is worth its row when
 alpha^j > theta, so
 
@@ -18,13 +20,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 _DECAY = 0.8  # weight of older verifications
-_PRIOR_ACCEPT, _PRIOR_REJECT = 0.7, 0.3  # pseudo-counts: optimistic enough to try k > 1 at first
+_PRIOR_WEIGHT = 1.0  # pseudo-counts of the prior
+_FIRST_ALPHA = 0.7  # before an adapter has any verification: optimistic enough to try k > 1
+
+
+@dataclass(slots=True)
+class AdapterPrior:
+    """Decayed acceptance counts over all sequences of one adapter (or of the base model)."""
+
+    accepts: float = 0.0
+    rejects: float = 0.0
+
+    def alpha(self) -> float:
+        total = self.accepts + self.rejects
+        return _FIRST_ALPHA if total < 1 else self.accepts / total
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.accepts = 0.95 * self.accepts + accepted
+        self.rejects = 0.95 * self.rejects + (1 if accepted < proposed else 0)
 
 
 @dataclass(slots=True)
 class SpecState:
     k_max: int
     max_backoff: int = 64
+    prior_alpha: float = _FIRST_ALPHA
     accepts: float = 0.0  # decayed counts of accepted and rejected proposals
     rejects: float = 0.0
     paused: int = 0  # steps left without speculation
@@ -37,7 +57,8 @@ class SpecState:
     @property
     def alpha(self) -> float:
         """Estimated probability that a proposed token is accepted."""
-        return (self.accepts + _PRIOR_ACCEPT) / (self.accepts + self.rejects + _PRIOR_ACCEPT + _PRIOR_REJECT)
+        prior = _PRIOR_WEIGHT * self.prior_alpha
+        return (self.accepts + prior) / (self.accepts + self.rejects + _PRIOR_WEIGHT)
 
     def next_k(self, theta: float) -> int:
         """How many tokens to propose this step (0: do not speculate now)."""

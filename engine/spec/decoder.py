@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from engine.scheduler.output import RunnerOutput, SchedulerOutput
 from engine.sequence import Sequence
-from engine.spec.adaptive import SpecState
+from engine.spec.adaptive import AdapterPrior, SpecState
 from engine.spec.config import SpeculativeConfig
 from engine.spec.cost import StepCostModel
 from engine.spec.proposer import Proposer
@@ -53,6 +53,7 @@ class SpecDecoder:
         self.proposer = proposer
         self.stats = SpecStats()
         self.cost = StepCostModel(prior=config.cost_prior)
+        self.priors: dict[str | None, AdapterPrior] = {}  # by adapter digest (None: base model)
 
     def end_step(self, rows: int, seconds: float, tokens: int) -> None:
         """A finished step's size, duration and emitted tokens (for the break-even acceptance)."""
@@ -68,6 +69,7 @@ class SpecDecoder:
             seq = item.seq
             if seq.spec is not None:
                 seq.spec.record(proposed, accepted)
+            self.priors.setdefault(seq.lora_key, AdapterPrior()).record(proposed, accepted)
             name = seq.lora_request.name if seq.lora_request is not None else ""
             st = self.stats.by_adapter.setdefault(name, AdapterSpecStats())
             st.proposed += proposed
@@ -84,7 +86,9 @@ class SpecDecoder:
             if seq.is_finished or seq.num_tokens - seq.num_computed_tokens != 1:
                 continue
             if seq.spec is None:
-                seq.spec = SpecState(cfg.num_tokens, cfg.max_backoff)
+                prior = self.priors.get(seq.lora_key)
+                alpha = prior.alpha() if prior is not None else AdapterPrior().alpha()
+                seq.spec = SpecState(cfg.num_tokens, cfg.max_backoff, prior_alpha=alpha)
             left = min(seq.params.max_tokens - seq.num_output_tokens, seq.max_total_tokens - seq.num_tokens)
             k = min(seq.spec.next_k(theta), left - 1)
             if k > 0:
