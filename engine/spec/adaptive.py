@@ -11,8 +11,10 @@ alpha^j > theta, so
     k = max { j <= k_max : alpha^j > theta }
 
 When k is 0 the sequence pauses for `backoff` steps, then probes with one proposal; a probe that is
-rejected doubles the next pause (up to `max_backoff`), one that is accepted resets it. Steps where the
-proposer found nothing cost nothing and change nothing.
+rejected doubles the next pause (up to `max_backoff`), one that is accepted resets it. A new sequence
+starts from its adapter's current pause, so short requests on an adapter whose proposals keep failing
+do not each pay for their own probes. Steps where the proposer found nothing cost nothing and change
+nothing.
 """
 
 from __future__ import annotations
@@ -30,14 +32,20 @@ class AdapterPrior:
 
     accepts: float = 0.0
     rejects: float = 0.0
+    backoff: int = 2  # the pause a new sequence of this adapter starts from (grows with failed probes)
 
     def alpha(self) -> float:
         total = self.accepts + self.rejects
         return _FIRST_ALPHA if total < 1 else self.accepts / total
 
-    def record(self, proposed: int, accepted: int) -> None:
+    def record(self, proposed: int, accepted: int, probe: bool, max_backoff: int) -> None:
+        """One verification on this adapter; `probe`: the sequence was probing after a pause."""
         self.accepts = 0.95 * self.accepts + accepted
         self.rejects = 0.95 * self.rejects + (1 if accepted < proposed else 0)
+        if accepted:
+            self.backoff = 2
+        elif probe:
+            self.backoff = min(self.backoff * 2, max_backoff)
 
 
 @dataclass(slots=True)

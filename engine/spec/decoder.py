@@ -67,9 +67,11 @@ class SpecDecoder:
                 continue
             accepted = max(0, len(out.tokens(idx)) - 1)
             seq = item.seq
+            probe = seq.spec is not None and seq.spec.probing
             if seq.spec is not None:
                 seq.spec.record(proposed, accepted)
-            self.priors.setdefault(seq.lora_key, AdapterPrior()).record(proposed, accepted)
+            prior = self.priors.setdefault(seq.lora_key, AdapterPrior())
+            prior.record(proposed, accepted, probe, self.config.max_backoff)
             name = seq.lora_request.name if seq.lora_request is not None else ""
             st = self.stats.by_adapter.setdefault(name, AdapterSpecStats())
             st.proposed += proposed
@@ -86,9 +88,10 @@ class SpecDecoder:
             if seq.is_finished or seq.num_tokens - seq.num_computed_tokens != 1:
                 continue
             if seq.spec is None:
-                prior = self.priors.get(seq.lora_key)
-                alpha = prior.alpha() if prior is not None else AdapterPrior().alpha()
-                seq.spec = SpecState(cfg.num_tokens, cfg.max_backoff, prior_alpha=alpha)
+                prior = self.priors.get(seq.lora_key) or AdapterPrior()
+                seq.spec = SpecState(
+                    cfg.num_tokens, cfg.max_backoff, prior_alpha=prior.alpha(), backoff=prior.backoff
+                )
             left = min(seq.params.max_tokens - seq.num_output_tokens, seq.max_total_tokens - seq.num_tokens)
             k = min(seq.spec.next_k(theta), left - 1)
             if k > 0:
