@@ -90,7 +90,13 @@ class LLMEngine:
             lora_context=self.lora.step_context if self.lora is not None else None,
         )
         self.spec: SpecDecoder | None = make_spec_decoder(
-            config.speculative_config(), target=self.model_config, device=self.device, engine_config=config
+            config.speculative_config(),
+            target=self.model_config,
+            device=self.device,
+            dtype=self.dtype,
+            num_blocks=self.num_kv_blocks,
+            block_size=config.block_size,
+            attention_backend=config.attention_backend,
         )
         self._groups: dict[str, RequestGroup] = {}
         self._seq_to_group: dict[str, str] = {}
@@ -297,6 +303,8 @@ class LLMEngine:
         self._steps += 1
         self._last_step_tokens = plan.num_batched_tokens
         if plan.empty:
+            if self.spec is not None:  # e.g. everything was aborted: the proposer's state goes too
+                self.spec.proposer.retain({s.seq_id for s in self.scheduler.running})
             return outputs
         if self.thread_governor is not None:
             self.thread_governor.begin()
@@ -332,9 +340,9 @@ class LLMEngine:
             if ro.finished:
                 self._forget(gid)
         if self.spec is not None:
+            self._propose()  # its time counts toward the step's (a draft model's forwards)
             new_tokens = sum(max(1, s.num_new_tokens) for s in progressed)
             self.spec.end_step(plan.num_batched_tokens, time.perf_counter() - t_start, new_tokens)
-            self._propose()
         return outputs
 
     def _propose(self) -> None:

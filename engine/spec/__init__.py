@@ -8,11 +8,14 @@ __all__ = ["AdapterSpecStats", "SpecDecoder", "SpecStats", "SpeculativeConfig", 
 
 
 def make_spec_decoder(config: SpeculativeConfig | None, **draft_kwargs) -> SpecDecoder | None:
-    """The engine's speculative decoder for `config` (None: speculation off)."""
+    """The engine's speculative decoder for `config` (None: speculation off); `draft_kwargs` are the
+    `DraftProposer` arguments besides the config (target model config, device, dtype, KV geometry)."""
     if config is None:
         return None
     if config.method == "ngram":
         from engine.spec.ngram import NgramProposer
 
         return SpecDecoder(config, NgramProposer(config.ngram_min, config.ngram_max))
-    raise ValueError("speculative='draft:PATH' is not available yet; use 'ngram'")
+    from engine.spec.draft import DraftProposer
+
+    return SpecDecoder(config, DraftProposer(config, **draft_kwargs))

@@ -80,6 +80,7 @@ class SpecDecoder:
 
     def propose(self, running: list[Sequence]) -> None:
         """Set `spec_token_ids` of each running sequence whose next step is a decode."""
+        self.proposer.retain({s.seq_id for s in running})
         seqs, ks = [], []
         cfg = self.config
         theta = self.cost.theta()
@@ -101,7 +102,3 @@ class SpecDecoder:
             return
         for seq, draft in zip(seqs, self.proposer.propose(seqs, ks), strict=True):
             seq.spec_token_ids = draft
-
-    def release(self, seq: Sequence) -> None:
-        seq.spec_token_ids = []
-        self.proposer.release(seq)

@@ -45,5 +45,5 @@ class NgramProposer:
             out.append(lookup(tokens, k, self.min_n, self.max_n))
         return out
 
-    def release(self, seq: Sequence) -> None:
-        return None
+    def retain(self, alive: set[str]) -> None:
+        return None  # no per-sequence state

@@ -16,6 +16,7 @@ class Proposer(Protocol):
         Called after a step for the running sequences whose next step is a decode; `ks[i] >= 1`."""
         ...
 
-    def release(self, seq: Sequence) -> None:
-        """Forget any per-sequence state (the sequence finished, was aborted or preempted)."""
+    def retain(self, alive: set[str]) -> None:
+        """Forget per-sequence state of every sequence not in `alive` (ids of the running sequences:
+        the others finished, were aborted or preempted)."""
         ...
