@@ -5,7 +5,8 @@
 
 For every task and batch size B, the same requests (4 * B, at least 16, so continuous batching refills
 the batch of `max_num_seqs = B`) are generated greedily by two engines that differ only in
-`speculative`, alternately, best of `--repeats`. Reported: output tokens/s of each, their ratio, the
+`speculative`, alternately, `--spec-repeats` times. Reported: output tokens/s of each (best run), the
+speed-up as the ratio of the bests and as the median of the ratios of back-to-back pairs, the
 mean acceptance length (tokens emitted per verification: 1 + accepted / verifications), the fraction of
 proposed tokens accepted, steps, and whether the tokens were identical (they must be).
 
@@ -46,10 +47,18 @@ class Cell:
     mean_acceptance_length: float  # tokens per verification (1 + accepted / verifications)
     acceptance_rate: float  # accepted / proposed
     identical: bool  # greedy tokens equal with and without speculation
+    paired_speedups: list[float] = field(default_factory=list)  # per repeat: plain time / spec time
 
     @property
     def speedup(self) -> float:
+        """Best with / best without."""
         return self.spec_tok_s / self.plain_tok_s
+
+    @property
+    def median_speedup(self) -> float:
+        """Median over repeats of the ratio of two back-to-back runs (robust to load that drifts)."""
+        r = sorted(self.paired_speedups)
+        return (r[(len(r) - 1) // 2] + r[len(r) // 2]) / 2 if r else self.speedup
 
 
 @dataclass(slots=True)
@@ -63,6 +72,7 @@ class SpecBenchResult:
         d = asdict(self)
         for c, cell in zip(d["cells"], self.cells, strict=True):
             c["speedup"] = cell.speedup
+            c["median_speedup"] = cell.median_speedup
         return d
 
     def markdown(self) -> str:
@@ -70,14 +80,15 @@ class SpecBenchResult:
             f"Speculative `{self.speculative}`, k = {self.num_speculative_tokens} (adaptive), "
             f"{self.threads} thread(s); greedy.",
             "",
-            "| task | batch | requests | tok/s without | tok/s with | speed-up | mean acceptance length "
-            "| accepted / proposed | steps without / with | same tokens |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| task | batch | requests | tok/s without | tok/s with | speed-up (best) | speed-up (median "
+            "of pairs) | mean acceptance length | accepted / proposed | steps without / with | same tokens |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for c in self.cells:
             lines.append(
                 f"| {c.task} | {c.batch} | {c.requests} | {c.plain_tok_s:.0f} | {c.spec_tok_s:.0f} | "
-                f"**{c.speedup:.2f}x** | {c.mean_acceptance_length:.2f} | {c.acceptance_rate:.0%} | "
+                f"{c.speedup:.2f}x | **{c.median_speedup:.2f}x** | {c.mean_acceptance_length:.2f} | "
+                f"{c.acceptance_rate:.0%} | "
                 f"{c.plain_steps} / {c.spec_steps} | {'yes' if c.identical else 'NO'} |"
             )
         return "\n".join(lines)
@@ -139,6 +150,7 @@ def _cell(task, batch, engines, prompts, params, loras, repeats: int) -> Cell:
         (s.accepted + s.verifications) / s.verifications if s.verifications else 1.0,
         s.accepted / s.proposed if s.proposed else 0.0,
         all(a == b for run in spec for a, b in zip(p.tokens, run.tokens, strict=True)),
+        [a.seconds / b.seconds for a, b in zip(plain, spec, strict=True)],
     )
 
 
@@ -243,3 +255,7 @@ def from_args(args: argparse.Namespace) -> SpecBenchResult:
         args.workdir,
     )
     return report(result, args.json, None, None)
+
+
+if __name__ == "__main__":
+    main()
