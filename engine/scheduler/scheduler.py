@@ -12,6 +12,11 @@ Each step (`schedule`):
    is passed over without holding up the others. A sequence passed over `lora_starvation_steps` times
    because `max_loras` adapters are already running stops admission behind it until its adapter gets
    a slot.
+With speculative decoding, a running request in decode whose `spec_token_ids` were set by the proposer
+(engine/spec/) is scheduled for 1 + k rows; the k proposed rows count against the token budget but only
+from what is left after one row for each later running request, and they are dropped (before anyone is
+preempted) when the KV pool has no room for them. `update` then appends the accepted tokens one at a
+time, checking stop conditions after each, and releases the blocks of rejected rows.
 The scheduler never touches tensors and never loads adapters: it asks `is_resident`, and tells the
 engine which adapters it will want next (`adapters_wanted`); `update` applies the runner's sampled tokens.
 """

@@ -66,13 +66,14 @@ def test_mixed_adapters_stop_strings_and_metrics(server):
 
     assert wait_until(lambda: spec_metrics().get("loraplex_spec_accepted_tokens_total/", 0) > 0)
     m = spec_metrics()
-    for adapter in ("", "upper", "reverse"):
-        assert m[f"loraplex_spec_proposed_tokens_total/{adapter}"] > 0
-        assert (
-            m[f"loraplex_spec_accepted_tokens_total/{adapter}"]
-            <= m[f"loraplex_spec_proposed_tokens_total/{adapter}"]
-        )
-    assert m["loraplex_spec_mean_acceptance_length/"] > 1.5  # echo: proposals are right almost always
+    # which adapters speculate depends on their acceptance and this machine's timings (adaptive k); the
+    # base model's echo is accepted almost always, so it always does
+    labels = {key.split("/", 1)[1] for key in m}
+    assert "" in labels and labels <= {"", "upper", "reverse"}
+    for adapter in labels:
+        proposed = m[f"loraplex_spec_proposed_tokens_total/{adapter}"]
+        assert proposed > 0 and m[f"loraplex_spec_accepted_tokens_total/{adapter}"] <= proposed
+    assert m["loraplex_spec_mean_acceptance_length/"] > 1.5
 
 
 @pytest.mark.parametrize(
