@@ -8,6 +8,7 @@ sequences whose prompt blocks are shared through the prefix cache; they are repo
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections import abc
 from pathlib import Path
@@ -35,6 +36,8 @@ from engine.sequence import Sequence, SequenceStatus
 from engine.spec import SpecDecoder, make_spec_decoder
 from engine.tokenizer import load_tokenizer
 from kernels.intmath import cdiv
+
+log = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -352,6 +355,7 @@ class LLMEngine:
         try:
             self.spec.propose(self.scheduler.running)
         except Exception:
+            log.exception("speculative proposer failed; this step decodes without proposals")
             for seq in self.scheduler.running:
                 seq.spec_token_ids = []
 

@@ -156,3 +156,28 @@ def test_abort_mid_speculation_frees_every_block(engines):
 def _assert_clean(eng: LLMEngine) -> None:
     assert eng.kv.pool.num_free == eng.num_kv_blocks
     assert eng.kv.num_requests() == 0
+
+
+class _BrokenProposer:
+    def propose(self, seqs, ks):
+        raise RuntimeError("proposer bug")
+
+    def retain(self, alive):
+        return None
+
+
+def test_a_failing_proposer_only_turns_speculation_off(engines, caplog):
+    plain, spec = engines
+    params = SamplingParams(max_tokens=12, temperature=0.0, stop=["\n"])
+    working = spec.spec.proposer
+    spec.spec.proposer = _BrokenProposer()
+    try:
+        before = spec.get_stats().spec_verifications
+        a, _ = _run(plain, PROMPTS, params)
+        b, _ = _run(spec, PROMPTS, params)
+    finally:
+        spec.spec.proposer = working
+    _same(a, b)
+    assert spec.get_stats().spec_verifications == before
+    assert "speculative proposer failed" in caplog.text
+    _assert_clean(spec)
