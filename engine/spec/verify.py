@@ -34,15 +34,19 @@ def verify(
     for d in drafts:
         starts.append(starts[-1] + len(d) + 1)
     argmax = logits.argmax(dim=-1).tolist()
-    probs = _target_probs(logits, seqs, drafts)
+    emitted: list[list[int]] = [[] for _ in seqs]
+    sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if sampled:
+        probs = _target_probs(logits, seqs, drafts)
+        for i, tokens in zip(
+            sampled, _accept_sampled(probs, starts, seqs, drafts, sampled, generator), strict=True
+        ):
+            emitted[i] = tokens
     out: list[list[SampledToken]] = []
     for i, (seq, draft) in enumerate(zip(seqs, drafts, strict=True)):
-        lo = starts[i]
-        if seq.params.greedy:
-            tokens = _accept_greedy(argmax[lo : starts[i + 1]], draft)
-        else:
-            gen = seq.generator if seq.generator is not None else generator
-            tokens = _accept_sampled(probs[lo : starts[i + 1]], draft, gen)
+        tokens = (
+            emitted[i] if not seq.params.greedy else _accept_greedy(argmax[starts[i] : starts[i + 1]], draft)
+        )
         out.append([SampledToken(t) for t in tokens])
     _add_logprobs(logits, seqs, starts, out)
     return out
@@ -56,19 +60,60 @@ def _accept_greedy(target: list[int], draft: list[int]) -> list[int]:
     return draft[:a] + [target[a]]
 
 
-def _accept_sampled(p: torch.Tensor, draft: list[int], gen: torch.Generator) -> list[int]:
-    """Rejection sampling (see the module docstring); p [k+1, V] the target's processed probabilities."""
-    k = len(draft)
-    idx = torch.tensor(draft, dtype=torch.int64, device=p.device)
-    p_draft = p[:k].gather(1, idx[:, None]).squeeze(1) if k else p.new_empty(0)
-    u = torch.rand(k, generator=gen, device=p.device)
-    rejected = (u >= p_draft).tolist()
-    a = rejected.index(True) if True in rejected else k
-    row = p[a].clone()
-    if a < k:
-        row[draft[a]] = 0.0  # normalize(max(0, p - delta(d))): p without the rejected token
-    q = torch.empty_like(row).exponential_(generator=gen)
-    return draft[:a] + [int((row / q).argmax())]
+def _accept_sampled(
+    probs: torch.Tensor,
+    starts: list[int],
+    seqs: list[Sequence],
+    drafts: list[list[int]],
+    which: list[int],
+    generator: torch.Generator,
+) -> list[list[int]]:
+    """Rejection sampling (module docstring) for sequences `which`, all at once (two host syncs).
+
+    probs [R, V]: the target's processed probabilities, rows of sequence i at starts[i]:starts[i+1].
+    Row j of a sequence verifies its proposal d_{j+1} (the last row has none: the bonus token). A seeded
+    sequence draws its uniforms and its sample's noise from its own generator, in that order.
+    """
+    dev = probs.device
+    rows = torch.tensor([r for i in which for r in range(starts[i], starts[i + 1])], device=dev)
+    p = probs.index_select(0, rows)  # [R', V]
+    proposal = [t for i in which for t in [*drafts[i], -1]]  # -1: the bonus row proposes nothing
+    prop = torch.tensor(proposal, dtype=torch.int64, device=dev)
+    p_prop = p.gather(1, prop.clamp(min=0)[:, None]).squeeze(1).masked_fill(prop < 0, 0.0)
+    u = torch.empty(len(proposal), device=dev)
+    q = torch.empty(len(which), p.shape[1], device=dev)
+    u.uniform_(generator=generator)
+    q.exponential_(generator=generator)
+    lo = 0
+    for j, i in enumerate(which):
+        n = len(drafts[i]) + 1
+        gen = seqs[i].generator
+        if gen is not None:  # reproducible whatever else is in the batch
+            u[lo : lo + n].uniform_(generator=gen)
+            q[j].exponential_(generator=gen)
+        lo += n
+    accept = (u < p_prop).tolist()  # bonus rows: never (p_prop = 0)
+    final_rows, rejected = [], []
+    lo = 0
+    for i in which:
+        n = len(drafts[i]) + 1
+        a = accept[lo : lo + n].index(False)
+        final_rows.append(lo + a)
+        rejected.append(drafts[i][a] if a < n - 1 else -1)
+        lo += n
+    target = p.index_select(0, torch.tensor(final_rows, device=dev))
+    rej = torch.tensor(rejected, dtype=torch.int64, device=dev)
+    # normalize(max(0, p - delta(d))): p without the rejected proposal (nothing removed for a bonus row)
+    keep = torch.ones_like(target).scatter_(1, rej.clamp(min=0)[:, None], 0.0)
+    keep[rej < 0] = 1.0
+    picks = ((target * keep) / q).argmax(dim=-1).tolist()
+    out = []
+    lo = 0
+    for j, i in enumerate(which):
+        a = final_rows[j] - lo
+        out.append(drafts[i][:a] + [picks[j]])
+        lo += len(drafts[i]) + 1
+    return out
 
 
 def _target_probs(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor:
