@@ -91,3 +91,19 @@ def test_greedy_mixed_adapters_equal_non_speculative(arch, engine_kwargs, adapte
         assert stats.num_preemptions > 0
     assert stats.prefix_cache_hits > 0
     _assert_no_leaks(llm.engine)
+
+
+def test_verification_through_the_triton_kernels(adapters):
+    """The CUDA path (Triton paged attention + SGMV LoRA, interpreted on CPU) verifies k + 1 rows per
+    sequence next to plain decodes and gives the torch path's greedy tokens."""
+    base, dirs = adapters["llama"]
+    reqs = [([5, 6, 7] * 3, "all7-r4"), ([12, 13, 14, 12, 13], None), ([40, 41] * 4, "gud-r12")]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    plain = _generate(_llm(base), dirs, reqs, params)
+    llm = _llm(
+        base, attention_backend="triton", lora_backend="triton", speculative="ngram", num_speculative_tokens=3
+    )
+    llm.engine.spec.cost.fixed_theta = 0.05
+    spec = _generate(llm, dirs, reqs, params)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert llm.engine.get_stats().spec_accepted_tokens > 0
