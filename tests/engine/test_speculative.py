@@ -9,7 +9,7 @@ import random
 import pytest
 
 from engine import LLM, LLMEngine, LoRARequest, SamplingParams
-from tests.helpers.tiny_adapters import ADAPTER_SPECS, build_adapter
+from tests.helpers.tiny_adapters import ADAPTER_SPECS, PeftGreedyOracle, build_adapter
 
 pytestmark = pytest.mark.slow  # several tiny engines per test
 
@@ -89,6 +89,10 @@ def test_greedy_mixed_adapters_equal_non_speculative(arch, engine_kwargs, adapte
     assert len([a for a, v in stats.spec_by_adapter.items() if v[1] > 0]) >= 2  # several adapters gained
     if engine_kwargs:
         assert stats.num_preemptions > 0
+    else:  # and so equal to HF transformers + PEFT, run one request at a time
+        oracle = PeftGreedyOracle(base)
+        for (prompt, name), out in list(zip(reqs, spec, strict=True))[:6]:
+            assert out.outputs[0].token_ids == oracle.greedy(prompt, NEW, dirs[name] if name else None)
     assert stats.prefix_cache_hits > 0
     _assert_no_leaks(llm.engine)
 
