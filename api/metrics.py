@@ -9,6 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from api.gateway_metrics import GatewayGauges
+from api.spec_metrics import SpecMetrics
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
@@ -55,6 +56,7 @@ class Metrics:
         self.engine_healthy = g("loraplex_engine_healthy", "1 when the engine process is up")
         self.engine_restarts = g("loraplex_engine_restarts", "Engine process restarts so far")
         self.gateway = GatewayGauges(r)
+        self.spec = SpecMetrics(r)
 
     def refresh(self, client) -> None:
         """Copy the engine's latest statistics into the gauges."""
@@ -74,6 +76,7 @@ class Metrics:
         self.prefix_queries.set(e["prefix_cache_queries"])
         self.preemptions.set(e["num_preemptions"])
         self.gateway.refresh(e, stats.adapters, client.config.max_loras)
+        self.spec.refresh(e)
         if stats.lora is not None:
             self.pool_pages.labels("used").set(stats.lora["pages_used"])
             self.pool_pages.labels("free").set(stats.lora["pages_free"])

@@ -16,6 +16,9 @@ batch (request i on adapter i mod N):
 Ratios are the result: LoRA overhead (1/2), speed-up over PEFT (3/1), and the base decode's fraction
 of the GEMM limit (4 / decode time of 2).
 
+With `--speculative ngram` (or `draft:PATH`) it runs `bench.speculative` instead: tokens/s and mean
+acceptance length with and without speculative decoding, on the demo tasks and a random model.
+
 With `--hog N`, every repeat also runs 1 and 2 while N busy processes compete for the cores
 (`bench.hog`, started before and killed after each such run), so the slowdown under contention is a ratio
 measured in the same run. The load average is recorded at the start and the end.
@@ -321,7 +324,19 @@ def main(argv: list[str] | None = None) -> OfflineResult:
     )
     LoRAOptions.add_arguments(ap)
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument(
+        "--speculative",
+        default=None,
+        help="ngram or draft:PATH: run the speculative-decoding comparison instead (bench/speculative.py)",
+    )
+    from bench.speculative import add_arguments as add_spec_arguments
+
+    add_spec_arguments(ap)
     args = ap.parse_args(argv)
+    if args.speculative is not None:
+        from bench.speculative import from_args as run_spec
+
+        return run_spec(args)  # type: ignore[return-value]
     if args.workdir is not None:
         args.workdir.mkdir(parents=True, exist_ok=True)
     result = run_offline(

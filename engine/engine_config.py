@@ -38,6 +38,8 @@ class EngineConfig:
     )
     adaptive_threads: bool = True  # CPU: one thread while other processes take our cores (cpu_threads.py)
     seed: int = 0
+    speculative: str | None = None  # None (off), "ngram" (prompt lookup) or "draft:PATH" (engine/spec/)
+    num_speculative_tokens: int = 4  # k: the most tokens proposed per sequence and step (adapts down)
 
     def adapter_pool_pages(self) -> int:
         """Pages per projection in the adapter pool: `lora_pool_pages`, or room for `2 * max_loras`
@@ -58,6 +60,13 @@ class EngineConfig:
         validate_attention_backend(self.attention_backend)
         self._check_device_name()
         validate_policy(self.scheduling_policy)
+        self.speculative_config()
+
+    def speculative_config(self):
+        """The parsed speculative decoding settings (None: off); ValueError for bad values."""
+        from engine.spec.config import SpeculativeConfig
+
+        return SpeculativeConfig.parse(self.speculative, self.num_speculative_tokens)
 
     def _check_device_name(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

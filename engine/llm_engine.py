@@ -8,6 +8,7 @@ sequences whose prompt blocks are shared through the prefix cache; they are repo
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections import abc
 from pathlib import Path
@@ -32,10 +33,13 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.scheduler.output import RunnerOutput, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
+from engine.spec import SpecDecoder, make_spec_decoder
 from engine.structured.manager import StructuredOutput
 from engine.structured.masking import MaskingSampler
 from engine.tokenizer import load_tokenizer
 from kernels.intmath import cdiv
+
+log = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -94,6 +98,15 @@ class LLMEngine:
             self.tokenizer, self.model_config.vocab_size, self._eos_token_ids()
         )
         self.runner.sampler = MaskingSampler(self.runner.sampler, self.structured.masks)  # type: ignore[assignment]
+        self.spec: SpecDecoder | None = make_spec_decoder(
+            config.speculative_config(),
+            target=self.model_config,
+            device=self.device,
+            dtype=self.dtype,
+            num_blocks=self.num_kv_blocks,
+            block_size=config.block_size,
+            attention_backend=config.attention_backend,
+        )
         self._groups: dict[str, RequestGroup] = {}
         self._seq_to_group: dict[str, str] = {}
         self._steps = 0
@@ -294,12 +307,15 @@ class LLMEngine:
         that request, reported with `error` set; its KV blocks and adapter pin are released and every
         other request carries on.
         """
+        t_start = time.perf_counter()
         outputs = self._fail_adapter_requests()
         outputs += self._prepare_adapters()
         plan = self.scheduler.schedule()
         self._steps += 1
         self._last_step_tokens = plan.num_batched_tokens
         if plan.empty:
+            if self.spec is not None:  # e.g. everything was aborted: the proposer's state goes too
+                self.spec.proposer.retain({s.seq_id for s in self.scheduler.running})
             return outputs
         if self.thread_governor is not None:
             self.thread_governor.begin()
@@ -311,8 +327,10 @@ class LLMEngine:
             outputs += failed
         if self.thread_governor is not None:
             self.thread_governor.end()
+        if self.spec is not None:
+            self.spec.observe(plan, out)
         progressed = self.scheduler.update(plan, out)
-        self._generation_tokens += len(progressed)
+        self._generation_tokens += sum(max(1, s.num_new_tokens) for s in progressed)
         for seq, error in self.structured.advance(progressed, self.scheduler.finish_request):
             gid = self._seq_to_group.get(seq.seq_id)
             if gid is not None and gid in self._groups:
@@ -337,14 +355,29 @@ class LLMEngine:
             outputs.append(ro)
             if ro.finished:
                 self._forget(gid)
+        if self.spec is not None:
+            self._propose()  # its time counts toward the step's (a draft model's forwards)
+            new_tokens = sum(max(1, s.num_new_tokens) for s in progressed)
+            self.spec.end_step(plan.num_batched_tokens, time.perf_counter() - t_start, new_tokens)
         return outputs
+
+    def _propose(self) -> None:
+        """Speculative proposals for the next step; a proposer that fails only turns speculation off for
+        this step (the target still decodes every sequence)."""
+        assert self.spec is not None
+        try:
+            self.spec.propose(self.scheduler.running)
+        except Exception:
+            log.exception("speculative proposer failed; this step decodes without proposals")
+            for seq in self.scheduler.running:
+                seq.spec_token_ids = []
 
     def _run_isolated(
         self, plan: SchedulerOutput
     ) -> tuple[SchedulerOutput, RunnerOutput, list[RequestOutput]]:
         """The batch raised: run each scheduled sequence alone, end those that raise again with an error,
         and return the plan and output of the ones that ran."""
-        kept, sampled, failed = [], [], []
+        kept, sampled, spec_tokens, failed = [], [], [], []
         for item in plan.scheduled:
             seq = item.seq
             if seq.is_finished:
@@ -360,11 +393,13 @@ class LLMEngine:
                 continue
             kept.append(item)
             sampled.append(one.sampled[0])
+            spec_tokens.append(one.spec_tokens[0] if one.spec_tokens is not None else None)
         # a sequence that ran may belong to a request (n > 1) that a later failure of its sibling ended
         alive = [i for i, it in enumerate(kept) if not it.seq.is_finished]
         kept, sampled = [kept[i] for i in alive], [sampled[i] for i in alive]
+        spec_tokens = [spec_tokens[i] for i in alive]
         tokens = sum(it.num_tokens for it in kept)
-        return SchedulerOutput(kept, tokens, plan.preempted), RunnerOutput(sampled), failed
+        return SchedulerOutput(kept, tokens, plan.preempted), RunnerOutput(sampled, spec_tokens), failed
 
     def _end_with_error(self, gid: str, error: str) -> RequestOutput:
         """End every sequence of group `gid` (freeing its KV blocks and adapter pin) and report `error`."""
@@ -382,6 +417,19 @@ class LLMEngine:
 
     def get_stats(self) -> EngineStats:
         kv = self.kv.stats()
+        stats = self._base_stats(kv)
+        if self.spec is not None:
+            total = self.spec.stats.total()
+            stats.spec_proposed_tokens = total.proposed
+            stats.spec_accepted_tokens = total.accepted
+            stats.spec_verifications = total.verifications
+            stats.spec_by_adapter = {
+                name: [s.proposed, s.accepted, s.verifications]
+                for name, s in self.spec.stats.by_adapter.items()
+            }
+        return stats
+
+    def _base_stats(self, kv) -> EngineStats:
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),

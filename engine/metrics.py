@@ -23,3 +23,9 @@ class EngineStats:
     generation_tokens_total: int
     running_loras: list[str] = field(default_factory=list)  # adapter names of running requests
     waiting_loras: list[str] = field(default_factory=list)  # adapter names of waiting requests
+    # speculative decoding, totals so far (0 when off): proposed tokens verified, of which accepted, and
+    # sequence-steps that verified any; per adapter name ("" = base): [proposed, accepted, verifications]
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verifications: int = 0
+    spec_by_adapter: dict[str, list[int]] = field(default_factory=dict)

@@ -23,12 +23,20 @@ class RequestGroup:
     texts: list[SequenceText | None]
 
     def detokenize(self, seq: Sequence, finish: Callable[[Sequence, SequenceStatus], None]) -> None:
-        """Append the text of `seq`'s newest token; on a stop string cut the text and `finish` it."""
+        """Append the text of `seq`'s new tokens (several when speculative tokens were accepted), one at
+        a time; on a stop string cut the text, drop the tokens after it, and `finish` the sequence."""
         text = self.texts[self.seqs.index(seq)]
         if text is None:
             return
+        num_new = max(1, seq.num_new_tokens)  # > 1 when speculative tokens were accepted
+        first = seq.num_output_tokens - num_new
+        new = seq.output_token_ids[first:]
         engine_finish = seq.finish_reason if seq.is_finished else None
-        text.accept(seq.output_token_ids[-1], engine_finish)
+        for j, tok in enumerate(new):
+            text.accept(tok, engine_finish if j == len(new) - 1 else None)
+            if text.stop_hit is not None:
+                seq.truncate_output(first + j + 1)
+                break
         seq.text = text.text
         if text.stop_hit is None:
             return

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.lora_request import LoRARequest
 from engine.outputs import Logprob
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.spec.adaptive import SpecState
 
 
 class SequenceStatus(enum.IntEnum):
@@ -65,6 +68,9 @@ class Sequence:
     text: str = ""
     first_token_time: float | None = None
     structured: Any = None  # the grammar matcher of a constrained sequence (engine.structured)
+    num_new_tokens: int = 0  # tokens appended by the last step (> 1 when speculative tokens were accepted)
+    spec_token_ids: list[int] = field(default_factory=list)  # proposed for the next step (speculative)
+    spec: SpecState | None = None  # adaptive speculation state (engine/spec/adaptive.py)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -94,3 +100,17 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop generated tokens after the first `num_output_tokens` (a stop string ended the sequence
+        inside a step that accepted several tokens), with their logprobs; only for a finished sequence."""
+        drop = self.output_token_ids[num_output_tokens:]
+        if not drop:
+            return
+        if self.logprobs is not None:
+            for tok, entry in zip(drop, self.logprobs[num_output_tokens:], strict=False):
+                if tok in entry:
+                    self.cumulative_logprob -= entry[tok].logprob
+            del self.logprobs[num_output_tokens:]
+        del self.output_token_ids[num_output_tokens:]
+        del self.all_token_ids[self.num_prompt_tokens + num_output_tokens :]

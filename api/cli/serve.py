@@ -45,6 +45,13 @@ def serve(
     lora_dtype: Annotated[
         str | None, typer.Option(help="Adapter pool dtype: auto (= --dtype), float32, float16 or bfloat16.")
     ] = None,
+    speculative: Annotated[
+        str | None,
+        typer.Option(help="Speculative decoding: ngram (prompt lookup) or draft:PATH (default: off)."),
+    ] = None,
+    num_speculative_tokens: Annotated[
+        int | None, typer.Option(help="With --speculative: most tokens proposed per step (1-16).")
+    ] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
     replicas: Annotated[
         int | None,
@@ -86,6 +93,8 @@ def serve(
                 num_threads=threads,
                 lora_backend=lora_backend,
                 lora_dtype=lora_dtype,
+                speculative=speculative,
+                num_speculative_tokens=num_speculative_tokens,
             ),
         )
     except ValueError as exc:

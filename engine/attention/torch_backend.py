@@ -1,9 +1,10 @@
 """Paged attention in plain torch: the CPU path (and CUDA fallback).
 
 Decodes are batched: gather each sequence's blocks into `[B, Hkv, max_blocks*block_size, D]`, mask
-positions past `seq_len`, and attend with one SDPA call. Prefill chunks go one sequence at a time
-through SDPA with a mask that lets query i (at absolute position ctx_start + i) see keys
-0..ctx_start+i. Semantics match
+positions past `seq_len`, and attend with one SDPA call. Short runs of a few query rows (speculative
+verification, small chunks) are batched likewise (`short_runs.py`). Longer prefill chunks go one
+sequence at a time through SDPA with a mask that lets query i (at absolute position ctx_start + i) see
+keys 0..ctx_start+i. Semantics match
 `kernels.reference.paged_attention_decode_ref` / `paged_attention_prefill_ref`.
 """
 
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.attention.short_runs import SHORT_RUN_MAX_ROWS, ShortRunsPlan, attend_short_runs, short_runs_plan
 from kernels.intmath import cdiv
 
 
@@ -24,6 +26,8 @@ class TorchAttentionBackend(AttentionBackend):
         # layer, reused by the others (keyed by the metadata object of the step).
         self._plan_meta: AttentionMetadata | None = None
         self._plan: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self._short_meta: AttentionMetadata | None = None  # likewise for the short runs (short_runs.py)
+        self._short: ShortRunsPlan | None = None
 
     def write_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
         flat_k = k_cache.view(-1, *k_cache.shape[2:])
@@ -40,7 +44,16 @@ class TorchAttentionBackend(AttentionBackend):
             out[:nd] = self._decode(query[:nd], k_cache, v_cache, meta, scale)
         qs, sl = meta.query_start_list, meta.seq_lens_list
         block_size = k_cache.shape[1]
+        short = [b for b in range(nd, meta.num_seqs) if qs[b + 1] - qs[b] <= SHORT_RUN_MAX_ROWS]
+        if len(short) > 1:  # e.g. speculative verification rows: one batched call
+            if self._short_meta is not meta or self._short is None:
+                self._short_meta, self._short = meta, short_runs_plan(meta, short, block_size)
+            attend_short_runs(query, k_cache, v_cache, self._short, scale, out)
+        else:
+            short = []
         for b in range(nd, meta.num_seqs):
+            if short and b in short:
+                continue
             q = query[qs[b] : qs[b + 1]]
             n_blocks = cdiv(sl[b], block_size)
             blocks = meta.block_tables[b, :n_blocks].long()

@@ -126,6 +126,22 @@ class KVCacheManager:
         if req.is_finished:
             self._hashes.pop(req.seq_id, None)
 
+    def trim(self, req: Sequence, num_tokens: int) -> int:
+        """Release the request's blocks past those holding its first `num_tokens` tokens (speculative
+        rows that were rejected); returns how many blocks were freed. Such blocks were never cached:
+        only blocks full of known tokens are."""
+        table = self._tables.get(req.seq_id)
+        if not table:
+            return 0
+        keep = self.blocks_needed(num_tokens)
+        extra = table[keep:]
+        if not extra:
+            return 0
+        assert keep >= self._num_registered.get(req.seq_id, 0), "a trimmed block is in the prefix cache"
+        del table[keep:]
+        self.pool.release(reversed(extra))
+        return len(extra)
+
     def num_requests(self) -> int:
         return len(self._tables)
 

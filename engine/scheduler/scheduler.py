@@ -12,6 +12,11 @@ Each step (`schedule`):
    is passed over without holding up the others. A sequence passed over `lora_starvation_steps` times
    because `max_loras` adapters are already running stops admission behind it until its adapter gets
    a slot.
+With speculative decoding, a running request in decode whose `spec_token_ids` were set by the proposer
+(engine/spec/) is scheduled for 1 + k rows; the k proposed rows count against the token budget but only
+from what is left after one row for each later running request, and they are dropped (before anyone is
+preempted) when the KV pool has no room for them. `update` then appends the accepted tokens one at a
+time, checking stop conditions after each, and releases the blocks of rejected rows.
 The scheduler never touches tensors and never loads adapters: it asks `is_resident`, and tells the
 engine which adapters it will want next (`adapters_wanted`); `update` applies the runner's sampled tokens.
 """
@@ -146,11 +151,18 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            pending = req.num_tokens - req.num_computed_tokens
+            # proposed tokens only from budget left after one token for each later running request
+            spec = self._take_spec(req, pending, budget - (len(self.running) - i - 1))
+            n = min(pending + len(spec), budget)
             if n <= 0:
                 i += 1
                 continue
             while not self.kv.allocate_slots(req, n):
+                if spec:  # no room for the proposed tokens: drop them before preempting anyone
+                    n -= len(spec)
+                    spec = []
+                    continue
                 victim = pick_victim(self.config.policy, self.running[i:])
                 self._preempt(victim)
                 preempted.append(victim)
@@ -158,7 +170,7 @@ class Scheduler:
                     break
             if req in preempted:
                 continue
-            scheduled.append(self._scheduled(req, n))
+            scheduled.append(self._scheduled(req, n, spec))
             adapters.add(req.lora_key)
             budget -= n
             i += 1
@@ -219,38 +231,64 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _scheduled(self, req: Sequence, n: int) -> ScheduledSequence:
+    def _take_spec(self, req: Sequence, pending: int, budget: int) -> list[int]:
+        """The tokens proposed for `req` that this step verifies: only for a decode (one pending token),
+        within `budget` rows in all, and never past the request's length limit (a step emits at most
+        len + 1 tokens). The proposal is consumed either way."""
+        spec, req.spec_token_ids = req.spec_token_ids, []
+        if pending != 1 or not spec:
+            return []
+        left = min(req.params.max_tokens - req.num_output_tokens, req.max_total_tokens - req.num_tokens)
+        return spec[: max(0, min(left - 1, budget - 1))]
+
+    def _scheduled(self, req: Sequence, n: int, spec: list[int] | None = None) -> ScheduledSequence:
         start = req.num_computed_tokens
+        spec = spec or []
         return ScheduledSequence(
             seq=req,
             start=start,
             num_tokens=n,
             block_ids=self.kv.block_ids(req),
-            sample=start + n == req.num_tokens,
+            sample=start + n - len(spec) == req.num_tokens,
+            spec_token_ids=spec,
         )
 
     def update(self, plan: SchedulerOutput, out: RunnerOutput) -> list[Sequence]:
         """Advance computed counts, append sampled tokens, and finish requests that hit a stop condition.
 
         Returns the requests that received a new token this step (finished ones included).
+        With speculative rows, an item emits several tokens: they are appended one at a time and the
+        stop conditions are checked after each, so a stop token or the length limit cuts exactly; the KV
+        blocks past the accepted tokens are released.
         """
         now = time.monotonic()
         progressed = []
-        for item, sampled in zip(plan.scheduled, out.sampled, strict=True):
+        assert len(out.sampled) == len(plan.scheduled), "one runner output per scheduled item"
+        for idx, item in enumerate(plan.scheduled):
             req = item.seq
             if req.is_finished:  # aborted while the step ran
                 continue
-            req.num_computed_tokens += item.num_tokens
-            if sampled is None:
+            tokens = out.tokens(idx)
+            num_spec = len(item.spec_token_ids)
+            accepted = max(0, len(tokens) - 1) if num_spec else 0
+            req.num_computed_tokens += item.num_tokens - num_spec + accepted
+            if not tokens:
                 continue
-            req.append_token(sampled.token_id)
             if req.first_token_time is None:
                 req.first_token_time = now
-            if req.logprobs is not None and sampled.top_logprobs is not None:
-                req.logprobs.append(sampled.top_logprobs)
-            if sampled.logprob is not None:
-                req.cumulative_logprob += sampled.logprob
-            self._check_stop(req, sampled.token_id)
+            req.num_new_tokens = 0
+            for sampled in tokens:
+                req.append_token(sampled.token_id)
+                req.num_new_tokens += 1
+                if req.logprobs is not None and sampled.top_logprobs is not None:
+                    req.logprobs.append(sampled.top_logprobs)
+                if sampled.logprob is not None:
+                    req.cumulative_logprob += sampled.logprob
+                self._check_stop(req, sampled.token_id)
+                if req.is_finished:
+                    break
+            if num_spec and not req.is_finished:
+                self.kv.trim(req, req.num_tokens)
             progressed.append(req)
         return progressed
 
