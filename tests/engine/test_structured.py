@@ -202,3 +202,23 @@ def test_model_without_tokenizer_refuses_structured_requests(checkpoint):
     with pytest.raises(StructuredSpecError, match="tokenizer"):
         llm.generate([[5, 6, 7]], _schema_params())
     assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+
+
+def test_constrained_rows_do_not_speculate_beside_speculating_ones(checkpoint):
+    """With n-gram speculation on, constrained sequences decode one masked token per step (their outputs
+    still validate and equal those of an engine without speculation), while repetitive unconstrained
+    prompts in the same batch still get proposals accepted."""
+    path = checkpoint("llama", tokenizer=True, vocab_size=100)
+    plain = LLM(path, device="cpu", dtype="float32", num_kv_blocks=96)
+    spec = LLM(path, device="cpu", dtype="float32", num_kv_blocks=96, speculative="ngram")
+    constrained = _schema_params(temperature=0)
+    free = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = ["hello", "ab ab ab ab ab ab", "{", "xy xy xy xy xy xy"]
+    params = [constrained, free, constrained, free]
+    want = plain.generate(prompts, params)
+    got = spec.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for out in (got[0], got[2]):
+        jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
+    stats = spec.engine.get_stats()
+    assert stats.spec_verifications > 0
