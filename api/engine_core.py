@@ -31,6 +31,7 @@ from api.engine_protocol import (
 )
 from engine import LLMEngine, LoRARequest
 from engine.engine_config import EngineConfig
+from engine.lora.held_files import AdapterFilesGone
 from engine.outputs import RequestOutput
 
 log = logging.getLogger("loraplex.engine_core")
@@ -144,6 +145,8 @@ class _EngineLoop:
         try:
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.lora, msg.priority)
             self.sent[msg.request_id] = 0
+        except AdapterFilesGone as exc:  # deleted before this request reached the engine: as if inactive
+            self._refuse(msg.request_id, str(exc), status=404)
         except ValueError as exc:  # refused by the engine's own checks
             self._refuse(msg.request_id, str(exc), status=400)
         except Exception as exc:  # a request that breaks add_request ends itself, never the loop

@@ -174,7 +174,7 @@ class RequestRun:
             async with self.state.admission.hold(client, len(self.gen.choices)):
                 async for up in self.gen.stream():
                     if up.choice.error:
-                        raise APIError(up.choice.error_status, f"generation failed: {up.choice.error}")
+                        raise _choice_error(self.target, up.choice.error_status, up.choice.error)
                     if self.first_token is None and up.choice.token_ids:
                         self.first_token = time.monotonic()
                     yield up
@@ -217,6 +217,19 @@ class RequestRun:
                 if task is not None:
                     task.cancel()
                 return
+
+
+def _choice_error(target: Target, status: int, error: str) -> APIError:
+    """The API error for an engine request that ended with `error`: 404 `model_not_found` when the
+    adapter was deleted before the engine admitted the request (as if the request came after)."""
+    if status == 404:
+        return APIError(
+            404,
+            f"The model '{target.model_name}' does not exist or is not active (it was removed)",
+            param="model",
+            code="model_not_found",
+        )
+    return APIError(status, f"generation failed: {error}")
 
 
 def usage(gen: Generation, num_prompt_tokens: int) -> dict[str, Any]:
