@@ -4,6 +4,10 @@ Each engine generation gets fresh ZeroMQ sockets (ipc paths in a private temp di
 for a dead engine reaches its successor. A monitor task notices a dead engine, ends every in-flight
 request with `EngineDeadError` (the routes answer 503), marks the client unhealthy, starts a new engine
 process and becomes healthy again once it reports `Ready`.
+
+Engine processes are forked from a `multiprocessing` forkserver that has imported the engine's modules
+(torch, the engine, the tokenizer's transformers modules) once: a restart after a crash skips seconds of
+imports and the new process exits without interpreter teardown. Where there is no forkserver, `spawn`.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ import contextlib
 import itertools
 import logging
 import multiprocessing as mp
+import os
 import tempfile
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -38,6 +44,29 @@ from engine.engine_config import EngineConfig
 
 log = logging.getLogger("loraplex.engine_client")
 
+# Imported once by the forkserver (a name missing in this transformers version is skipped): what an
+# engine process would otherwise import at every start, including the lazily imported modules that
+# `AutoTokenizer.from_pretrained` needs for the supported architectures.
+ENGINE_PRELOAD = (
+    "api.engine_core",
+    "transformers.models.auto.tokenization_auto",
+    "transformers.tokenization_utils_tokenizers",
+    "transformers.models.llama.configuration_llama",
+    "transformers.models.mistral.configuration_mistral",
+    "transformers.models.qwen2.configuration_qwen2",
+    "transformers.models.qwen3.configuration_qwen3",
+)
+
+
+def engine_process_context() -> Any:
+    """The multiprocessing context engine processes start from: a forkserver with `ENGINE_PRELOAD`
+    imported (POSIX), else spawn. Both start from a fresh interpreter, never a fork of the API process."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(ENGINE_PRELOAD))
+    return ctx
+
 
 class EngineDeadError(RuntimeError):
     """The engine process died while the request was in flight."""
@@ -58,6 +87,7 @@ class EngineClient:
         self.stats: EngineStatsMsg | None = None
         self.healthy = False
         self.restarts = 0
+        self.last_start_seconds: float | None = None  # engine process start to `Ready`, last (re)start
         self._ctx = zmq.asyncio.Context()
         self._tmp = tempfile.TemporaryDirectory(prefix="loraplex-ipc-")
         self._generation = itertools.count()
@@ -84,15 +114,22 @@ class EngineClient:
         self._push.bind(in_addr)
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.bind(out_addr)
-        proc = mp.get_context("spawn").Process(
-            target=run_engine_core, args=(self.config, in_addr, out_addr), name="loraplex-engine", daemon=True
+        proc = engine_process_context().Process(
+            target=run_engine_core,
+            args=(self.config, in_addr, out_addr),
+            kwargs={"api_pid": os.getpid()},
+            name="loraplex-engine",
+            daemon=True,
         )
+        t0 = time.monotonic()
         proc.start()
         self._proc = proc
         try:
             ready = await asyncio.wait_for(self._wait_ready(proc), self.startup_timeout)
         except (TimeoutError, EngineDeadError) as exc:
             raise RuntimeError(f"engine process failed to start (exit code {proc.exitcode})") from exc
+        self.last_start_seconds = time.monotonic() - t0
+        log.info("engine process %s ready in %.2fs", proc.pid, self.last_start_seconds)
         self.info = ready
         self.healthy = True
         self._tasks = [t for t in self._tasks if not t.done()]
