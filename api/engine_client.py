@@ -76,7 +76,13 @@ class EngineUnavailableError(RuntimeError):
     """The engine is (re)starting and cannot take requests right now."""
 
 
+class ServerShuttingDownError(RuntimeError):
+    """The server is shutting down: the request was cut at the end of the shutdown grace period, or came
+    after it (the routes answer a retryable 503)."""
+
+
 _DEAD = object()
+_CUT = object()
 
 
 class EngineClient:
@@ -99,6 +105,7 @@ class EngineClient:
         self._pull: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
         self._closing = False
+        self._cut = False  # set by `end_in_flight`: requests are refused from then on
 
     # ---- life cycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -180,6 +187,14 @@ class EngineClient:
                     log.exception("engine restart failed; retrying")
                     await asyncio.sleep(1.0)
 
+    def end_in_flight(self) -> int:
+        """End every request in flight with `ServerShuttingDownError` (their engine requests are aborted)
+        and refuse new ones: the end of a shutdown's grace period. Returns how many were in flight."""
+        self._cut = True
+        for q in self._queues.values():
+            q.put_nowait(_CUT)
+        return len(self._queues)
+
     def _fail_in_flight(self) -> None:
         for q in self._queues.values():
             q.put_nowait(_DEAD)
@@ -217,6 +232,8 @@ class EngineClient:
     # ---- requests ---------------------------------------------------------------------------------
     async def generate(self, req: AddRequest) -> AsyncIterator[RequestDelta]:
         """Submit `req` and yield its deltas until it finishes. Leaving early aborts it in the engine."""
+        if self._cut:
+            raise ServerShuttingDownError("the server is shutting down")
         if not self.healthy:
             raise EngineUnavailableError("the engine is restarting")
         q: asyncio.Queue = asyncio.Queue()
@@ -228,6 +245,8 @@ class EngineClient:
                 delta = await q.get()
                 if delta is _DEAD:
                     raise EngineDeadError("engine process died")
+                if delta is _CUT:
+                    raise ServerShuttingDownError("the server is shutting down")
                 finished = delta.finish_reason is not None
                 yield delta
                 if finished:

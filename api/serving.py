@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.admission import client_id
 from api.auth import authenticate, authorize
-from api.engine_client import EngineDeadError, EngineUnavailableError
+from api.engine_client import EngineDeadError, EngineUnavailableError, ServerShuttingDownError
 from api.errors import APIError
 from api.generation import ChoiceUpdate, Generation
 from api.openai_protocol import SamplingFields
@@ -183,6 +183,13 @@ class RequestRun:
             raise APIError(503, "the engine process died while serving this request; retry shortly") from exc
         except EngineUnavailableError as exc:
             raise APIError(503, "the engine is restarting; retry shortly") from exc
+        except ServerShuttingDownError as exc:
+            raise APIError(
+                503,
+                "the server is shutting down and did not finish this request in time; retry it",
+                code="server_shutting_down",
+                headers={"Retry-After": "1"},
+            ) from exc
         except (asyncio.CancelledError, GeneratorExit):
             status = "aborted"
             raise

@@ -53,7 +53,8 @@ class HeldAdapterFiles:
 def _read_all(fd: int) -> bytes:
     """Every byte of the open file `fd`, read from offset 0 (`os.pread` until end of file)."""
     size = os.fstat(fd).st_size
-    chunks, offset = [], 0
+    chunks: list[bytes] = []
+    offset = 0
     while True:
         chunk = os.pread(fd, max(size - offset, 1 << 20), offset)
         if not chunk:
