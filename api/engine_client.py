@@ -102,6 +102,7 @@ class EngineClient:
         self._calls: dict[int, asyncio.Future] = {}
         self._proc: mp.process.BaseProcess | None = None
         self._push: zmq.asyncio.Socket | None = None
+        self._died = asyncio.Event()  # set when the current engine process is found dead
         self._pull: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
         self._closing = False
@@ -117,6 +118,7 @@ class EngineClient:
         gen = next(self._generation)
         base = Path(self._tmp.name)
         in_addr, out_addr = f"ipc://{base}/in-{gen}", f"ipc://{base}/out-{gen}"
+        self._died = asyncio.Event()
         self._push = self._ctx.socket(zmq.PUSH)
         self._push.bind(in_addr)
         self._pull = self._ctx.socket(zmq.PULL)
@@ -175,6 +177,7 @@ class EngineClient:
                 continue
             log.error("engine process died (exit code %s); restarting", self._proc.exitcode)
             self.healthy = False
+            self._died.set()
             self._fail_in_flight()
             for sock in (self._push, self._pull):
                 sock.close(linger=0)
@@ -240,7 +243,7 @@ class EngineClient:
         self._queues[req.request_id] = q
         finished = False
         try:
-            await self._push.send(encode(req))
+            await self._send(encode(req))
             while True:
                 delta = await q.get()
                 if delta is _DEAD:
@@ -257,8 +260,30 @@ class EngineClient:
                 with contextlib.suppress(zmq.ZMQError):
                     await self.abort([req.request_id])
 
+    async def _send(self, data: bytes) -> None:
+        """Send one message to the current engine; `EngineDeadError` if it is found dead first. (A PUSH
+        socket whose peer is gone blocks a send, and the monitor closes it under the sender; without
+        this, a request sent in the moment between the engine's death and its detection would hang.)"""
+        sock, died = self._push, self._died
+        if died.is_set() or sock is None:
+            raise EngineDeadError("engine process died")
+        send = asyncio.ensure_future(sock.send(data))
+        if not send.done():
+            dead = asyncio.ensure_future(died.wait())
+            try:
+                await asyncio.wait({send, dead}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                dead.cancel()
+        if not send.done() or died.is_set():
+            send.cancel()
+            with contextlib.suppress(asyncio.CancelledError, zmq.ZMQError):
+                await send
+            raise EngineDeadError("engine process died")
+        send.result()
+
     async def abort(self, request_ids: list[str]) -> None:
-        await self._push.send(encode(AbortRequests(request_ids)))
+        with contextlib.suppress(EngineDeadError):
+            await self._send(encode(AbortRequests(request_ids)))
 
     async def adapter_call(
         self, op: str, name: str, path: str | None = None, digest: str | None = None, timeout: float = 120.0
@@ -270,7 +295,11 @@ class EngineClient:
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
-        await self._push.send(encode(AdapterCall(call_id, op, name, path, digest)))
+        try:
+            await self._send(encode(AdapterCall(call_id, op, name, path, digest)))
+        except EngineDeadError:
+            self._calls.pop(call_id, None)
+            raise
         result: CallResult = await asyncio.wait_for(fut, timeout)
         if not result.ok:
             raise ValueError(result.error)
