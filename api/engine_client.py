@@ -185,6 +185,7 @@ class EngineClient:
                 try:
                     await self._spawn()
                     self.restarts += 1
+                    log.warning("engine process restarted; ready in %.2fs", self.last_start_seconds)
                     break
                 except RuntimeError:
                     log.exception("engine restart failed; retrying")
