@@ -12,11 +12,14 @@ adapters the scheduler will want next; the scheduler then only asks `is_resident
 Requests admitted for an adapter version finish on that version: `admit` holds the adapter for the
 request (its host copy stays, and its files are held open until read), `remove_lora` of an adapter that
 unfinished requests use only retires it, and `retain` (after every step) drops retired adapters as soon as
-no request uses them any more.
+no request uses them any more. A removed digest is remembered (the last `REMOVED_MEMORY`): a request
+admitted for it later (sent before the removal, delivered after) retires it again, so it does not stay
+cached; `add_lora`/`prefetch`/`pin_lora` of it (activated again) end that.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -62,6 +65,9 @@ class LoRAPoolStats:
     last_load_seconds: float
 
 
+REMOVED_MEMORY = 4096  # removed digests remembered, so late requests for them retire them again
+
+
 class LoRAManager:
     """Adapters by content digest across device pages, host memory and disk."""
 
@@ -69,6 +75,7 @@ class LoRAManager:
         self.loader = loader
         self.residency = residency
         self.retiring: set[str] = set()  # removed while requests used them: dropped once they are done
+        self.removed: OrderedDict[str, None] = OrderedDict()  # digests removed (not activated since)
 
     @classmethod
     def create(
@@ -123,6 +130,8 @@ class LoRAManager:
                     self._forget(digest)  # a refused adapter leaves nothing behind
                 raise
         res.held.add(digest)
+        if digest in self.removed:
+            self.retiring.add(digest)  # admitted after its removal: dropped again after its requests
         return digest
 
     def retain(self, in_use: set[str]) -> None:
@@ -147,7 +156,7 @@ class LoRAManager:
     def add_lora(self, lr: LoRARequest, in_use: set[str]) -> str:
         """Validate and load the adapter into the host cache now; returns its digest."""
         digest = self.loader.resolve(lr)
-        self.retiring.discard(digest)
+        self._reactivate(digest)
         res = self.residency
         if res.host_copy(digest) is None and not res.is_resident(digest):
             try:
@@ -165,7 +174,7 @@ class LoRAManager:
         digest = self.loader.resolve_nowait(lr)
         if digest is None:
             return
-        self.retiring.discard(digest)
+        self._reactivate(digest)
         if digest in self.residency.cpu or self.residency.is_resident(digest):
             return
         ckpt = self.loader.fetch(digest)
@@ -179,12 +188,21 @@ class LoRAManager:
         digest = self.loader.digest_of(name_or_digest)
         res = self.residency
         known = digest in res.cpu or res.is_resident(digest) or self.loader.is_known(digest)
+        self.removed[digest] = None
+        self.removed.move_to_end(digest)
+        while len(self.removed) > REMOVED_MEMORY:
+            self.removed.popitem(last=False)
         if digest in in_use:
             self.retiring.add(digest)
             res.pinned.discard(digest)
         else:
             self._forget(digest)
         return known
+
+    def _reactivate(self, digest: str) -> None:
+        """The adapter is wanted again (activated): no pending or remembered removal."""
+        self.retiring.discard(digest)
+        self.removed.pop(digest, None)
 
     def _forget(self, digest: str) -> None:
         self.retiring.discard(digest)
@@ -197,7 +215,7 @@ class LoRAManager:
         if not self.loader.is_known(digest):
             return False
         if pinned:
-            self.retiring.discard(digest)
+            self._reactivate(digest)
             if not self._make_resident(digest, in_use, blocking=True):
                 raise ValueError(f"adapter {name_or_digest!r} does not fit in the adapter pool")
             self.residency.pinned.add(digest)

@@ -36,6 +36,17 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def _requests_seen(url: str) -> int:
+    """Requests the server has received: running or waiting in the engine, or finished (its /metrics)."""
+    seen = 0
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if line.startswith(
+            ("vllm:num_requests_running ", "vllm:num_requests_waiting ", "loraplex_requests_total{")
+        ):
+            seen += int(float(line.split()[-1]))
+    return seen
+
+
 def _one_request(url: str, i: int, out: list, started: threading.Event) -> None:
     """One long completion (streamed for odd `i`); appends (kind, status, content type, body, end time)."""
     body = {"prompt": f"bye {i}", "max_tokens": 220, "temperature": 0, "ignore_eos": True}
@@ -88,7 +99,7 @@ def test_sigterm_under_load_cuts_cleanly_and_exits_fast(text_model, tmp_path):
     env["LORAPLEX_SHUTDOWN_GRACE"] = str(GRACE)  # the documented variable (as `--shutdown-grace`)
     loraplex = str(Path(sys.executable).parent / "loraplex")
     cmd = [loraplex, "serve", "--model", str(base), "--port", str(port), "--device", "cpu"]
-    cmd += ["--num-kv-blocks", "256", "--max-num-seqs", "2", "--max-seqs-per-client", "2"]
+    cmd += ["--num-kv-blocks", "256", "--max-num-seqs", "2", "--max-seqs-per-client", str(CLIENTS)]
     cmd += ["--log-level", "warning"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -102,6 +113,9 @@ def test_sigterm_under_load_cuts_cleanly_and_exits_fast(text_model, tmp_path):
         for t in threads:
             t.start()
         assert started.wait(60), "no stream started"
+        # Every request reached the server (2 running, the rest queued): a connection that had not yet
+        # delivered its request when the signal came is just closed (uvicorn), which is not tested here.
+        assert wait_until(lambda: _requests_seen(url) >= CLIENTS, timeout=60)
         proc.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
         for t in threads:

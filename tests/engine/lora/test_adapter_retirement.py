@@ -106,6 +106,25 @@ def test_reactivation_cancels_a_pending_removal(tiny):
     assert eng.lora is not None and eng.lora.retiring == set()
 
 
+def test_request_admitted_after_the_removal_does_not_bring_the_adapter_back_for_good(tiny):
+    """A request sent before a deactivation may reach the engine after it: it is served, and the adapter
+    is dropped again after it; once activated again (prefetch) the adapter stays cached."""
+    base, dirs, expected = tiny
+    eng = _engine(base)
+    lr = _lr("a", dirs["all7-r4"])
+    eng.add_lora(lr)
+    assert eng.remove_lora("a") and eng.list_loras() == []  # not in use: forgotten at once
+    eng.add_request("late", PROMPT, PARAMS, lr)
+    done = _drain(eng)
+    assert done["late"].outputs[0].token_ids == expected["all7-r4"]
+    assert eng.list_loras() == []
+    _assert_nothing_held(eng)
+    eng.prefetch_lora(lr)
+    eng.add_request("again", PROMPT, PARAMS, lr)
+    assert _drain(eng)["again"].outputs[0].token_ids == expected["all7-r4"]
+    assert [i.names for i in eng.list_loras()] == [["a"]]
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_remove_and_activate_race_with_requests_in_flight(tiny, seed):
     """Random adds, aborts, removals and re-activations between steps, with a pool that fits one
