@@ -103,10 +103,11 @@ async def _start(settings: ServerSettings, client_factory: Callable[[Any], Any])
             info.device, info.dtype, info.dtype_reason, info.lora_backend or "off", info.lora_dtype or "-",
         )  # fmt: skip
     loop = asyncio.get_running_loop()
+    sync_locks: dict[str, asyncio.Lock] = {}
 
     def on_change(name: str, adapter: ActiveAdapter | None) -> None:
         # Called from the registry's thread (or a request's worker thread): hop onto the loop.
-        loop.call_soon_threadsafe(lambda: asyncio.ensure_future(_sync_engine(state, name, adapter)))
+        loop.call_soon_threadsafe(lambda: asyncio.ensure_future(_sync_engine(state, name, sync_locks)))
 
     follower = RegistryFollower(registry.adapters, registry.bus, on_change)
     admission = ClientAdmission(settings.client_seq_limit(), capacity=settings.engine.max_num_seqs)
@@ -139,9 +140,20 @@ async def _resync_forever(follower: RegistryFollower, every: float) -> None:
             log.warning("registry resync failed: %s", exc)
 
 
-async def _sync_engine(state: AppState, name: str, adapter: ActiveAdapter | None) -> None:
-    """Start loading a newly active adapter into the engine's host cache in the background (the running
-    batch never waits for it); forget one that stopped being served."""
+async def _sync_engine(state: AppState, name: str, locks: dict[str, asyncio.Lock]) -> None:
+    """Bring the engine in line with what the follower now says of `name`: start loading an active
+    adapter into the engine's host cache in the background (the running batch never waits for it), or
+    forget one that stopped being served (requests already admitted for it finish on it first).
+
+    Syncs of one name run one at a time and read the follower's latest state, so a quick
+    deactivate/activate/deactivate ends with the engine matching the last change, whatever the order in
+    which the events' tasks got to run."""
+    lock = locks.setdefault(name, asyncio.Lock())
+    async with lock:
+        await _sync_one(state, name, state.follower.snapshot().get(name))
+
+
+async def _sync_one(state: AppState, name: str, adapter: ActiveAdapter | None) -> None:
     try:
         if adapter is not None:
             path = await asyncio.to_thread(state.registry.adapters.adapter_path, adapter.digest)

@@ -4,6 +4,10 @@ Each engine generation gets fresh ZeroMQ sockets (ipc paths in a private temp di
 for a dead engine reaches its successor. A monitor task notices a dead engine, ends every in-flight
 request with `EngineDeadError` (the routes answer 503), marks the client unhealthy, starts a new engine
 process and becomes healthy again once it reports `Ready`.
+
+Engine processes are forked from a `multiprocessing` forkserver that has imported the engine's modules
+(torch, the engine, the tokenizer's transformers modules) once: a restart after a crash skips seconds of
+imports and the new process exits without interpreter teardown. Where there is no forkserver, `spawn`.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ import contextlib
 import itertools
 import logging
 import multiprocessing as mp
+import os
 import tempfile
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -38,6 +44,29 @@ from engine.engine_config import EngineConfig
 
 log = logging.getLogger("loraplex.engine_client")
 
+# Imported once by the forkserver (a name missing in this transformers version is skipped): what an
+# engine process would otherwise import at every start, including the lazily imported modules that
+# `AutoTokenizer.from_pretrained` needs for the supported architectures.
+ENGINE_PRELOAD = (
+    "api.engine_core",
+    "transformers.models.auto.tokenization_auto",
+    "transformers.tokenization_utils_tokenizers",
+    "transformers.models.llama.configuration_llama",
+    "transformers.models.mistral.configuration_mistral",
+    "transformers.models.qwen2.configuration_qwen2",
+    "transformers.models.qwen3.configuration_qwen3",
+)
+
+
+def engine_process_context() -> Any:
+    """The multiprocessing context engine processes start from: a forkserver with `ENGINE_PRELOAD`
+    imported (POSIX), else spawn. Both start from a fresh interpreter, never a fork of the API process."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(ENGINE_PRELOAD))
+    return ctx
+
 
 class EngineDeadError(RuntimeError):
     """The engine process died while the request was in flight."""
@@ -47,7 +76,13 @@ class EngineUnavailableError(RuntimeError):
     """The engine is (re)starting and cannot take requests right now."""
 
 
+class ServerShuttingDownError(RuntimeError):
+    """The server is shutting down: the request was cut at the end of the shutdown grace period, or came
+    after it (the routes answer a retryable 503)."""
+
+
 _DEAD = object()
+_CUT = object()
 
 
 class EngineClient:
@@ -58,6 +93,7 @@ class EngineClient:
         self.stats: EngineStatsMsg | None = None
         self.healthy = False
         self.restarts = 0
+        self.last_start_seconds: float | None = None  # engine process start to `Ready`, last (re)start
         self._ctx = zmq.asyncio.Context()
         self._tmp = tempfile.TemporaryDirectory(prefix="loraplex-ipc-")
         self._generation = itertools.count()
@@ -66,9 +102,11 @@ class EngineClient:
         self._calls: dict[int, asyncio.Future] = {}
         self._proc: mp.process.BaseProcess | None = None
         self._push: zmq.asyncio.Socket | None = None
+        self._died = asyncio.Event()  # set when the current engine process is found dead
         self._pull: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
         self._closing = False
+        self._cut = False  # set by `end_in_flight`: requests are refused from then on
 
     # ---- life cycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -80,19 +118,27 @@ class EngineClient:
         gen = next(self._generation)
         base = Path(self._tmp.name)
         in_addr, out_addr = f"ipc://{base}/in-{gen}", f"ipc://{base}/out-{gen}"
+        self._died = asyncio.Event()
         self._push = self._ctx.socket(zmq.PUSH)
         self._push.bind(in_addr)
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.bind(out_addr)
-        proc = mp.get_context("spawn").Process(
-            target=run_engine_core, args=(self.config, in_addr, out_addr), name="loraplex-engine", daemon=True
+        proc = engine_process_context().Process(
+            target=run_engine_core,
+            args=(self.config, in_addr, out_addr),
+            kwargs={"api_pid": os.getpid()},
+            name="loraplex-engine",
+            daemon=True,
         )
+        t0 = time.monotonic()
         proc.start()
         self._proc = proc
         try:
             ready = await asyncio.wait_for(self._wait_ready(proc), self.startup_timeout)
         except (TimeoutError, EngineDeadError) as exc:
             raise RuntimeError(f"engine process failed to start (exit code {proc.exitcode})") from exc
+        self.last_start_seconds = time.monotonic() - t0
+        log.info("engine process %s ready in %.2fs", proc.pid, self.last_start_seconds)
         self.info = ready
         self.healthy = True
         self._tasks = [t for t in self._tasks if not t.done()]
@@ -131,6 +177,7 @@ class EngineClient:
                 continue
             log.error("engine process died (exit code %s); restarting", self._proc.exitcode)
             self.healthy = False
+            self._died.set()
             self._fail_in_flight()
             for sock in (self._push, self._pull):
                 sock.close(linger=0)
@@ -138,10 +185,19 @@ class EngineClient:
                 try:
                     await self._spawn()
                     self.restarts += 1
+                    log.warning("engine process restarted; ready in %.2fs", self.last_start_seconds)
                     break
                 except RuntimeError:
                     log.exception("engine restart failed; retrying")
                     await asyncio.sleep(1.0)
+
+    def end_in_flight(self) -> int:
+        """End every request in flight with `ServerShuttingDownError` (their engine requests are aborted)
+        and refuse new ones: the end of a shutdown's grace period. Returns how many were in flight."""
+        self._cut = True
+        for q in self._queues.values():
+            q.put_nowait(_CUT)
+        return len(self._queues)
 
     def _fail_in_flight(self) -> None:
         for q in self._queues.values():
@@ -180,17 +236,21 @@ class EngineClient:
     # ---- requests ---------------------------------------------------------------------------------
     async def generate(self, req: AddRequest) -> AsyncIterator[RequestDelta]:
         """Submit `req` and yield its deltas until it finishes. Leaving early aborts it in the engine."""
+        if self._cut:
+            raise ServerShuttingDownError("the server is shutting down")
         if not self.healthy:
             raise EngineUnavailableError("the engine is restarting")
         q: asyncio.Queue = asyncio.Queue()
         self._queues[req.request_id] = q
         finished = False
         try:
-            await self._push.send(encode(req))
+            await self._send(encode(req))
             while True:
                 delta = await q.get()
                 if delta is _DEAD:
                     raise EngineDeadError("engine process died")
+                if delta is _CUT:
+                    raise ServerShuttingDownError("the server is shutting down")
                 finished = delta.finish_reason is not None
                 yield delta
                 if finished:
@@ -201,8 +261,30 @@ class EngineClient:
                 with contextlib.suppress(zmq.ZMQError):
                     await self.abort([req.request_id])
 
+    async def _send(self, data: bytes) -> None:
+        """Send one message to the current engine; `EngineDeadError` if it is found dead first. (A PUSH
+        socket whose peer is gone blocks a send, and the monitor closes it under the sender; without
+        this, a request sent in the moment between the engine's death and its detection would hang.)"""
+        sock, died = self._push, self._died
+        if died.is_set() or sock is None:
+            raise EngineDeadError("engine process died")
+        send = asyncio.ensure_future(sock.send(data))
+        if not send.done():
+            dead = asyncio.ensure_future(died.wait())
+            try:
+                await asyncio.wait({send, dead}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                dead.cancel()
+        if not send.done() or died.is_set():
+            send.cancel()
+            with contextlib.suppress(asyncio.CancelledError, zmq.ZMQError):
+                await send
+            raise EngineDeadError("engine process died")
+        send.result()
+
     async def abort(self, request_ids: list[str]) -> None:
-        await self._push.send(encode(AbortRequests(request_ids)))
+        with contextlib.suppress(EngineDeadError):
+            await self._send(encode(AbortRequests(request_ids)))
 
     async def adapter_call(
         self, op: str, name: str, path: str | None = None, digest: str | None = None, timeout: float = 120.0
@@ -214,7 +296,11 @@ class EngineClient:
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
-        await self._push.send(encode(AdapterCall(call_id, op, name, path, digest)))
+        try:
+            await self._send(encode(AdapterCall(call_id, op, name, path, digest)))
+        except EngineDeadError:
+            self._calls.pop(call_id, None)
+            raise
         result: CallResult = await asyncio.wait_for(fut, timeout)
         if not result.ok:
             raise ValueError(result.error)

@@ -7,9 +7,11 @@ Detokenization and stop strings are the API process's job; the engine returns to
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import select
 import signal
 import time
 from typing import Any
@@ -31,19 +33,28 @@ from api.engine_protocol import (
 )
 from engine import LLMEngine, LoRARequest
 from engine.engine_config import EngineConfig
+from engine.lora.held_files import AdapterFilesGone
 from engine.outputs import RequestOutput
 
 log = logging.getLogger("loraplex.engine_core")
 
 
-def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, stats_interval: float = 0.5) -> None:
+def run_engine_core(
+    config: EngineConfig,
+    in_addr: str,
+    out_addr: str,
+    stats_interval: float = 0.5,
+    api_pid: int | None = None,
+) -> None:
     """Process entry point: load the model, announce `Ready`, then serve until `Shutdown`.
 
     Terminal signals sent to the whole process group (Ctrl-C, `timeout`) are ignored: the API process
-    decides when the engine stops. If the API process dies, the engine notices and exits.
+    decides when the engine stops. If the API process (`api_pid`, default: the parent) dies, the engine
+    notices and exits.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    watch = _ParentWatch(api_pid if api_pid is not None else os.getppid())
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.connect(in_addr)
@@ -66,25 +77,53 @@ def run_engine_core(config: EngineConfig, in_addr: str, out_addr: str, stats_int
                 )
             )
         )
-        _EngineLoop(engine, pull, push, stats_interval).run()
+        _EngineLoop(engine, pull, push, stats_interval, watch).run()
     finally:
+        watch.close()
         pull.close(linger=0)
         push.close(linger=0)
         ctx.term()
 
 
+class _ParentWatch:
+    """Whether the API process is still alive: a pidfd where Linux has one (immune to pid reuse), else a
+    signal-0 probe. The engine's direct parent may be a forkserver, so the API's pid is watched."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._fd: int | None = None
+        with contextlib.suppress(AttributeError, OSError):  # no pidfd_open: not Linux >= 5.3
+            self._fd = os.pidfd_open(pid)
+
+    def alive(self) -> bool:
+        if self._fd is not None:
+            return not select.select([self._fd], [], [], 0)[0]  # readable once the process exited
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
 class _EngineLoop:
-    def __init__(self, engine: LLMEngine, pull, push, stats_interval: float) -> None:
+    def __init__(self, engine: LLMEngine, pull, push, stats_interval: float, watch: _ParentWatch) -> None:
         self.engine, self.pull, self.push = engine, pull, push
         self.stats_interval = stats_interval
         self.sent: dict[str, int] = {}  # request id -> tokens already sent
         self.running = True
-        self.parent = os.getppid()
+        self.watch = watch
 
     def run(self) -> None:
         next_stats = 0.0
         while self.running:
-            if os.getppid() != self.parent:  # orphaned: the API process is gone
+            if not self.watch.alive():  # orphaned: the API process is gone
                 return
             busy = self.engine.has_unfinished_requests()
             timeout = 0 if busy else 20
@@ -144,6 +183,8 @@ class _EngineLoop:
         try:
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.lora, msg.priority)
             self.sent[msg.request_id] = 0
+        except AdapterFilesGone as exc:  # deleted before this request reached the engine: as if inactive
+            self._refuse(msg.request_id, str(exc), status=404)
         except ValueError as exc:  # refused by the engine's own checks
             self._refuse(msg.request_id, str(exc), status=400)
         except Exception as exc:  # a request that breaks add_request ends itself, never the loop

@@ -1,19 +1,40 @@
-"""Run the server with uvicorn: `loraplex serve` calls `serve(settings)`."""
+"""Run the server with uvicorn: `loraplex serve` calls `serve(settings)`.
+
+Shutdown (SIGTERM or Ctrl-C): stop accepting connections, give the requests in flight
+`settings.shutdown_grace_seconds` to finish, then end the rest with a retryable 503 (an SSE error
+event and `[DONE]` for streams), stop the engine, close the registry, and leave the process at once
+(`os._exit` after the orderly clean-up: interpreter teardown of torch & co. took seconds and had nothing
+left to flush).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import Iterator
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator
 
 import uvicorn
+from fastapi import FastAPI
 
 from api.app import create_app
 from api.settings import ServerSettings
 
+log = logging.getLogger("uvicorn.error")
+
+CUT_MARGIN_SECONDS = 5.0  # after the grace: time for cut requests to write their 503s and close
+
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, except that a SIGTERM/SIGINT that led to a clean, graceful shutdown ends the
-    process with status 0 instead of being re-raised (which would kill it before stdio is flushed)."""
+    """uvicorn's server, plus: a SIGTERM/SIGINT that led to a clean, graceful shutdown ends the process
+    with status 0 instead of being re-raised (which would kill it before stdio is flushed), and requests
+    still running at the end of the grace period are ended with a 503 rather than cancelled mid-body."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, grace: float) -> None:
+        super().__init__(config)
+        self.app, self.grace = app, grace
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -21,16 +42,53 @@ class _Server(uvicorn.Server):
             yield
             self._captured_signals.clear()
 
+    async def shutdown(self, sockets=None) -> None:
+        cut = asyncio.create_task(self._cut_after_grace())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            cut.cancel()
 
-def serve(settings: ServerSettings, log_level: str = "info") -> None:
-    """Serve until SIGINT/SIGTERM; on shutdown, in-flight requests get up to 30 s to finish."""
+    async def _cut_after_grace(self) -> None:
+        await asyncio.sleep(self.grace)
+        state = getattr(self.app.state, "loraplex", None)
+        if state is not None:
+            n = state.client.end_in_flight()
+            log.warning(
+                "shutdown grace of %gs is over: ended %d request(s) still in flight with 503", self.grace, n
+            )
+
+
+def serve(
+    settings: ServerSettings, log_level: str = "info", on_stopped: Callable[[], None] | None = None
+) -> None:
+    """Serve until SIGINT/SIGTERM (see the module docstring for the shutdown). After a server that
+    started has shut down, `on_stopped()` runs and the process exits with status 0."""
+    app = create_app(settings)
+    grace = settings.shutdown_grace_seconds
     config = uvicorn.Config(
-        create_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
         log_level=log_level,
-        timeout_graceful_shutdown=30,
+        timeout_graceful_shutdown=int(grace + CUT_MARGIN_SECONDS + 0.999),
         lifespan="on",
         **settings.uvicorn_proxy_options(),  # type: ignore[arg-type]
     )
-    _Server(config).run()
+    server = _Server(config, app, grace)
+    server.run()
+    if not server.started:
+        return
+    if on_stopped is not None:
+        on_stopped()
+    _exit_now(0)
+
+
+def _exit_now(code: int) -> None:
+    """Leave the process without interpreter teardown: flush logs and stdio first (the engine process,
+    registry and sockets were closed by the app's lifespan)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.admission import client_id
 from api.auth import authenticate, authorize
-from api.engine_client import EngineDeadError, EngineUnavailableError
+from api.engine_client import EngineDeadError, EngineUnavailableError, ServerShuttingDownError
 from api.errors import APIError
 from api.generation import ChoiceUpdate, Generation
 from api.limits.limiter import Grant
@@ -206,7 +206,7 @@ class RequestRun:
             async with self.state.admission.hold(client, len(self.gen.choices)):
                 async for up in self.gen.stream():
                     if up.choice.error:
-                        raise APIError(up.choice.error_status, f"generation failed: {up.choice.error}")
+                        raise _choice_error(self.target, up.choice.error_status, up.choice.error)
                     if self.first_token is None and up.choice.token_ids:
                         self.first_token = time.monotonic()
                     yield up
@@ -219,6 +219,13 @@ class RequestRun:
             if exc.status == 429:  # refused by a rate limit or the client's fair share: it never ran
                 status = "rate_limited"
             raise
+        except ServerShuttingDownError as exc:
+            raise APIError(
+                503,
+                "the server is shutting down and did not finish this request in time; retry it",
+                code="server_shutting_down",
+                headers={"Retry-After": "1"},
+            ) from exc
         except (asyncio.CancelledError, GeneratorExit):
             status = "aborted"
             raise
@@ -291,6 +298,19 @@ class RequestRun:
                 if task is not None:
                     task.cancel()
                 return
+
+
+def _choice_error(target: Target, status: int, error: str) -> APIError:
+    """The API error for an engine request that ended with `error`: 404 `model_not_found` when the
+    adapter was deleted before the engine admitted the request (as if the request came after)."""
+    if status == 404:
+        return APIError(
+            404,
+            f"The model '{target.model_name}' does not exist or is not active (it was removed)",
+            param="model",
+            code="model_not_found",
+        )
+    return APIError(status, f"generation failed: {error}")
 
 
 def usage(gen: Generation, num_prompt_tokens: int) -> dict[str, Any]:

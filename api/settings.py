@@ -13,6 +13,7 @@ from engine.engine_config import EngineConfig
 from lora_registry.settings import RegistrySettings
 
 ACCESS_LEVELS = ("auto", "public", "api_key", "admin")
+MAX_SHUTDOWN_GRACE = 3600.0  # seconds; `shutdown_grace_seconds` is in [0, this]
 
 
 def checkpoint_names(path: Path) -> list[str]:
@@ -53,6 +54,9 @@ class ServerSettings:
     # None: none, the client is the connection's peer (per-client throttles cannot be dodged by
     # sending the header). LORAPLEX_FORWARDED_ALLOW_IPS.
     forwarded_allow_ips: str | None = None
+    # On SIGTERM/SIGINT: requests in flight get this long to finish, then end with a retryable 503
+    # (LORAPLEX_SHUTDOWN_GRACE; `serve --shutdown-grace`). See docs/operations.md.
+    shutdown_grace_seconds: float = 30.0
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(model="."))
     registry: RegistrySettings | None = None
     usage: UsageSettings = field(default_factory=UsageSettings)  # accounting + rate limits (README)
@@ -80,6 +84,7 @@ class ServerSettings:
             if value not in ACCESS_LEVELS:
                 raise ValueError(f"{name} must be one of {', '.join(ACCESS_LEVELS)}, got {value!r}")
             overrides[name] = value
+        overrides["shutdown_grace_seconds"] = _grace(overrides.get("shutdown_grace_seconds"), env)
         served = overrides.pop("served_model_name", None) or path.name
         overrides.setdefault("forwarded_allow_ips", env.get("LORAPLEX_FORWARDED_ALLOW_IPS") or None)
         return cls(
@@ -113,3 +118,16 @@ class ServerSettings:
     def client_seq_limit(self) -> int:
         """Most engine sequences one client may have in flight at once."""
         return self.max_seqs_per_client or max(1, self.engine.max_num_seqs // 2)
+
+
+def _grace(given: float | None, env: Mapping[str, str]) -> float:
+    """The shutdown grace in seconds: `given`, else LORAPLEX_SHUTDOWN_GRACE, else 30; ValueError outside
+    [0, MAX_SHUTDOWN_GRACE]."""
+    raw: object = given if given is not None else env.get("LORAPLEX_SHUTDOWN_GRACE") or 30.0
+    try:
+        value = float(raw)  # type: ignore[arg-type]
+    except ValueError:
+        raise ValueError(f"shutdown grace must be a number of seconds, got {raw!r}") from None
+    if not 0 <= value <= MAX_SHUTDOWN_GRACE:
+        raise ValueError(f"shutdown grace must be in [0, {MAX_SHUTDOWN_GRACE:g}] seconds, got {value:g}")
+    return value

@@ -207,14 +207,15 @@ class LLMEngine:
             return None
         if self.lora is None:
             raise ValueError("a lora_request was given but the engine was created with enable_lora=False")
-        return self.lora.resolve_nowait(lora_request)  # None: digest computed by the background load
+        return self.lora.admit(lora_request)  # None: digest computed by the background load
 
     def _prepare_adapters(self) -> list[RequestOutput]:
         """Before scheduling: learn the digests that background loads computed, and make the adapters the
         scheduler will want next resident (uploading from host memory, or starting their loads).
 
-        An adapter removed (`remove_lora`) while requests wait for it is looked up again from their
-        `LoRARequest`; if its files changed meanwhile, those requests end with an error."""
+        `remove_lora` only retires an adapter that waiting requests use, so their digest stays known; should
+        it be forgotten anyway (a failed `add_lora` of the same digest), it is looked up again from their
+        `LoRARequest`, and if its files changed or vanished meanwhile, those requests end with an error."""
         if self.lora is None or not self.scheduler.waiting:
             return []
         in_use = self.scheduler.running_adapters()
@@ -225,13 +226,21 @@ class LLMEngine:
                 continue
             if seq.lora_key is None:
                 seq.lora_key = self.lora.poll_resolved(lr, in_use)
-            elif not self.lora.is_known(seq.lora_key) and self.lora.resolve_nowait(lr) != seq.lora_key:
+            elif not self.lora.is_known(seq.lora_key) and self._resolve_or_none(lr) != seq.lora_key:
                 lost[self._seq_to_group[seq.seq_id]] = lr
         self.lora.prepare(self.scheduler.adapters_wanted(), in_use)
         return [
             self._end_with_error(gid, f"adapter {lr.name!r} was removed or changed while the request waited")
             for gid, lr in lost.items()
         ]
+
+    def _resolve_or_none(self, lr: LoRARequest) -> str | None:
+        """`resolve_nowait`, with None for files that are gone or no longer an adapter."""
+        assert self.lora is not None
+        try:
+            return self.lora.resolve_nowait(lr)
+        except (OSError, ValueError):
+            return None
 
     # ---- adapters ---------------------------------------------------------------------------------
     def _require_lora(self) -> LoRAManager:
@@ -248,7 +257,18 @@ class LLMEngine:
         self._require_lora().prefetch(lora_request, self.scheduler.running_adapters())
 
     def remove_lora(self, name_or_digest: str) -> bool:
-        return self._require_lora().remove_lora(name_or_digest, self.scheduler.running_adapters())
+        """Forget an adapter. Requests already admitted for it finish on it first (it is dropped after the
+        last one); returns whether it was known."""
+        return self._require_lora().remove_lora(name_or_digest, self._adapters_in_use())
+
+    def _adapters_in_use(self) -> set[str]:
+        """Digests of the adapters of every unfinished request, running or waiting."""
+        sch = self.scheduler
+        return {s.lora_key for q in (sch.running, sch.waiting) for s in q if s.lora_key is not None}
+
+    def _retain_adapters(self) -> None:
+        if self.lora is not None:
+            self.lora.retain(self._adapters_in_use())
 
     def pin_lora(self, name_or_digest: str, pinned: bool = True) -> bool:
         return self._require_lora().pin_lora(name_or_digest, self.scheduler.running_adapters(), pinned)
@@ -283,7 +303,12 @@ class LLMEngine:
         return SequenceText(self.tokenizer, params.stop)
 
     def abort_request(self, request_id: str | abc.Sequence[str]) -> None:
-        """Stop the request(s) now, freeing their KV blocks; unknown or finished ids are ignored."""
+        """Stop the request(s) now, freeing their KV blocks and adapter holds; unknown or finished ids are
+        ignored."""
+        self._abort(request_id)
+        self._retain_adapters()
+
+    def _abort(self, request_id: str | abc.Sequence[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
             group = self._groups.pop(rid, None)
@@ -316,6 +341,7 @@ class LLMEngine:
         if plan.empty:
             if self.spec is not None:  # e.g. everything was aborted: the proposer's state goes too
                 self.spec.proposer.retain({s.seq_id for s in self.scheduler.running})
+            self._retain_adapters()
             return outputs
         if self.thread_governor is not None:
             self.thread_governor.begin()
@@ -359,6 +385,7 @@ class LLMEngine:
             self._propose()  # its time counts toward the step's (a draft model's forwards)
             new_tokens = sum(max(1, s.num_new_tokens) for s in progressed)
             self.spec.end_step(plan.num_batched_tokens, time.perf_counter() - t_start, new_tokens)
+        self._retain_adapters()
         return outputs
 
     def _propose(self) -> None:
@@ -404,7 +431,7 @@ class LLMEngine:
     def _end_with_error(self, gid: str, error: str) -> RequestOutput:
         """End every sequence of group `gid` (freeing its KV blocks and adapter pin) and report `error`."""
         group = self._groups[gid]
-        self.abort_request(gid)
+        self._abort(gid)
         out = group.output()
         out.error = error
         return out

@@ -53,6 +53,16 @@ def serve(
         int | None, typer.Option(help="With --speculative: most tokens proposed per step (1-16).")
     ] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+    shutdown_grace: Annotated[
+        float | None,
+        typer.Option(
+            envvar="LORAPLEX_SHUTDOWN_GRACE",
+            help="Seconds requests in flight get to finish on SIGTERM/Ctrl-C before they end with a "
+            "retryable 503 (default 30).",
+            min=0,
+            max=3600,
+        ),
+    ] = None,
     replicas: Annotated[
         int | None,
         typer.Option(help="Serve with N engine replicas on Ray Serve (adapter-affinity routing).", min=1),
@@ -83,6 +93,7 @@ def serve(
             served_model_name=served_model_name,
             require_api_key=require_api_key,
             max_seqs_per_client=max_seqs_per_client,
+            shutdown_grace_seconds=shutdown_grace,
             engine_kwargs=engine_options(
                 device=device,
                 dtype=dtype,
@@ -120,7 +131,8 @@ def serve(
     if replicas is not None:
         _serve_replicas(settings, replicas, ray_address, ray_num_cpus)
     else:
-        run(settings, log_level=log_level)
+        # A server that ran exits inside `run` (after `on_stopped`), without interpreter teardown.
+        run(settings, log_level=log_level, on_stopped=lambda: err.print("loraplex stopped"))
     err.print("loraplex stopped")
 
 

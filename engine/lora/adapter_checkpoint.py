@@ -117,8 +117,13 @@ def adapter_files(path: str | Path) -> tuple[Path, Path]:
 
 def load_adapter_config(cfg_file: Path) -> dict[str, Any]:
     """Parse `adapter_config.json` into a dict, or raise `AdapterError`."""
+    return parse_adapter_config(cfg_file.read_bytes())
+
+
+def parse_adapter_config(raw_bytes: bytes) -> dict[str, Any]:
+    """Parse the bytes of `adapter_config.json` into a dict, or raise `AdapterError`."""
     try:
-        raw = json.loads(cfg_file.read_bytes())
+        raw = json.loads(raw_bytes)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise AdapterError(f"{CONFIG_FILE}: not valid JSON ({exc})") from exc
     if not isinstance(raw, dict):
@@ -137,18 +142,25 @@ def adapter_digest(path: str | Path) -> str:
 
 
 def inspect_adapter(
-    path: str | Path, model: ModelConfig, max_lora_rank: int = 64, load_weights: bool = True
+    path: str | Path,
+    model: ModelConfig,
+    max_lora_rank: int = 64,
+    load_weights: bool = True,
+    contents: tuple[bytes, bytes] | None = None,
 ) -> AdapterCheckpoint:
     """Validate the adapter at `path` against `model` and return its facts (and weights).
 
-    Every refusal raises `AdapterError` naming the field or tensor. NaN/Inf checks need the weights, so
-    they run only with `load_weights=True`.
+    `contents`: the (config, weights) bytes when the caller has read them already (then the files at
+    `path` are not read). Every refusal raises `AdapterError` naming the field or tensor. NaN/Inf checks
+    need the weights, so they run only with `load_weights=True`.
     """
-    cfg_file, weights_file = adapter_files(path)
-    config = load_adapter_config(cfg_file)
+    if contents is None:
+        cfg_file, weights_file = adapter_files(path)
+        contents = cfg_file.read_bytes(), weights_file.read_bytes()
+    raw_config, data = contents
+    config = parse_adapter_config(raw_config)
     rules = _check_config(config)
     targeted = _target_set(config, model)
-    data = weights_file.read_bytes()
     header = _parse_safetensors_header(data)
     digest = hashlib.sha256(canonical_config_bytes(config) + data).hexdigest()
 
@@ -201,7 +213,7 @@ def inspect_adapter(
         alpha=rules.alpha,
         target_modules=tuple(p for p in PROJECTIONS if p in present),
         use_rslora=rules.use_rslora,
-        size_bytes=cfg_file.stat().st_size + len(data),
+        size_bytes=len(raw_config) + len(data),
         base_model_name=config.get("base_model_name_or_path"),
         modules=tuple(modules),
     )

@@ -6,7 +6,8 @@ weights or KV. `resolve_nowait` never reads weights on the caller's thread: file
 loaded in the background, where the digest is computed as part of the load.
 
 Loading: every background load is keyed by the adapter's directory (`path_key`), in one futures map, and
-a failed load is recorded under the same key until `take_failures` hands it out.
+a failed load is recorded under the same key until `take_failures` hands it out. The files of an adapter
+that requests wait for can be held open (`hold_files`), so it loads even if they are deleted meanwhile.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from engine.lora.adapter_checkpoint import (
     adapter_files,
     inspect_adapter,
 )
+from engine.lora.held_files import HeldAdapterFiles
 from engine.lora_request import LoRARequest
 from engine.model_config import ModelConfig
 
@@ -55,6 +57,7 @@ class AdapterLoader:
         self._stat: dict[str, tuple[FileStats, str]] = {}  # path key -> (file stats, digest)
         self._loads: dict[str, Future[tuple[FileStats, AdapterCheckpoint]]] = {}  # path key -> load
         self._failed: dict[str, str] = {}  # path key -> why its last background load failed
+        self._held: dict[str, HeldAdapterFiles] = {}  # digest -> its files, opened for waiting requests
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
@@ -92,12 +95,13 @@ class AdapterLoader:
         return (self._remember(lr.name, cached[1], key) if cached else None), None
 
     def _known_digest(self, lr: LoRARequest) -> tuple[str, FileStats, str | None]:
-        """(path key, file stats, digest if known without hashing: given, or files unchanged)."""
+        """(path key, file stats, digest if known without hashing: given, or files unchanged). A given
+        digest touches no file (the adapter may be served from memory after its files are gone)."""
+        if lr.digest:
+            return path_key(lr), (), lr.digest
         cfg_file, weights = adapter_files(lr.path)
         key = str(cfg_file.parent.resolve())
         stats = tuple(v for f in (cfg_file, weights) for v in (os.stat(f).st_mtime_ns, os.stat(f).st_size))
-        if lr.digest:
-            return key, stats, lr.digest
         cached = self._stat.get(key)
         return key, stats, cached[1] if cached is not None and cached[0] == stats else None
 
@@ -120,15 +124,31 @@ class AdapterLoader:
         return list(self._paths)
 
     def forget(self, digest: str) -> None:
-        """Drop every name of `digest` and where its files are."""
+        """Drop every name of `digest`, where its files are, and their held descriptors."""
         self._paths.pop(digest, None)
+        self._held.pop(digest, None)
         for name in [n for n, d in self._names.items() if d == digest]:
             del self._names[name]
+
+    # ---- held files -------------------------------------------------------------------------------
+    def hold_files(self, digest: str) -> None:
+        """Open the files of the known adapter `digest` now (not reading them) so that later loads read
+        them even if they are deleted or replaced meanwhile; raises `AdapterFilesGone` if they are gone."""
+        if digest not in self._held:
+            self._held[digest] = HeldAdapterFiles(self._paths[digest])
+
+    def release_files(self, keep: set[str]) -> None:
+        """Close the held files of every adapter not in `keep` (once no load uses them any more)."""
+        for digest in [d for d in self._held if d not in keep]:
+            del self._held[digest]
+
+    def held_digests(self) -> list[str]:
+        return list(self._held)
 
     # ---- loading ----------------------------------------------------------------------------------
     def load_now(self, digest: str) -> AdapterCheckpoint:
         """Validate and read the adapter's files on this thread (errors raise `AdapterError`)."""
-        return _checked(self._read(self._paths[digest]), digest)
+        return _checked(self._read(self._paths[digest], self._held.get(digest)), digest)
 
     def clear_failure(self, digest: str) -> None:
         """Forget a reported-later failure of the adapter's files (they loaded fine since)."""
@@ -145,7 +165,7 @@ class AdapterLoader:
             self._fail(key, "adapter files changed while loading; retry")
             return None
         if key not in self._loads and key not in self._failed:
-            self._loads[key] = self._submit(self._read_with_stats, key, None)
+            self._loads[key] = self._submit(self._read_with_stats, key, None, self._held.get(digest))
         return None
 
     def is_loading(self, digest: str) -> bool:
@@ -181,14 +201,16 @@ class AdapterLoader:
         return self._executor.submit(fn, *args)
 
     def _read_with_stats(
-        self, key: str, stats: FileStats | None
+        self, key: str, stats: FileStats | None, held: HeldAdapterFiles | None = None
     ) -> tuple[FileStats | None, AdapterCheckpoint]:
-        return stats, self._read(key)
+        return stats, self._read(key, held)
 
-    def _read(self, path: str) -> AdapterCheckpoint:
-        """Validate and load the adapter at `path` into host memory, timing the load."""
+    def _read(self, path: str, held: HeldAdapterFiles | None = None) -> AdapterCheckpoint:
+        """Validate and load the adapter at `path` (through `held` when its files are held open) into
+        host memory, timing the load."""
         t0 = time.perf_counter()
-        ckpt = inspect_adapter(path, self.model, self.max_lora_rank, load_weights=True)
+        contents = held.read() if held is not None else None
+        ckpt = inspect_adapter(path, self.model, self.max_lora_rank, load_weights=True, contents=contents)
         if self.pin_memory:
             ckpt = _pin_host_memory(ckpt)
         dt = time.perf_counter() - t0

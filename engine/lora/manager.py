@@ -8,10 +8,18 @@ The engine drives it; nothing here calls back into the scheduler. Whoever holds 
 `in_use` (digests used by running sequences), which are never evicted. Once per step, before scheduling,
 the engine calls `poll_resolved` for sequences whose digest is not known yet and `prepare` with the
 adapters the scheduler will want next; the scheduler then only asks `is_resident`.
+
+Requests admitted for an adapter version finish on that version: `admit` holds the adapter for the
+request (its host copy stays, and its files are held open until read), `remove_lora` of an adapter that
+unfinished requests use only retires it, and `retain` (after every step) drops retired adapters as soon as
+no request uses them any more. A removed digest is remembered (the last `REMOVED_MEMORY`): a request
+admitted for it later (sent before the removal, delivered after) retires it again, so it does not stay
+cached; `add_lora`/`prefetch`/`pin_lora` of it (activated again) end that.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,6 +28,7 @@ import torch
 from engine.lora.adapter_checkpoint import AdapterCheckpoint
 from engine.lora.backend import select_lora_backend
 from engine.lora.cpu_cache import CpuAdapterCache
+from engine.lora.held_files import AdapterFilesGone
 from engine.lora.loader import AdapterLoader
 from engine.lora.pool import AdapterPool
 from engine.lora.residency import AdapterResidency
@@ -56,12 +65,17 @@ class LoRAPoolStats:
     last_load_seconds: float
 
 
+REMOVED_MEMORY = 4096  # removed digests remembered, so late requests for them retire them again
+
+
 class LoRAManager:
     """Adapters by content digest across device pages, host memory and disk."""
 
     def __init__(self, loader: AdapterLoader, residency: AdapterResidency) -> None:
         self.loader = loader
         self.residency = residency
+        self.retiring: set[str] = set()  # removed while requests used them: dropped once they are done
+        self.removed: OrderedDict[str, None] = OrderedDict()  # digests removed (not activated since)
 
     @classmethod
     def create(
@@ -99,10 +113,41 @@ class LoRAManager:
         """The adapter's digest if known without reading weights; else None (a background load starts)."""
         return self.loader.resolve_nowait(lr)
 
+    def admit(self, lr: LoRARequest) -> str | None:
+        """The digest of the adapter a new request uses (None until a background load computes it), held
+        for the request: its host copy is kept and, when there is none, its files are opened now, so the
+        version stays loadable if they are deleted or replaced while the request waits. Raises
+        `AdapterFilesGone` when the adapter is not in memory and its files are gone."""
+        digest = self.loader.resolve_nowait(lr)
+        if digest is None:
+            return None
+        res = self.residency
+        if not res.has_host_copy(digest):
+            try:
+                self.loader.hold_files(digest)
+            except AdapterFilesGone:
+                if digest not in res.held and not res.is_resident(digest):
+                    self._forget(digest)  # a refused adapter leaves nothing behind
+                raise
+        res.held.add(digest)
+        if digest in self.removed:
+            self.retiring.add(digest)  # admitted after its removal: dropped again after its requests
+        return digest
+
+    def retain(self, in_use: set[str]) -> None:
+        """After a step: `in_use` are the digests of every unfinished request (running or waiting). Keep
+        their host copies, release other adapters' held files, and drop retired adapters no one uses."""
+        self.residency.held = set(in_use)
+        self.loader.release_files(in_use)
+        for digest in [d for d in self.retiring if d not in in_use]:
+            self._forget(digest)
+
     def poll_resolved(self, lr: LoRARequest, in_use: set[str]) -> str | None:
         """The digest of a `resolve_nowait` that returned None, once its background load finished (the
         loaded adapter goes to the host cache)."""
         digest, ckpt = self.loader.poll_resolved(lr)
+        if digest is not None:
+            self.residency.held.add(digest)
         if ckpt is not None:
             self.residency.keep_on_host(ckpt, in_use)
         return digest
@@ -111,6 +156,7 @@ class LoRAManager:
     def add_lora(self, lr: LoRARequest, in_use: set[str]) -> str:
         """Validate and load the adapter into the host cache now; returns its digest."""
         digest = self.loader.resolve(lr)
+        self._reactivate(digest)
         res = self.residency
         if res.host_copy(digest) is None and not res.is_resident(digest):
             try:
@@ -126,23 +172,40 @@ class LoRAManager:
         """Start loading the adapter into host memory in the background (never blocks the caller on
         reading weights); a failure is reported like any background load's."""
         digest = self.loader.resolve_nowait(lr)
-        if digest is None or digest in self.residency.cpu or self.residency.is_resident(digest):
+        if digest is None:
+            return
+        self._reactivate(digest)
+        if digest in self.residency.cpu or self.residency.is_resident(digest):
             return
         ckpt = self.loader.fetch(digest)
         if ckpt is not None:
             self.residency.keep_on_host(ckpt, in_use)
 
     def remove_lora(self, name_or_digest: str, in_use: set[str]) -> bool:
-        """Forget an adapter (all tiers) unless a running sequence uses it. Returns whether it was known."""
+        """Forget an adapter (all tiers). If unfinished requests use it (`in_use`: digests of running and
+        waiting requests) it is only retired: they finish on it and `retain` drops it after the last one.
+        Returns whether it was known."""
         digest = self.loader.digest_of(name_or_digest)
-        if digest in in_use:
-            raise ValueError(f"adapter {name_or_digest!r} is in use by running requests")
         res = self.residency
         known = digest in res.cpu or res.is_resident(digest) or self.loader.is_known(digest)
-        self._forget(digest)
+        self.removed[digest] = None
+        self.removed.move_to_end(digest)
+        while len(self.removed) > REMOVED_MEMORY:
+            self.removed.popitem(last=False)
+        if digest in in_use:
+            self.retiring.add(digest)
+            res.pinned.discard(digest)
+        else:
+            self._forget(digest)
         return known
 
+    def _reactivate(self, digest: str) -> None:
+        """The adapter is wanted again (activated): no pending or remembered removal."""
+        self.retiring.discard(digest)
+        self.removed.pop(digest, None)
+
     def _forget(self, digest: str) -> None:
+        self.retiring.discard(digest)
         self.residency.drop(digest)
         self.loader.forget(digest)
 
@@ -152,6 +215,7 @@ class LoRAManager:
         if not self.loader.is_known(digest):
             return False
         if pinned:
+            self._reactivate(digest)
             if not self._make_resident(digest, in_use, blocking=True):
                 raise ValueError(f"adapter {name_or_digest!r} does not fit in the adapter pool")
             self.residency.pinned.add(digest)

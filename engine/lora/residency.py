@@ -2,7 +2,9 @@
 
 Tiers: device pages (`AdapterPool`) <- host cache (`CpuAdapterCache`, LRU, `max_cpu_loras`) <- disk (the
 loader's business). Adapters in the caller's `protected` set (used by a running sequence, or pinned) are
-never evicted; other residents are evicted least-recently-used first to make room. "Used" is counted
+never evicted from the device; adapters of any unfinished request (`held`) keep their host copy, so a
+request admitted for an adapter never needs its files again once they were read. Other residents are
+evicted least-recently-used first to make room. "Used" is counted
 by `step_context`, which stamps every adapter of a step with a logical clock.
 """
 
@@ -36,6 +38,7 @@ class AdapterResidency:
         self.backend = backend  # how the step context applies LoRA: "native" | "torch" | "triton"
         self.device = device
         self.pinned: set[str] = set()
+        self.held: set[str] = set()  # digests of unfinished requests' adapters: host copy never evicted
         self.stats = ResidencyStats()
         self._clock = 0
 
@@ -45,9 +48,14 @@ class AdapterResidency:
     def host_copy(self, digest: str) -> AdapterCheckpoint | None:
         return self.cpu.get(digest)
 
+    def has_host_copy(self, digest: str) -> bool:
+        """Whether the adapter is in the host cache (without touching its LRU position)."""
+        return digest in self.cpu
+
     def keep_on_host(self, ckpt: AdapterCheckpoint, in_use: set[str]) -> None:
-        """Put a loaded adapter in the host cache (evicting LRU entries that are not in use or pinned)."""
-        self.cpu.put(ckpt, keep=in_use | self.pinned)
+        """Put a loaded adapter in the host cache (evicting LRU entries that are not in use, held or
+        pinned; the cache may exceed its capacity while held adapters fill it)."""
+        self.cpu.put(ckpt, keep=in_use | self.pinned | self.held)
 
     def upload(self, ckpt: AdapterCheckpoint, protected: set[str]) -> bool:
         """Copy the adapter into device pages, evicting residents that are neither `protected` nor pinned,
@@ -73,6 +81,7 @@ class AdapterResidency:
             self.pool.evict(digest)
         self.cpu.drop(digest)
         self.pinned.discard(digest)
+        self.held.discard(digest)
 
     def step_context(self, items: Sequence[ScheduledSequence]) -> LoRAStepContext | None:
         """The LoRA context for a step's scheduled sequences (flat-batch order); None if none uses one."""

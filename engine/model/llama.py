@@ -115,7 +115,10 @@ class LlamaForCausalLM(nn.Module):
         if cfg.extra.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.extra['hidden_act']!r} is not supported (only silu)")
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # `_weight` skips the random init (and with it, on the meta device, an import of torch._dynamo
+        # that costs over a second of engine start-up); the loader fills every weight.
+        embed = torch.empty(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=embed)
         self.embed_tokens.weight.requires_grad_(False)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rope) for i in range(cfg.num_layers))
