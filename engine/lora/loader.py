@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -167,6 +167,11 @@ class AdapterLoader:
         if key not in self._loads and key not in self._failed:
             self._loads[key] = self._submit(self._read_with_stats, key, None, self._held.get(digest))
         return None
+
+    def wait_for_any(self, timeout: float) -> None:
+        """Block until a background load finishes or `timeout` seconds pass (at once when none runs)."""
+        if self._loads:
+            wait(list(self._loads.values()), timeout=timeout, return_when=FIRST_COMPLETED)
 
     def is_loading(self, digest: str) -> bool:
         return self._paths.get(digest) in self._loads

@@ -255,6 +255,10 @@ class LoRAManager:
     def is_resident(self, digest: str) -> bool:
         return self.residency.is_resident(digest)
 
+    def wait_for_loads(self, timeout: float) -> None:
+        """Block until a background adapter load finishes or `timeout` seconds pass."""
+        self.loader.wait_for_any(timeout)
+
     def is_known(self, digest: str) -> bool:
         """Whether the loader knows the files behind `digest` (False once `remove_lora` forgot them)."""
         return self.loader.is_known(digest)
