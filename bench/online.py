@@ -231,6 +231,7 @@ def _self_hosted(args, rates: list[float]) -> OnlineResult:
 def _build(root: Path, adapters: int) -> tuple[Path, dict[str, str]]:
     """A random base model and `adapters` active rank-16 adapters in a fresh data dir; the server's env."""
     import os
+    import secrets
 
     from bench.workload import ModelSpec, build_adapter, build_base
     from lora_registry import RegistrySettings, open_registry
@@ -239,7 +240,7 @@ def _build(root: Path, adapters: int) -> tuple[Path, dict[str, str]]:
     env = os.environ | {
         "LORAPLEX_DATA_DIR": str(root / "data"),
         "LORAPLEX_MODEL": str(base),
-        "LORAPLEX_ADMIN_TOKEN": "bench",
+        "LORAPLEX_ADMIN_TOKEN": secrets.token_urlsafe(24),  # the server refuses tokens under 16 characters
     }
     reg = open_registry(RegistrySettings.from_env(env))
     try:
@@ -269,11 +270,15 @@ def _serving(base: Path, env: dict[str, str], args):
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"`loraplex serve` exited with code {proc.returncode} before it was ready")
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 time.sleep(0.5)
+        else:
+            raise RuntimeError("`loraplex serve` was not ready after 300 s")
         yield url
     finally:
         proc.send_signal(signal.SIGTERM)
