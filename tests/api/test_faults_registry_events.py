@@ -9,35 +9,28 @@ this process on the same registry database and the real Redis.
 from __future__ import annotations
 
 import io
-import os
 import zipfile
 
 import httpx
 import pytest
-import redis
 
 from lora_registry import RegistrySettings, open_registry
 from lora_registry.follower import RegistryFollower
 from lora_registry.redis_bus import RedisEventBus
 from tests.helpers.live_server import start_server, wait_until
+from tests.helpers.redis_service import REDIS_URL, require_redis
 from tests.helpers.served import register
 from tests.helpers.tcp_proxy import FaultProxy
 
 pytestmark = pytest.mark.slow  # a live server
 
-REDIS_URL = os.environ.get("LORAPLEX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 BODY = {"prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
 def cluster(text_model, tmp_path_factory):
     """(server, proxy, replica follower) sharing one SQLite registry and one Redis channel."""
-    try:
-        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=3).ping()
-    except redis.RedisError as exc:
-        if os.environ.get("CI"):
-            pytest.fail(f"Redis at {REDIS_URL} is unreachable: {exc}")
-        pytest.skip(f"Redis at {REDIS_URL} is unreachable: {exc}")
+    require_redis()
     base, adapters, _ = text_model
     data = tmp_path_factory.mktemp("events")
     register(data, base, "bot", adapters["all7-r4"], activate=False)

@@ -5,13 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.lora.adapter_checkpoint import PROJECTIONS, AdapterCheckpoint, LoRAModuleWeights, module_features
 from engine.lora.pool import AdapterPool
 from engine.lora.step_context import CpuLoRAContext, token_segments
 from engine.model_config import ModelConfig
-from kernels.intmath import cdiv
 from kernels.lora_meta import build_lora_batch_meta
 from kernels.reference import (
     lora_expand_ref,
@@ -19,6 +17,7 @@ from kernels.reference import (
     paged_attention_decode_ref,
     paged_attention_prefill_ref,
 )
+from tests.engine.attention_case import attention_case
 
 CFG = ModelConfig.from_dict(
     {
@@ -120,33 +119,9 @@ def test_cpu_lora_context_matches_reference(group, native, pool_dtype, act, layo
 
 
 def test_torch_attention_matches_reference():
-    gen = torch.Generator().manual_seed(1)
-    nb, bs, hkv, hq, d = 20, 4, 2, 6, 8
-    k_cache, v_cache = torch.randn(nb, bs, hkv, d, generator=gen), torch.randn(nb, bs, hkv, d, generator=gen)
-    perm = torch.randperm(nb, generator=gen).to(torch.int32)
-    seq_lens = [5, 9, 13, 7]  # two decodes, then prefill chunks of 6 and 7 tokens
-    q_lens = [1, 1, 6, 7]
-    tables = torch.zeros(4, 4, dtype=torch.int32)
-    used = 0
-    for b, n in enumerate(seq_lens):
-        k = cdiv(n, bs)
-        tables[b, :k] = perm[used : used + k]
-        used += k
-    qs = [0]
-    for n in q_lens:
-        qs.append(qs[-1] + n)
-    q = torch.randn(qs[-1], hq, d, generator=gen)
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(0, dtype=torch.int64),
-        block_tables=tables,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        query_start_loc=torch.tensor(qs, dtype=torch.int32),
-        seq_lens_list=seq_lens,
-        query_start_list=qs,
-        num_decodes=2,
-        max_seq_len=max(seq_lens),
-        max_query_len=max(q_lens),
-    )
+    # two decodes, then prefill chunks of 6 and 7 tokens
+    c = attention_case(1, 20, 4, 2, 6, 8, seq_lens=[5, 9, 13, 7], q_lens=[1, 1, 6, 7], num_decodes=2)
+    q, k_cache, v_cache, tables, meta = c.q, c.k_cache, c.v_cache, c.tables, c.meta
     out = TorchAttentionBackend().attend(q, k_cache, v_cache, meta, 0.3)
     ref_dec = paged_attention_decode_ref(q[:2], k_cache, v_cache, tables[:2], meta.seq_lens[:2], 0.3)
     starts = meta.query_start_loc[2:] - 2

@@ -5,13 +5,11 @@ them, in order, once Redis is back; a change that rolls back leaves no event."""
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
 import time
 import uuid
 
 import pytest
-import redis
 
 from lora_registry import events as ev
 from lora_registry.errors import NotFound
@@ -20,19 +18,13 @@ from lora_registry.outbox import OutboxRelay
 from lora_registry.redis_bus import RedisEventBus
 from lora_registry.registry import Registry, open_registry
 from lora_registry.settings import RegistrySettings
+from tests.helpers.redis_service import REDIS_URL, require_redis
 from tests.helpers.tcp_proxy import FaultProxy
-
-REDIS_URL = os.environ.get("LORAPLEX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
 @pytest.fixture
 def redis_proxy():
-    try:
-        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=3).ping()
-    except redis.RedisError as exc:
-        if os.environ.get("CI"):
-            pytest.fail(f"Redis at {REDIS_URL} is unreachable: {exc}")
-        pytest.skip(f"Redis at {REDIS_URL} is unreachable: {exc}")
+    require_redis()
     with FaultProxy("127.0.0.1", 6379) as proxy:
         yield proxy
 

@@ -4,24 +4,22 @@ registry in a throw-away PostgreSQL database (blobs in the database), events on 
 from __future__ import annotations
 
 import dataclasses
-import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
-import redis
 
 from api.settings import ServerSettings
 from lora_registry import open_registry
 from lora_registry.migrate import upgrade
 from tests.helpers.live_server import ADMIN_TOKEN, free_port, wait_until
+from tests.helpers.redis_service import REDIS_URL, require_redis
 from tests.lora_registry.pg import postgres_database
 
 DEMO = Path(__file__).resolve().parents[3] / "demo"
 ADAPTERS = ("upper", "reverse", "rot13", "novowels")
-REDIS_URL = os.environ.get("LORAPLEX_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
 def _rot13(s: str) -> str:
@@ -53,21 +51,12 @@ class Cluster:
             return r.json()["replicas"]
 
 
-def _require_redis() -> None:
-    try:
-        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=3).ping()
-    except redis.RedisError as exc:
-        if os.environ.get("CI"):
-            pytest.fail(f"Redis at {REDIS_URL} is unreachable: {exc}")
-        pytest.skip(f"Redis at {REDIS_URL} is unreachable: {exc}")
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     from api.cluster import ray_api
     from api.cluster.run import ClusterOptions, start_cluster
 
-    _require_redis()
+    require_redis()
     data_dir = tmp_path_factory.mktemp("cluster") / "data"
     with postgres_database() as db_url:
         upgrade(db_url)
