@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sqlalchemy import func, select
+from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session, selectinload, sessionmaker
 
 from lora_registry import events as ev
@@ -30,6 +30,7 @@ from lora_registry.models import (
     Adapter,
     AdapterVersion,
     AuditEntry,
+    RateLimit,
     RegistryMeta,
 )
 from lora_registry.names import validate_name
@@ -272,12 +273,14 @@ class RegistryService:
         return info
 
     def delete(self, name: str, *, actor: str = "local") -> None:
-        """Delete `name` and all its versions; blobs no other version uses are removed too."""
+        """Delete `name`, all its versions and its rate limits (an adapter registered later under the
+        same name starts without limits); blobs no other version uses are removed too."""
         with transaction(self.sessions) as s:
             a = self._get(s, name, lock=True)
             blobs = {b for v in a.versions for b in (v.config_blob, v.weights_blob)}
             digests = {v.digest for v in a.versions}
             audit(s, actor, ev.ADAPTER_DELETED, name, versions=len(a.versions))
+            s.execute(delete(RateLimit).where(RateLimit.kind == "adapter", RateLimit.name == name))
             s.delete(a)
             self._event(s, ev.ADAPTER_DELETED, None, name=name)
         self._drop_unreferenced(blobs, digests)

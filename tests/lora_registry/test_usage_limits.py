@@ -103,6 +103,15 @@ def test_limits_set_change_clear_and_audit(
     assert any(a.action == LIMITS_CHANGED and a.actor == "t" for a in registry.adapters.audit_log())
 
 
+def test_deleting_an_adapter_deletes_its_limits(registry: Registry, adapter_copy) -> None:
+    registry.adapters.register("support", adapter_copy("a"))
+    registry.limits.set("adapter", "support", requests_per_minute=60)
+    registry.adapters.delete("support")
+    assert registry.limits.list() == []
+    registry.adapters.register("support", adapter_copy("b"))  # a new adapter under the old name
+    assert registry.limits.get("adapter", "support").is_empty
+
+
 def test_limits_refuse_unknown_names_and_bad_values(registry: Registry) -> None:
     with pytest.raises(NotFound, match="no adapter named 'nope'"):
         registry.limits.set("adapter", "nope", requests_per_minute=1)
