@@ -145,8 +145,8 @@ class RemoteEngineClient:
 
 
 def merge_stats(parts: list[EngineStatsMsg]) -> EngineStatsMsg | None:
-    """The replicas' statistics as one: counters and block counts summed, KV usage over all blocks,
-    adapter names merged, every replica's adapters listed."""
+    """The replicas' statistics as one: counters and block counts summed (per-adapter counters by
+    adapter), KV usage over all blocks, adapter names merged, every replica's adapters listed."""
     if not parts:
         return None
     engine: dict[str, Any] = {}
@@ -154,6 +154,11 @@ def merge_stats(parts: list[EngineStatsMsg]) -> EngineStatsMsg | None:
         for k, v in p.engine.items():
             if isinstance(v, list):
                 engine[k] = sorted(set(engine.get(k, [])) | set(v))
+            elif isinstance(v, dict):  # per-adapter counters (e.g. speculative tokens): summed by name
+                merged = engine.setdefault(k, {})
+                for name, counts in v.items():
+                    prev = merged.get(name, [0] * len(counts))
+                    merged[name] = [a + b for a, b in zip(prev, counts, strict=True)]
             elif isinstance(v, int | float):
                 engine[k] = engine.get(k, 0) + v
     total = engine.get("kv_blocks_total", 0)

@@ -27,11 +27,15 @@ def _stats(running: int, used: int, total: int, names: list[str], loads: int) ->
 
 
 def test_merge_stats_sums_and_unions() -> None:
-    merged = merge_stats([_stats(2, 10, 100, ["a"], 3), _stats(1, 30, 100, ["b", "a"], 4)])
+    one, two = _stats(2, 10, 100, ["a"], 3), _stats(1, 30, 100, ["b", "a"], 4)
+    one.engine["spec_by_adapter"] = {"a": [10, 6, 2]}
+    two.engine["spec_by_adapter"] = {"a": [4, 1, 1], "b": [3, 3, 1]}
+    merged = merge_stats([one, two])
     assert merged is not None and merge_stats([]) is None
     assert merged.engine["num_running"] == 3 and merged.engine["kv_usage"] == pytest.approx(0.2)
     assert merged.engine["running_loras"] == ["a", "b"]
     assert merged.lora == {"loads": 7, "pages_used": 2} and len(merged.adapters) == 3
+    assert merged.engine["spec_by_adapter"] == {"a": [14, 7, 3], "b": [3, 3, 1]}
 
 
 @pytest.mark.anyio
