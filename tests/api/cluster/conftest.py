@@ -4,6 +4,7 @@ registry in a throw-away PostgreSQL database (blobs in the database), events on 
 from __future__ import annotations
 
 import dataclasses
+import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,6 +83,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
                 reg.adapters.register(name, DEMO / "adapters" / name, activate=True)
         finally:
             reg.close()
+        # Ray sends a request to a replica without its adapter once no replica holding it took the
+        # request within 1-2 s (Serve's default); on a busy 2-core machine the replicas' queue probes
+        # alone can take that long. The workers inherit this from the driver's environment.
+        os.environ.setdefault("RAY_SERVE_MULTIPLEXED_MODEL_ID_MATCHING_TIMEOUT_S", "10")
         try:
             start_cluster(settings, ClusterOptions(replicas=2, num_cpus=2))
             url = f"http://127.0.0.1:{settings.port}"

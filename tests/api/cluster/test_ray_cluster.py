@@ -46,25 +46,34 @@ def test_every_answer_exact_streaming_and_not(cluster: Cluster) -> None:
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 
 
-def test_affinity_each_adapter_stays_on_one_replica(cluster: Cluster) -> None:
+def test_affinity_requests_go_to_replicas_that_hold_their_adapter(cluster: Cluster) -> None:
+    """Under concurrent traffic every request reaches a replica that already held its adapter on the
+    device, and no adapter is loaded again (no ping-pong). An adapter an earlier test made resident on
+    both replicas may be served by either."""
     _warm_up_until_routing_is_stable(cluster)
-    loads_before = sum(r["lora"]["loads"] for r in cluster.replicas())
+    before = cluster.replicas()
+    assert len(before) == 2
+    holders = {
+        name: {r["replica"] for r in before if any(_on_device(a, name) for a in r["adapters"])}
+        for name in ADAPTERS
+    }
+    assert all(holders.values()), holders
     jobs = [(name, text) for name in ADAPTERS for text in TEXTS * 3]
     with ThreadPoolExecutor(6) as pool:
         answers = list(pool.map(lambda job: (job[0], _complete(cluster.url, *job)), jobs))
-    served_by: dict[str, set[str]] = {}
     for name, r in answers:
         assert r.status_code == 200, r.text
-        served_by.setdefault(name, set()).add(r.headers["x-loraplex-replica"])
-    assert all(len(s) == 1 for s in served_by.values()), served_by
-    replicas = cluster.replicas()
-    assert len(replicas) == 2
+        assert r.headers["x-loraplex-replica"] in holders[name], (
+            name,
+            r.headers["x-loraplex-replica"],
+            holders,
+        )
     # no ping-pong: nothing was loaded again while the traffic ran
-    assert sum(r["lora"]["loads"] for r in replicas) == loads_before
-    for name, ids in served_by.items():
-        (rid,) = ids
-        holder = next(r for r in replicas if r["replica"] == rid)
-        assert any(name in a["names"] and a["tier"] == "device" for a in holder["adapters"])
+    assert sum(r["lora"]["loads"] for r in cluster.replicas()) == sum(r["lora"]["loads"] for r in before)
+
+
+def _on_device(adapter: dict, name: str) -> bool:
+    return name in adapter["names"] and adapter["tier"] == "device"
 
 
 def _warm_up_until_routing_is_stable(cluster: Cluster, timeout: float = 60.0) -> None:
