@@ -172,6 +172,17 @@ def test_gpu_e2e_script_on_cpu(tmp_path):
     assert tp["mixed"]["decode_steps"] == 3 and tp["lora_overhead"] > 0
 
 
+def test_decode_profile_script_on_cpu(tmp_path, capsys):
+    """`bench.gpu_profile --device cpu` profiles mixed and base decode steps at a tiny size: both reports,
+    with the matrix products among the ops."""
+    from bench import gpu_profile
+
+    argv = ["--device", "cpu", "--size", "tiny", "--dtype", "float32", "--requests", "4", "--adapters", "2"]
+    assert gpu_profile.main([*argv, "--steps", "2", "--prompt-len", "8", "--workdir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "### mixed:" in out and "### base:" in out and "aten::mm" in out
+
+
 def test_peer_workload_is_what_both_engines_read(tmp_path):
     """The vLLM peer benchmark's workload (no vLLM needed): model, PEFT adapters and token-id prompts on
     disk, the runner's spec file, and the environment vLLM CPU is started with."""
