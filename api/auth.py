@@ -68,7 +68,13 @@ async def require_admin(request: Request) -> str:
     state = app_state(request)
     if getattr(request.state, "loraplex_admin_checked", False) and state.admin_auth.check(token):
         return "admin"  # verified (through the throttle) by the request guard already
-    client = request.client.host if request.client else "?"
+    await check_admin_token(state, request.client.host if request.client else "?", token)
+    return "admin"
+
+
+async def check_admin_token(state, client: str, token: str) -> None:
+    """Check `token` against the admin token through `client`'s guess throttle (`AuthThrottle`): 429
+    while this client's guesses are throttled, 403 when the token is wrong."""
     ok = await state.auth_throttle.check(client, lambda: state.admin_auth.check(token))
     if ok is None:
         retry = str(state.auth_throttle.retry_after())
@@ -77,7 +83,6 @@ async def require_admin(request: Request) -> str:
         )
     if not ok:
         raise APIError(403, "invalid admin token")
-    return "admin"
 
 
 async def authenticate(request: Request):

@@ -18,7 +18,7 @@ import logging
 
 from starlette.types import Message, Receive, Scope, Send
 
-from api.auth import verify_key
+from api.auth import check_admin_token, verify_key
 from api.errors import APIError, error_response
 from api.http_middleware import HTTPMiddleware
 from lora_registry.errors import RegistryError
@@ -135,14 +135,10 @@ async def _credentials(state, path: str, headers: dict[str, str], scope: Scope):
             headers={"WWW-Authenticate": "Bearer"},
         )
     if level == "admin":
-        ok = await state.auth_throttle.check(client_address(scope), lambda: state.admin_auth.check(secret))
-        if ok is None:
-            retry = str(state.auth_throttle.retry_after())
-            return error_response(
-                429, "too many wrong admin tokens from this client; slow down", headers={"Retry-After": retry}
-            )
-        if not ok:
-            return error_response(403, "invalid admin token")
+        try:
+            await check_admin_token(state, client_address(scope), secret)
+        except APIError as exc:
+            return error_response(exc.status, exc.message, headers=exc.headers)
         scope.setdefault("state", {})[ADMIN_CHECKED] = True
         return None
     if state.admin_auth.check(secret):
