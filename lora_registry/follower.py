@@ -9,6 +9,7 @@ every (re)connect of the bus, so reordered, duplicated or missed events cannot l
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 from lora_registry.events import EventBus, RegistryEvent, Subscription
@@ -24,6 +25,7 @@ class RegistryFollower:
         self.bus = bus
         self.on_change = on_change
         self.resyncs = 0
+        self.changed_at: dict[str, float] = {}  # name -> wall-clock time this follower last changed it
         self._active: dict[str, ActiveAdapter] = {}
         self._lock = threading.RLock()
         self._sub: Subscription | None = None
@@ -64,6 +66,7 @@ class RegistryFollower:
             self._active.pop(name, None)
         else:
             self._active[name] = adapter
+        self.changed_at[name] = time.time()
         self.on_change(name, adapter)
 
     def close(self) -> None:

@@ -155,7 +155,8 @@ class EngineReplica:
             raise RuntimeError(f"engine down for more than {grace_seconds:.0f} s")
 
     def describe(self) -> dict[str, Any]:
-        """This replica's state: engine info and stats, active adapters as it sees them, multiplexed loads."""
+        """This replica's state: engine info and stats, active adapters as it sees them (and when each name
+        last changed, wall clock), multiplexed loads."""
         c = self.client
         stats = c.stats
         return {
@@ -166,6 +167,7 @@ class EngineReplica:
             "info": encode(c.info) if c.info is not None else None,
             "stats": encode(stats) if stats is not None else None,
             "active": {n: a.digest for n, a in (self.follower.snapshot() if self.follower else {}).items()},
+            "changed_at": dict(self.follower.changed_at) if self.follower else {},
             "multiplexed_loads": self.multiplexed_loads,
         }
 

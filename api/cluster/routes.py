@@ -13,8 +13,9 @@ router = APIRouter(prefix="/admin/api", tags=["admin"], responses=error_response
 
 @router.get("/cluster")
 async def cluster_status(state: StateDep, _: AdminActor) -> dict:
-    """Per replica: id, health, in-flight requests, the active adapters it follows (name → digest),
-    adapters made resident by its multiplexed loader, and its adapter pool (loads, residency by tier)."""
+    """Per replica: id, health, in-flight requests, the active adapters it follows (name → digest), when
+    it last saw each name change (unix time), adapters made resident by its multiplexed loader, and its
+    adapter pool (loads, residency by tier)."""
     client = state.client
     await client.poll()
     out = []
@@ -27,6 +28,7 @@ async def cluster_status(state: StateDep, _: AdminActor) -> dict:
                 "restarts": r["restarts"],
                 "in_flight": r["in_flight"],
                 "active": r["active"],
+                "changed_at": r.get("changed_at", {}),
                 "multiplexed_loads": r["multiplexed_loads"],
                 "lora": stats.lora if stats else None,
                 "adapters": stats.adapters if stats else [],
