@@ -40,6 +40,7 @@ class EngineConfig:
     seed: int = 0
     speculative: str | None = None  # None (off), "ngram" (prompt lookup) or "draft:PATH" (engine/spec/)
     num_speculative_tokens: int = 4  # k: the most tokens proposed per sequence and step (adapts down)
+    cuda_graphs: bool = True  # CUDA: plain decode steps replay captured graphs (engine/decode_graphs.py)
 
     def adapter_pool_pages(self) -> int:
         """Pages per projection in the adapter pool: `lora_pool_pages`, or room for `2 * max_loras`

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from engine.cpu_threads import ThreadGovernor, available_cpus
+from engine.decode_graphs import enable_decode_graphs
 from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.lora.loader import path_key
@@ -95,6 +96,8 @@ class LLMEngine:
             config.attention_backend,
             lora_context=self.lora.step_context if self.lora is not None else None,
         )
+        if config.cuda_graphs and self.device.type == "cuda":
+            enable_decode_graphs(self.runner, self.lora, config.max_num_seqs)
         self.structured = StructuredOutput(
             self.tokenizer, self.model_config.vocab_size, self._eos_token_ids()
         )

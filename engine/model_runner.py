@@ -1,28 +1,27 @@
 """Runs one scheduled step: flat inputs -> model forward -> sampled tokens.
 
-Per step it builds, with numpy on the host and one copy to the device:
-- input ids and positions of every scheduled token (decodes first, then prefill chunks),
-- the KV slot of every token (`block_ids[pos // block_size] * block_size + pos % block_size`),
-- padded block tables, context lengths and query offsets for attention,
-- the row of each sequence's last token, for the sequences that sample this step (with speculative
-  decoding, the rows of its last known token and of each proposed token after it: `k` proposed tokens
-  are `k + 1` query rows of the sequence, each row carrying the sequence's adapter),
-and, when any scheduled sequence uses an adapter, the per-step LoRA context from `lora_context`.
+Per step it builds the flat inputs on the host (`engine/step_inputs.py`: token ids, positions, KV slots,
+block tables, the rows to sample; decodes first, then prefill chunks) and, when any scheduled sequence
+uses an adapter, the per-step LoRA context from `lora_context`. A plain decode step replays a CUDA graph
+when `use_decode_graphs` was called (`engine/decode_graphs.py`); every other step runs eagerly, with its
+inputs copied to the device once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata, select_backend
+from engine.attention import select_backend
+from engine.decode_graphs import BUCKETS, DecodeGraphs, GraphCapture
+from engine.lora.pool import AdapterPool
 from engine.model.linear import LoRAStepContext
-from engine.model.llama import ForwardBatch, LlamaForCausalLM
+from engine.model.llama import LlamaForCausalLM
 from engine.model_config import ModelConfig
 from engine.sampler import Sampler
 from engine.scheduler.output import RunnerOutput, SampledToken, ScheduledSequence, SchedulerOutput
+from engine.step_inputs import step_inputs, to_forward_batch
 
 LoRAContextBuilder = Callable[[Sequence[ScheduledSequence]], LoRAStepContext | None]
 
@@ -55,6 +54,16 @@ class ModelRunner:
         self.sampler = Sampler(device, seed)
         self.lora_context = lora_context
         self.last_batch: tuple[int, int] = (0, 0)  # (tokens, decode tokens) of the last step, for benchmarks
+        self.graphs: DecodeGraphs | None = None  # plain decode steps from CUDA graphs (`use_decode_graphs`)
+
+    def use_decode_graphs(
+        self, capture: GraphCapture, pool: AdapterPool | None = None, max_batch: int = BUCKETS[-1]
+    ) -> None:
+        """Run plain decode steps of up to `max_batch` sequences from graphs recorded by `capture`
+        (`engine/decode_graphs.py`); `pool`: the adapter pool, when LoRA runs on the Triton path."""
+        self.graphs = DecodeGraphs(
+            self.model, self.kv_layers, self.backend, self.block_size, self.device, capture, pool, max_batch
+        )
 
     @torch.inference_mode()
     def run(self, plan: SchedulerOutput) -> RunnerOutput:
@@ -65,9 +74,13 @@ class ModelRunner:
             key=lambda i: (plan.scheduled[i].num_tokens != 1, plan.scheduled[i].seq.lora_key or ""),
         )
         items = [plan.scheduled[i] for i in order]
-        batch = self._prepare(items)
-        self.last_batch = (batch.input_ids.shape[0], batch.attn.num_decodes)
-        logits = self.model(batch, self.kv_layers, self.backend)
+        inp = step_inputs(items, self.block_size)
+        self.last_batch = (inp.num_tokens, inp.num_decodes)
+        lora = self.lora_context(items) if self.lora_context is not None else None
+        if self.graphs is not None and self.graphs.handles(inp, lora):
+            logits = self.graphs.run(inp, lora)  # type: ignore[arg-type]  # handles() checked the type
+        else:
+            logits = self.model(to_forward_batch(inp, lora, self.device), self.kv_layers, self.backend)
         sample_items = [it for it in items if it.sample]
         if not any(it.spec_token_ids for it in sample_items):
             tokens = self.sampler(logits, [it.seq for it in sample_items]) if sample_items else []
@@ -107,51 +120,4 @@ class ModelRunner:
         return RunnerOutput(
             [by_item.get(id(it)) for it in plan.scheduled],
             [spec_by_item.get(id(it)) for it in plan.scheduled],
-        )
-
-    def _prepare(self, items: list[ScheduledSequence]) -> ForwardBatch:
-        bs = self.block_size
-        ids: list[int] = []
-        pos_parts: list[np.ndarray] = []
-        slot_parts: list[np.ndarray] = []
-        seq_lens, q_start = [], [0]
-        logits_rows: list[int] = []
-        num_decodes = 0
-        max_blocks = max(len(it.block_ids) for it in items)
-        tables = np.zeros((len(items), max_blocks), dtype=np.int32)
-        for row, it in enumerate(items):
-            n, start = it.num_tokens, it.start
-            if n == 1:
-                num_decodes += 1
-            spec = it.spec_token_ids
-            ids.extend(it.seq.all_token_ids[start : start + n - len(spec)])
-            ids.extend(spec)
-            pos = np.arange(start, start + n, dtype=np.int64)
-            blocks = np.asarray(it.block_ids, dtype=np.int64)
-            pos_parts.append(pos)
-            slot_parts.append(blocks[pos // bs] * bs + pos % bs)
-            tables[row, : len(blocks)] = blocks
-            seq_lens.append(start + n)
-            q_start.append(q_start[-1] + n)
-            if it.sample:  # the last row; with proposed tokens, every row from the last known token on
-                logits_rows.extend(range(q_start[-1] - 1 - len(spec), q_start[-1]))
-        dev = self.device
-        attn = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(dev),
-            block_tables=torch.from_numpy(tables).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(q_start, dtype=torch.int32, device=dev),
-            seq_lens_list=seq_lens,
-            query_start_list=q_start,
-            num_decodes=num_decodes,
-            max_seq_len=max(seq_lens),
-            max_query_len=max(it.num_tokens for it in items),
-        )
-        lora = self.lora_context(items) if self.lora_context is not None else None
-        return ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.from_numpy(np.concatenate(pos_parts)).to(dev),
-            attn=attn,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
-            lora=lora,
         )

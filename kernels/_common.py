@@ -93,6 +93,12 @@ def pointer_table(pools: Sequence[Tensor], extra: Sequence[Sequence[int]] | None
     return table
 
 
+def live_pointer_tables() -> list[Tensor]:
+    """The pointer tables cached now. A CUDA graph that captured launches reading some of them keeps this
+    list, so that a table evicted from the cache later is not freed under the graph."""
+    return list(_PTR_TABLE_CACHE.values())
+
+
 def launch(op: Callable[..., None], impl: Callable[..., None]) -> Callable[..., None]:
     """The launcher to call: the registered custom op ``op`` while ``torch.compile`` traces (the graph
     then holds one opaque op), else the plain launcher ``impl``. In eager mode the custom-op dispatcher

@@ -105,4 +105,4 @@ class AdapterResidency:
         slots = [
             (-1 if a is None else a.slot) for a, n in zip(adapters, counts, strict=True) for _ in range(n)
         ]
-        return TritonLoRAContext(self.pool, torch.tensor(slots, dtype=torch.int32, device=self.device))
+        return TritonLoRAContext(self.pool, slots)

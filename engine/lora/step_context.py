@@ -28,6 +28,7 @@ import torch
 
 from engine.lora.cpu_plans import GatherPlan, NativePlan, Segment, cached_plan, gather_plan, native_plan
 from engine.lora.pool import MODULE_INDEX, AdapterPool, ResidentAdapter
+from kernels.lora_meta import LoRABatchMeta, build_lora_batch_meta
 
 __all__ = ["CpuLoRAContext", "Segment", "TritonLoRAContext", "token_segments"]
 
@@ -155,12 +156,25 @@ class CpuLoRAContext:
 
 
 class TritonLoRAContext:
-    def __init__(self, pool: AdapterPool, token_slots: torch.Tensor) -> None:
-        from kernels.lora_meta import build_lora_batch_meta
+    """The CUDA path: per packed projection, one SGMV shrink and one expand launch over the page tables.
 
+    `slots[t]` is the pool slot of flat-batch row t's adapter (-1: none). The SGMV metadata (rows grouped
+    by slot) is built on the device at the first `apply`, unless given (`meta`: the static buffers of a
+    CUDA-graph decode step, `engine/decode_graphs.py`), so a step replayed from a graph builds none.
+    """
+
+    def __init__(self, pool: AdapterPool, slots: list[int], meta: LoRABatchMeta | None = None) -> None:
         self.pool = pool
-        self.meta = build_lora_batch_meta(token_slots)
+        self.slots = slots
+        self._meta = meta
         self.max_rank = pool.max_pages_per_adapter * pool.page_rank
+
+    @property
+    def meta(self) -> LoRABatchMeta:
+        if self._meta is None:
+            device = self.pool.page_table.device
+            self._meta = build_lora_batch_meta(torch.tensor(self.slots, dtype=torch.int32, device=device))
+        return self._meta
 
     def apply(self, layer_index: int, slice_names: tuple[str, ...], x: torch.Tensor, y: torch.Tensor) -> None:
         from kernels.lora_expand import lora_expand

@@ -1,0 +1,257 @@
+"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket (the GPU path's host cost).
+
+An eager decode step of a 1B Llama launches about a thousand small kernels, each from Python, and the
+GPU idles most of the step (docs/benchmarks.md, GPU section). A plain decode step (every sequence
+decodes one token and samples it) is instead run from a CUDA graph captured for its bucket: the
+smallest of `BUCKETS` holding the batch, with and without LoRA. A replay is one launch from the host.
+
+Each bucket's inputs live in static device buffers. A step of B sequences in a bucket of S fills rows
+0..B-1 and pads rows B..S-1 so that they do no harm:
+- KV slot -1: `write_kv` skips the row, so it writes no KV;
+- context length 1 over block 0: the row attends to one cached position; its output is discarded;
+- adapter slot -1: the SGMV kernels skip the row;
+- the logits of padded rows are computed and ignored.
+Launch shapes come from the bucket alone (LoRA segments = S, rows per segment = S; the kernels read the
+real extent from the buffers), so every replay matches its capture. Graphs are captured on first use
+of their bucket (a warm-up pass first compiles the Triton kernels); the memory they hold is their
+bucket's activations. Prefill chunks, speculative verification and larger batches run eagerly.
+
+`capture` is how a forward pass is recorded: `CudaGraphCapture` on a GPU, `EagerReplay` (re-run the
+same pass over the same buffers) where there is no CUDA, so the padded static path is testable on CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.lora.pool import AdapterPool
+from engine.lora.step_context import TritonLoRAContext
+from engine.model.llama import ForwardBatch, LlamaForCausalLM
+from engine.step_inputs import StepInputs
+from kernels.intmath import cdiv
+from kernels.lora_meta import LoRABatchMeta
+
+if TYPE_CHECKING:
+    from engine.lora.manager import LoRAManager
+    from engine.model_runner import ModelRunner
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+Replay = Callable[[], None]
+
+
+class GraphCapture(Protocol):
+    def capture(self, forward: Callable[[], torch.Tensor]) -> tuple[Replay, torch.Tensor]:
+        """Record `forward` (which reads only static buffers); return (replay, the static output)."""
+        ...
+
+
+class CudaGraphCapture:
+    """A `torch.cuda.CUDAGraph` per capture, after one warm-up pass on a side stream."""
+
+    def capture(self, forward: Callable[[], torch.Tensor]) -> tuple[Replay, torch.Tensor]:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            forward()  # compiles the kernels and fills the launchers' caches outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the adapter loader's thread may use CUDA meanwhile; only this thread must not
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            out = forward()
+        return graph.replay, out
+
+
+class EagerReplay:
+    """No CUDA: a "replay" runs the forward pass again over the static buffers (tests, CPU)."""
+
+    def capture(self, forward: Callable[[], torch.Tensor]) -> tuple[Replay, torch.Tensor]:
+        out = forward()
+
+        def replay() -> None:
+            out.copy_(forward())
+
+        return replay, out
+
+
+@dataclass(slots=True)
+class _Graph:
+    replay: Replay
+    logits: torch.Tensor  # [S, V] float32, rewritten by each replay
+    keep: list[torch.Tensor]  # tensors the graph reads that nothing else keeps alive (pointer tables)
+
+
+class DecodeGraphs:
+    """Runs plain decode steps of up to `max(BUCKETS)` (or `max_batch`) sequences from captured graphs."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
+        backend: AttentionBackend,
+        block_size: int,
+        device: torch.device,
+        capture: GraphCapture,
+        pool: AdapterPool | None = None,
+        max_batch: int = BUCKETS[-1],
+    ) -> None:
+        if backend.name != "triton":
+            raise ValueError(f"decode graphs need the Triton attention backend, not {backend.name!r}")
+        self.model, self.kv_layers, self.backend, self.pool = model, kv_layers, backend, pool
+        self.capture_impl = capture
+        self.buckets = tuple(b for b in BUCKETS if b < max_batch) + (min(max_batch, BUCKETS[-1]),)
+        s, dev = self.buckets[-1], device
+        width = cdiv(model.config.max_model_len, block_size)
+        self.input_ids = torch.zeros(s, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(s, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((s,), -1, dtype=torch.int64, device=dev)
+        self.block_tables = torch.zeros(s, width, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.ones(s, dtype=torch.int32, device=dev)
+        self.query_start = torch.arange(s + 1, dtype=torch.int32, device=dev)
+        self.logits_rows = torch.arange(s, dtype=torch.int64, device=dev)
+        # LoRA rows grouped by slot (kernels/lora_meta.py), padded to the bucket: segment slot -1, count 0
+        self.lora_slots = torch.full((s,), -1, dtype=torch.int32, device=dev)
+        self.lora_order = torch.arange(s, dtype=torch.int32, device=dev)
+        self.lora_ids = torch.full((s,), -1, dtype=torch.int32, device=dev)
+        self.lora_counts = torch.zeros(s, dtype=torch.int32, device=dev)
+        self.lora_starts = torch.zeros(s, dtype=torch.int32, device=dev)
+        self._graphs: dict[tuple[int, bool], _Graph] = {}
+
+    def bucket(self, num_seqs: int) -> int | None:
+        """The smallest bucket holding `num_seqs` sequences (None: too many, run eagerly)."""
+        return next((b for b in self.buckets if b >= num_seqs), None)
+
+    def handles(self, inp: StepInputs, lora: object | None) -> bool:
+        """Whether this step can run from a graph: a plain decode step that fits a bucket, with no adapter
+        or the Triton LoRA path."""
+        if not inp.is_plain_decode or self.bucket(len(inp.seq_lens)) is None:
+            return False
+        return lora is None or (isinstance(lora, TritonLoRAContext) and self.pool is not None)
+
+    @property
+    def captured(self) -> list[tuple[int, bool]]:
+        """(bucket, with LoRA) of every graph captured so far."""
+        return sorted(self._graphs)
+
+    def run(self, inp: StepInputs, lora: TritonLoRAContext | None) -> torch.Tensor:
+        """The step's logits `[B, V]` (float32), from the graph of its bucket (captured on first use).
+        The tensor is a view of the graph's output: read it before the next step."""
+        b = len(inp.seq_lens)
+        size = self.bucket(b)
+        assert size is not None and self.handles(inp, lora), "a plain decode step that fits a bucket"
+        key = (size, lora is not None)
+        graph = self._graphs.get(key)
+        if graph is None:
+            self._fill_padding(size)
+            graph = self._graphs[key] = self._capture(size, lora is not None)
+        self._fill(inp, lora, size)
+        graph.replay()
+        return graph.logits[:b]
+
+    def _fill_padding(self, size: int) -> None:
+        """Every row of the bucket a padding row (module docstring): what a capture's warm-up pass sees."""
+        self.slot_mapping[:size].fill_(-1)
+        self.seq_lens[:size].fill_(1)
+        self.block_tables[:size].zero_()
+        self.input_ids[:size].zero_()
+        self.positions[:size].zero_()
+        self.lora_ids[:size].fill_(-1)
+        self.lora_counts[:size].zero_()
+
+    def _fill(self, inp: StepInputs, lora: TritonLoRAContext | None, size: int) -> None:
+        """Copy the step's rows into the bucket's buffers and pad the rest."""
+        b = len(inp.seq_lens)
+        pad = size - b
+        ids = np.zeros(size, dtype=np.int64)
+        ids[:b] = inp.input_ids
+        pos = np.zeros(size, dtype=np.int64)
+        pos[:b] = inp.positions
+        slots = np.full(size, -1, dtype=np.int64)
+        slots[:b] = inp.slot_mapping
+        tables = np.zeros((size, self.block_tables.shape[1]), dtype=np.int32)
+        tables[:b, : inp.block_tables.shape[1]] = inp.block_tables
+        lens = np.asarray(inp.seq_lens + [1] * pad, dtype=np.int32)
+        self.input_ids[:size].copy_(torch.from_numpy(ids))
+        self.positions[:size].copy_(torch.from_numpy(pos))
+        self.slot_mapping[:size].copy_(torch.from_numpy(slots))
+        self.block_tables[:size].copy_(torch.from_numpy(tables))
+        self.seq_lens[:size].copy_(torch.from_numpy(lens))
+        if lora is not None:
+            order, seg_ids, counts, starts = padded_segments(lora.slots, size)
+            row_slots = np.asarray(lora.slots + [-1] * pad, dtype=np.int32)
+            self.lora_slots[:size].copy_(torch.from_numpy(row_slots))
+            self.lora_order[:size].copy_(torch.from_numpy(order))
+            self.lora_ids[:size].copy_(torch.from_numpy(seg_ids))
+            self.lora_counts[:size].copy_(torch.from_numpy(counts))
+            self.lora_starts[:size].copy_(torch.from_numpy(starts))
+
+    def _capture(self, size: int, with_lora: bool) -> _Graph:
+        from kernels._common import live_pointer_tables
+
+        attn = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size],
+            block_tables=self.block_tables[:size],
+            seq_lens=self.seq_lens[:size],
+            query_start_loc=self.query_start[: size + 1],
+            seq_lens_list=[1] * size,  # read by no decode path of the Triton backend
+            query_start_list=list(range(size + 1)),
+            num_decodes=size,
+            max_seq_len=1,
+            max_query_len=1,
+        )
+        lora = None
+        if with_lora:
+            assert self.pool is not None, "a LoRA graph needs the adapter pool"
+            meta = LoRABatchMeta(
+                token_indices_sorted=self.lora_order[:size],
+                slot_ids=self.lora_ids[:size],
+                slot_token_counts=self.lora_counts[:size],
+                slot_token_starts=self.lora_starts[:size],
+                num_tokens=size,
+                max_tokens_per_slot=size,
+                token_slots=self.lora_slots[:size],
+            )
+            lora = TritonLoRAContext(self.pool, [-1] * size, meta)
+        batch = ForwardBatch(
+            input_ids=self.input_ids[:size],
+            positions=self.positions[:size],
+            attn=attn,
+            logits_indices=self.logits_rows[:size],
+            lora=lora,
+        )
+        replay, logits = self.capture_impl.capture(lambda: self.model(batch, self.kv_layers, self.backend))
+        return _Graph(replay, logits, live_pointer_tables())
+
+
+def enable_decode_graphs(runner: ModelRunner, lora: LoRAManager | None, max_batch: int) -> bool:
+    """Let `runner` replay plain decode steps from CUDA graphs when its paths can be captured: Triton
+    attention, and LoRA off or on the Triton path. Returns whether it does."""
+    if runner.backend.name != "triton" or (lora is not None and lora.backend != "triton"):
+        return False
+    runner.use_decode_graphs(CudaGraphCapture(), lora.pool if lora is not None else None, max_batch)
+    return True
+
+
+def padded_segments(slots: list[int], size: int) -> tuple[np.ndarray, ...]:
+    """SGMV segments of `slots` padded with -1 to `size` rows (as `kernels.lora_meta` groups them):
+    (row order by slot, segment slots, counts, starts), each `[size]` int32; unused segments are slot -1
+    with count 0."""
+    padded = np.full(size, -1, dtype=np.int32)
+    padded[: len(slots)] = slots
+    order = np.argsort(padded, kind="stable").astype(np.int32)
+    ordered = padded[order]
+    first = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+    n = len(first)
+    seg_ids = np.full(size, -1, dtype=np.int32)
+    counts = np.zeros(size, dtype=np.int32)
+    starts = np.zeros(size, dtype=np.int32)
+    seg_ids[:n] = ordered[first]
+    counts[:n] = np.diff(np.r_[first, size])
+    starts[:n] = first
+    return order, seg_ids, counts, starts
