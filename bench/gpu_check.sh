@@ -9,6 +9,8 @@
 #                   bandwidth at decode and prefill sizes against the device-to-device copy bandwidth
 # 3. e2e.log/json — the engine on CUDA: greedy parity with HF + PEFT (float32, mixed adapters + base), and
 #                   mixed 32-adapter vs base-only throughput on a random ~1B Llama in bfloat16
+# 4. features.log   — the demo model on CUDA: adapters' outputs, speculative = plain greedy, structured
+#                   (JSON-schema) output, seeded sampling repeats (bench/gpu_features.py)
 # Each step runs even when an earlier one failed; the exit code is non-zero when any failed.
 set -u
 cd "$(dirname "$0")/.."
@@ -41,5 +43,6 @@ print("device:", torch.cuda.get_device_name() if torch.cuda.is_available() else 
 cat "$DIR/env.txt"
 
 step kernels 180 "$PY" bench/kernels_gpu.py --dtype bfloat16 --decode-batches 1,8,32,128 --prefill-tokens 4096
+step features 120 "$PY" -m bench.gpu_features --device cuda
 step e2e 360 "$PY" -m bench.gpu_e2e --size 1b --dtype bfloat16 --json "$DIR/e2e.json"
 exit $status

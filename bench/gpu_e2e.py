@@ -179,6 +179,8 @@ class ThroughputResult:
     base: RunTiming
     build_s: float
     engine_start_s: float
+    mixed_eager: RunTiming | None = None  # the same runs with CUDA graphs off (None: graphs were off)
+    base_eager: RunTiming | None = None
 
     @property
     def lora_overhead(self) -> float:
@@ -193,20 +195,33 @@ class ThroughputResult:
             "| run | total (s) | prefill (s) | decode (s) | decode steps | output tok/s |",
             "|---|---|---|---|---|---|",
         ]
-        for label, r in (
+        runs = [
             (f"{self.adapters} adapters, rank {self.rank}, all 7 projections", self.mixed),
             ("base model only", self.base),
-        ):
+        ]
+        if self.mixed_eager is not None and self.base_eager is not None:
+            runs = [(f"{label}, decode from CUDA graphs", r) for label, r in runs]
+            runs += [
+                (f"{self.adapters} adapters, eager", self.mixed_eager),
+                ("base model only, eager", self.base_eager),
+            ]
+        for label, r in runs:
             rows.append(
                 f"| {label} | {r.total_s:.3f} | {r.prefill_s:.3f} | {r.decode_s:.3f} | {r.decode_steps} | "
                 f"{r.tokens_per_s:.0f} |"
             )
         rows.append(f"\n- LoRA overhead (mixed / base time): **{self.lora_overhead:.2f}x**")
+        if self.mixed_eager is not None and self.base_eager is not None:
+            mixed = self.mixed.tokens_per_s / self.mixed_eager.tokens_per_s
+            base = self.base.tokens_per_s / self.base_eager.tokens_per_s
+            rows.append(f"- CUDA graphs vs eager, output tok/s: **{mixed:.2f}x** mixed, **{base:.2f}x** base")
         return "\n".join(rows)
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        for run in ("mixed", "base"):
+        for run in ("mixed", "base", "mixed_eager", "base_eager"):
+            if d[run] is None:
+                continue
             d[run].pop("token_ids")
             d[run].pop("step_s")
             d[run].pop("step_tokens")
@@ -236,13 +251,24 @@ def run_throughput(args: argparse.Namespace, workdir: Path) -> ThroughputResult:
         eng.pin_lora(eng.add_lora(lr))
     prompts = make_prompts(args.requests, args.prompt_len, spec.vocab_size)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-    timed_run(eng, prompts[:8], params, per_req[:8], "warm-lora")
-    timed_run(eng, prompts[:8], params, None, "warm-base")
-    mixed, base_runs = [], []
+    timed_run(eng, prompts, params, per_req, "warm-lora")  # also captures the batch's graphs
+    timed_run(eng, prompts, params, None, "warm-base")
+    graphs = eng.runner.graphs  # None when CUDA graphs are off (or on CPU)
+    modes = [graphs, None] if graphs is not None else [None]
+    runs: dict[tuple[str, bool], list[RunTiming]] = {}
     for r in range(args.repeats):
-        mixed.append(timed_run(eng, prompts, params, per_req, f"mixed{r}"))
-        base_runs.append(timed_run(eng, prompts, params, None, f"base{r}"))
+        for mode in modes:  # interleaved: graphs, then eager, in every repeat
+            eng.runner.graphs = mode
+            tag = "graphs" if mode is not None else "eager"
+            runs.setdefault(("mixed", mode is None), []).append(
+                timed_run(eng, prompts, params, per_req, f"mixed-{tag}{r}")
+            )
+            runs.setdefault(("base", mode is None), []).append(
+                timed_run(eng, prompts, params, None, f"base-{tag}{r}")
+            )
+    eng.runner.graphs = graphs
     eng.lora.shutdown()
+    first_eager = graphs is None
     return ThroughputResult(
         args.size,
         args.dtype,
@@ -252,10 +278,12 @@ def run_throughput(args: argparse.Namespace, workdir: Path) -> ThroughputResult:
         args.rank,
         args.prompt_len,
         args.new_tokens,
-        best(mixed),
-        best(base_runs),
+        best(runs[("mixed", first_eager)]),
+        best(runs[("base", first_eager)]),
         build_s,
         engine_start_s,
+        None if first_eager else best(runs[("mixed", True)]),
+        None if first_eager else best(runs[("base", True)]),
     )
 
 
