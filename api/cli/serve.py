@@ -52,6 +52,13 @@ def serve(
     num_speculative_tokens: Annotated[
         int | None, typer.Option(help="With --speculative: most tokens proposed per step (1-16).")
     ] = None,
+    cuda_graphs: Annotated[
+        bool | None,
+        typer.Option(
+            "--cuda-graphs/--eager",
+            help="CUDA: replay plain decode steps from captured graphs (default), or run every step eagerly.",
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
     shutdown_grace: Annotated[
         float | None,
@@ -106,6 +113,7 @@ def serve(
                 lora_dtype=lora_dtype,
                 speculative=speculative,
                 num_speculative_tokens=num_speculative_tokens,
+                cuda_graphs=cuda_graphs,
             ),
         )
     except ValueError as exc:
