@@ -11,8 +11,9 @@ Each bucket's inputs live in static device buffers. A step of B sequences in a b
 - context length 1 over block 0: the row attends to one cached position; its output is discarded;
 - adapter slot -1: the SGMV kernels skip the row;
 - the logits of padded rows are computed and ignored.
-Launch shapes come from the bucket alone (LoRA segments = S, rows per segment = S; the kernels read the
-real extent from the buffers), so every replay matches its capture. Graphs are captured on first use
+Launch shapes come from the bucket alone (LoRA segments = S, grids over `GRID_ROWS` rows of a segment;
+the kernels read the real extent from the buffers and loop over longer segments), so every replay
+matches its capture. Graphs are captured on first use
 of their bucket (a warm-up pass first compiles the Triton kernels); the memory they hold is their
 bucket's activations. Prefill chunks, speculative verification and larger batches run eagerly.
 
@@ -42,6 +43,9 @@ if TYPE_CHECKING:
     from engine.model_runner import ModelRunner
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# LoRA kernel grids of a graph cover this many rows of each adapter's segment and loop over more: decode
+# batches spread over adapters, and a grid sized for the whole bucket would leave most programs idle.
+GRID_ROWS = 16
 
 Replay = Callable[[], None]
 
@@ -216,6 +220,7 @@ class DecodeGraphs:
                 num_tokens=size,
                 max_tokens_per_slot=size,
                 token_slots=self.lora_slots[:size],
+                grid_tokens_per_slot=min(size, GRID_ROWS),
             )
             lora = TritonLoRAContext(self.pool, [-1] * size, meta)
         batch = ForwardBatch(

@@ -42,6 +42,7 @@ def _lora_expand_kernel(
     max_rank,
     max_pages,
     num_n_blocks,
+    m_stride,  # rows between a program's row blocks: the grid covers m_stride rows of each segment
     stride_vs,
     stride_vt,
     stride_pt_s,
@@ -66,38 +67,40 @@ def _lora_expand_kernel(
     pid_n = pid % num_n_blocks
     pid_m = pid // num_n_blocks
     count = tl.load(counts_ptr + seg)
-    if rank <= 0 or pid_m * BLOCK_M >= count or pid_n * BLOCK_N >= h_out:
+    if rank <= 0 or pid_n * BLOCK_N >= h_out:
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < count
-    tokens = tl.load(token_idx_ptr + tl.load(starts_ptr + seg) + offs_m, mask=mask_m, other=0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < h_out
     b_ptr = tl.load(b_table_ptr + s * 5).to(tl.pointer_type(y_ptr.dtype.element_ty))
     b_page_stride = tl.load(b_table_ptr + s * 5 + 1)
     b_cols = offs_n * tl.load(b_table_ptr + s * 5 + 2)
     pt_row = page_table_ptr + s * stride_pt_s + slot * stride_pt_slot
-    v_rows = v_ptr + s * stride_vs + tokens * stride_vt
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, rank, BLOCK_K):
-        # Rank index k lives in page page_table[s, slot, k // PAGE_RANK], column k % PAGE_RANK.
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        page_idx = offs_k // PAGE_RANK
-        mask_k = (offs_k < rank) & (page_idx < max_pages)
-        pages = tl.load(pt_row + page_idx, mask=mask_k, other=0).to(tl.int64)
-        v = tl.load(v_rows[:, None] + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        b = tl.load(
-            b_ptr + (pages * b_page_stride + offs_k % PAGE_RANK)[:, None] + b_cols[None, :],
-            mask=mask_k[:, None] & mask_n[None, :],
-            other=0.0,
-        )
-        acc += tl.dot(v.to(b.dtype), b, input_precision=DOT_PRECISION)
     scale = tl.load(scalings_ptr + s * stride_sc_s + slot)
-    y_ptrs = y_ptr + tokens[:, None] * stride_yt + (tl.load(b_table_ptr + s * 5 + 4) + offs_n)[None, :]
-    y_mask = mask_m[:, None] & mask_n[None, :]
-    y = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptrs, (y + acc * scale).to(y_ptr.dtype.element_ty), mask=y_mask)
+    y_cols = tl.load(b_table_ptr + s * 5 + 4) + offs_n
+    seg_start = tl.load(starts_ptr + seg)
+    for m0 in range(pid_m * BLOCK_M, count, m_stride):  # once, unless the grid covers fewer rows
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < count
+        tokens = tl.load(token_idx_ptr + seg_start + offs_m, mask=mask_m, other=0).to(tl.int64)
+        v_rows = v_ptr + s * stride_vs + tokens * stride_vt
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, rank, BLOCK_K):
+            # Rank index k lives in page page_table[s, slot, k // PAGE_RANK], column k % PAGE_RANK.
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            page_idx = offs_k // PAGE_RANK
+            mask_k = (offs_k < rank) & (page_idx < max_pages)
+            pages = tl.load(pt_row + page_idx, mask=mask_k, other=0).to(tl.int64)
+            v = tl.load(v_rows[:, None] + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            b = tl.load(
+                b_ptr + (pages * b_page_stride + offs_k % PAGE_RANK)[:, None] + b_cols[None, :],
+                mask=mask_k[:, None] & mask_n[None, :],
+                other=0.0,
+            )
+            acc += tl.dot(v.to(b.dtype), b, input_precision=DOT_PRECISION)
+        y_ptrs = y_ptr + tokens[:, None] * stride_yt + y_cols[None, :]
+        y_mask = mask_m[:, None] & mask_n[None, :]
+        y = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptrs, (y + acc * scale).to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 def expand_config(
@@ -128,19 +131,20 @@ def _launch_expand(
     slot_ids: Tensor,
     slot_token_counts: Tensor,
     slot_token_starts: Tensor,
-    max_tokens_per_slot: int,
+    grid_tokens: int,
     y: Tensor,
 ) -> None:
     num_segments = slot_ids.shape[0]
-    if max_tokens_per_slot == 0 or num_segments == 0:
+    if grid_tokens == 0 or num_segments == 0:
         return
     num_slices, _, max_rank = v.shape
     h_outs = [p.shape[1] for p in b_pools]
     offsets = [sum(h_outs[:i]) for i in range(num_slices)]
     table = pointer_table(b_pools, [(h, off) for h, off in zip(h_outs, offsets, strict=True)])
-    cfg = expand_config(max_tokens_per_slot, max(h_outs), max_rank, num_slices, num_segments)
+    cfg = expand_config(grid_tokens, max(h_outs), max_rank, num_slices, num_segments)
     num_n = cdiv(max(h_outs), cfg["BLOCK_N"])
-    grid = (cdiv(max_tokens_per_slot, cfg["BLOCK_M"]) * num_n, num_slices, num_segments)
+    grid_m = cdiv(grid_tokens, cfg["BLOCK_M"])
+    grid = (grid_m * num_n, num_slices, num_segments)
     _lora_expand_kernel[grid](
         v,
         table,
@@ -155,6 +159,7 @@ def _launch_expand(
         max_rank,
         page_table.shape[2],
         num_n,
+        grid_m * cfg["BLOCK_M"],
         v.stride(0),
         v.stride(1),
         page_table.stride(0),
@@ -230,6 +235,6 @@ def lora_expand(
         meta.slot_ids,
         meta.slot_token_counts,
         meta.slot_token_starts,
-        meta.max_tokens_per_slot,
+        meta.grid_tokens,
         y,
     )

@@ -23,6 +23,14 @@ class LoRABatchMeta:
     num_tokens: int  # T
     max_tokens_per_slot: int  # max of slot_token_counts (0 when T == 0); sizes kernel grids
     token_slots: Tensor  # [T] int32: the input, slot per token in original order
+    # Rows of each segment the kernel grids cover (0: max_tokens_per_slot); the kernels loop over a longer
+    # segment's further rows. A CUDA graph sizes its grids before it knows the counts (decode_graphs.py).
+    grid_tokens_per_slot: int = 0
+
+    @property
+    def grid_tokens(self) -> int:
+        """Rows per segment that the shrink/expand grids are sized for."""
+        return self.grid_tokens_per_slot or self.max_tokens_per_slot
 
 
 def build_lora_batch_meta(token_slots: Tensor) -> LoRABatchMeta:

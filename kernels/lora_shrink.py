@@ -41,6 +41,7 @@ def _lora_shrink_kernel(
     max_rank,
     max_pages,
     num_n_blocks,
+    m_stride,  # rows between a program's row blocks: the grid covers m_stride rows of each segment
     stride_xt,
     stride_pt_s,
     stride_pt_slot,
@@ -65,11 +66,8 @@ def _lora_shrink_kernel(
     pid_n = (pid // SPLIT_K) % num_n_blocks
     pid_m = pid // (SPLIT_K * num_n_blocks)
     count = tl.load(counts_ptr + seg)
-    if pid_m * BLOCK_M >= count or pid_n * BLOCK_N >= rank:
+    if pid_n * BLOCK_N >= rank:
         return  # also covers rank == 0
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < count
-    tokens = tl.load(token_idx_ptr + tl.load(starts_ptr + seg) + offs_m, mask=mask_m, other=0).to(tl.int64)
     # Rank column n of this adapter lives in page page_table[s, slot, n // PAGE_RANK], row n % PAGE_RANK.
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     page_idx = offs_n // PAGE_RANK
@@ -78,29 +76,33 @@ def _lora_shrink_kernel(
     pages = tl.load(pt_row + page_idx, mask=mask_n, other=0).to(tl.int64)
     a_ptr = tl.load(a_table_ptr + s * 3).to(tl.pointer_type(x_ptr.dtype.element_ty))
     a_row = pages * tl.load(a_table_ptr + s * 3 + 1) + (offs_n % PAGE_RANK) * tl.load(a_table_ptr + s * 3 + 2)
-
     k_chunk = tl.cdiv(tl.cdiv(h_in, SPLIT_K), BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_chunk
     k_hi = tl.minimum(k_lo + k_chunk, h_in)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < k_hi
-        x = tl.load(
-            x_ptr + tokens[:, None] * stride_xt + offs_k[None, :],
-            mask=mask_m[:, None] & mask_k[None, :],
-            other=0.0,
-        )
-        a = tl.load(
-            a_ptr + a_row[None, :] + offs_k[:, None], mask=mask_n[None, :] & mask_k[:, None], other=0.0
-        )
-        acc += tl.dot(x, a, input_precision=DOT_PRECISION)
-    out_ptrs = out_ptr + s * stride_os + tokens[:, None] * stride_ot + offs_n[None, :]
-    out_mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptrs, acc, mask=out_mask)
-    else:
-        tl.atomic_add(out_ptrs, acc, mask=out_mask)
+    seg_start = tl.load(starts_ptr + seg)
+    for m0 in range(pid_m * BLOCK_M, count, m_stride):  # once, unless the grid covers fewer rows
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < count
+        tokens = tl.load(token_idx_ptr + seg_start + offs_m, mask=mask_m, other=0).to(tl.int64)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < k_hi
+            x = tl.load(
+                x_ptr + tokens[:, None] * stride_xt + offs_k[None, :],
+                mask=mask_m[:, None] & mask_k[None, :],
+                other=0.0,
+            )
+            a = tl.load(
+                a_ptr + a_row[None, :] + offs_k[:, None], mask=mask_n[None, :] & mask_k[:, None], other=0.0
+            )
+            acc += tl.dot(x, a, input_precision=DOT_PRECISION)
+        out_ptrs = out_ptr + s * stride_os + tokens[:, None] * stride_ot + offs_n[None, :]
+        out_mask = mask_m[:, None] & mask_n[None, :]
+        if SPLIT_K == 1:
+            tl.store(out_ptrs, acc, mask=out_mask)
+        else:
+            tl.atomic_add(out_ptrs, acc, mask=out_mask)
 
 
 def shrink_config(
@@ -138,22 +140,19 @@ def _launch_shrink(
     slot_ids: Tensor,
     slot_token_counts: Tensor,
     slot_token_starts: Tensor,
-    max_tokens_per_slot: int,
+    grid_tokens: int,
     out: Tensor,
 ) -> None:
     out.zero_()
     num_segments = slot_ids.shape[0]
-    if max_tokens_per_slot == 0 or num_segments == 0:
+    if grid_tokens == 0 or num_segments == 0:
         return
     num_slices, _, max_rank = out.shape
     h_in = x.shape[1]
-    cfg = shrink_config(max_tokens_per_slot, h_in, max_rank, num_slices, num_segments)
+    cfg = shrink_config(grid_tokens, h_in, max_rank, num_slices, num_segments)
     num_n = cdiv(max_rank, cfg["BLOCK_N"])
-    grid = (
-        cdiv(max_tokens_per_slot, cfg["BLOCK_M"]) * num_n * cfg["SPLIT_K"],
-        num_slices,
-        num_segments,
-    )
+    grid_m = cdiv(grid_tokens, cfg["BLOCK_M"])
+    grid = (grid_m * num_n * cfg["SPLIT_K"], num_slices, num_segments)
     _lora_shrink_kernel[grid](
         x,
         pointer_table(a_pools),
@@ -168,6 +167,7 @@ def _launch_shrink(
         max_rank,
         page_table.shape[2],
         num_n,
+        grid_m * cfg["BLOCK_M"],
         x.stride(0),
         page_table.stride(0),
         page_table.stride(1),
@@ -236,6 +236,6 @@ def lora_shrink(
         meta.slot_ids,
         meta.slot_token_counts,
         meta.slot_token_starts,
-        meta.max_tokens_per_slot,
+        meta.grid_tokens,
         out,
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -138,6 +140,29 @@ def test_tuned_config_hook_split_k_and_small_blocks(split_k: int) -> None:
     torch.testing.assert_close(y, ref_y, rtol=1e-4, atol=1e-4)
     assert [op for op, _ in seen] == ["lora_shrink", "lora_expand"]
     assert seen[0][1]["h_in"] == H_IN and seen[1][1]["max_h_out"] == max(H_OUTS)
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_grids_smaller_than_a_segment_loop_over_its_rows(split_k: int) -> None:
+    """A CUDA graph sizes grids for `grid_tokens_per_slot` rows per segment before it knows the counts:
+    the kernels must cover a segment of 40 rows (3 row blocks of 16) by looping, and stay exact."""
+    slots = [2] * 40 + [0] * 5 + [-1] * 3 + [5] * 17
+    case = make_case(MIXED_RANKS, slots, H_IN, H_OUTS, 8, torch.float32)
+    case.meta = dataclasses.replace(case.meta, grid_tokens_per_slot=1)
+
+    def hook(op: str, problem: dict) -> dict:
+        assert problem["max_tokens_per_slot"] == 1  # the grid's row count, not the 40 of slot 2
+        return {"BLOCK_M": 16, **({"SPLIT_K": split_k} if op == "lora_shrink" else {})}
+
+    previous = set_config_hook(hook)
+    try:
+        out, ref = _shrink_both(case)
+        _, _, y, ref_y = _expand_both(case)
+    finally:
+        set_config_hook(previous)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(y, ref_y, rtol=1e-4, atol=1e-4)
+    assert out[:, 39].abs().sum() > 0  # the last row of the long segment was computed
 
 
 def test_wrong_page_table_is_detected() -> None:
