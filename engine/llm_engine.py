@@ -18,9 +18,9 @@ import torch
 
 from engine.cpu_threads import ThreadGovernor, available_cpus
 from engine.decode_graphs import enable_decode_graphs
+from engine.engine_adapters import EngineAdapters, SequenceError
 from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheManager
-from engine.lora.loader import path_key
 from engine.lora.manager import LoRAInfo, LoRAManager, LoRAPoolStats
 from engine.lora_request import LoRARequest
 from engine.metrics import EngineStats
@@ -85,6 +85,7 @@ class LLMEngine:
             self._eos_token_ids(),
             is_resident=self.lora.is_resident if self.lora is not None else None,
         )
+        self.adapters = EngineAdapters(self.lora, self.scheduler)
         self.runner = ModelRunner(
             self.model,
             self.model_config,
@@ -186,7 +187,7 @@ class LLMEngine:
                 f"request needs {self.kv.blocks_needed(max_total)} KV blocks for {max_total} tokens but the "
                 f"cache has {self.num_kv_blocks}; lower max_tokens or raise num_kv_blocks"
             )
-        lora_key = self._lora_key(lora_request)
+        lora_key = self.adapters.key_for(lora_request)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs = []
         for i, choice in enumerate(params.choices()):
@@ -206,100 +207,37 @@ class LLMEngine:
             self.scheduler.add_request(s)
         self._prompt_tokens += len(ids)
 
-    def _lora_key(self, lora_request: LoRARequest | None) -> str | None:
-        if lora_request is None:
-            return None
-        if self.lora is None:
-            raise ValueError("a lora_request was given but the engine was created with enable_lora=False")
-        return self.lora.admit(lora_request)  # None: digest computed by the background load
-
-    def _prepare_adapters(self) -> list[RequestOutput]:
-        """Before scheduling: learn the digests that background loads computed, and make the adapters the
-        scheduler will want next resident (uploading from host memory, or starting their loads).
-
-        `remove_lora` only retires an adapter that waiting requests use, so their digest stays known; should
-        it be forgotten anyway (a failed `add_lora` of the same digest), it is looked up again from their
-        `LoRARequest`, and if its files changed or vanished meanwhile, those requests end with an error."""
-        if self.lora is None or not self.scheduler.waiting:
-            return []
-        in_use = self.scheduler.running_adapters()
-        lost: dict[str, LoRARequest] = {}
-        for seq in self.scheduler.waiting:
-            lr = seq.lora_request
-            if lr is None:
-                continue
-            if seq.lora_key is None:
-                seq.lora_key = self.lora.poll_resolved(lr, in_use)
-            elif not self.lora.is_known(seq.lora_key) and self._resolve_or_none(lr) != seq.lora_key:
-                lost[self._seq_to_group[seq.seq_id]] = lr
-        self.lora.prepare(self.scheduler.adapters_wanted(), in_use)
-        return [
-            self._end_with_error(gid, f"adapter {lr.name!r} was removed or changed while the request waited")
-            for gid, lr in lost.items()
-        ]
-
-    def _resolve_or_none(self, lr: LoRARequest) -> str | None:
-        """`resolve_nowait`, with None for files that are gone or no longer an adapter."""
-        assert self.lora is not None
-        try:
-            return self.lora.resolve_nowait(lr)
-        except (OSError, ValueError):
-            return None
-
-    # ---- adapters ---------------------------------------------------------------------------------
-    def _require_lora(self) -> LoRAManager:
-        if self.lora is None:
-            raise ValueError("LoRA is disabled (enable_lora=False)")
-        return self.lora
-
+    # ---- adapters (engine/engine_adapters.py) ----------------------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> str:
         """Validate and load an adapter into host memory now; returns its content digest."""
-        return self._require_lora().add_lora(lora_request, self.scheduler.running_adapters())
+        return self.adapters.add(lora_request)
 
     def prefetch_lora(self, lora_request: LoRARequest) -> None:
         """Begin loading an adapter into host memory in the background (e.g. when it is activated)."""
-        self._require_lora().prefetch(lora_request, self.scheduler.running_adapters())
+        self.adapters.prefetch(lora_request)
 
     def remove_lora(self, name_or_digest: str) -> bool:
         """Forget an adapter. Requests already admitted for it finish on it first (it is dropped after the
         last one); returns whether it was known."""
-        return self._require_lora().remove_lora(name_or_digest, self._adapters_in_use())
-
-    def _adapters_in_use(self) -> set[str]:
-        """Digests of the adapters of every unfinished request, running or waiting."""
-        sch = self.scheduler
-        return {s.lora_key for q in (sch.running, sch.waiting) for s in q if s.lora_key is not None}
-
-    def _retain_adapters(self) -> None:
-        if self.lora is not None:
-            self.lora.retain(self._adapters_in_use())
+        return self.adapters.remove(name_or_digest)
 
     def pin_lora(self, name_or_digest: str, pinned: bool = True) -> bool:
-        return self._require_lora().pin_lora(name_or_digest, self.scheduler.running_adapters(), pinned)
+        return self.adapters.pin(name_or_digest, pinned)
 
     def list_loras(self) -> list[LoRAInfo]:
-        return self._require_lora().list_loras()
+        return self.adapters.list()
 
     def get_lora_stats(self) -> LoRAPoolStats:
-        return self._require_lora().stats()
+        return self.adapters.stats()
 
-    def _fail_adapter_requests(self) -> list[RequestOutput]:
-        """Finish every request waiting on an adapter whose background load failed."""
-        if self.lora is None:
-            return []
-        failed = self.lora.take_failures()
-        if not failed:
-            return []
-        outputs = []
-        for gid, group in list(self._groups.items()):
-            first = group.seqs[0]
-            if first.lora_request is None:
-                continue
-            lr = first.lora_request
-            err = failed.get(path_key(lr))
-            if err is not None:
-                outputs.append(self._end_with_error(gid, f"adapter {lr.name!r} could not be loaded: {err}"))
-        return outputs
+    def _end_all(self, errors: list[SequenceError]) -> list[RequestOutput]:
+        """End the request of each sequence named, once, with its error."""
+        ended: dict[str, RequestOutput] = {}
+        for seq, error in errors:
+            gid = self._seq_to_group.get(seq.seq_id)
+            if gid is not None and gid in self._groups and gid not in ended:
+                ended[gid] = self._end_with_error(gid, error)
+        return list(ended.values())
 
     def _sequence_text(self, params: SamplingParams) -> SequenceText | None:
         if self.tokenizer is None or not self.config.detokenize:
@@ -310,7 +248,7 @@ class LLMEngine:
         """Stop the request(s) now, freeing their KV blocks and adapter holds; unknown or finished ids are
         ignored."""
         self._abort(request_id)
-        self._retain_adapters()
+        self.adapters.retain()
 
     def _abort(self, request_id: str | abc.Sequence[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -337,19 +275,19 @@ class LLMEngine:
         other request carries on.
         """
         t_start = time.perf_counter()
-        outputs = self._fail_adapter_requests()
-        outputs += self._prepare_adapters()
+        outputs = self._end_all(self.adapters.failed_loads())
+        outputs += self._end_all(self.adapters.prepare())
         plan = self.scheduler.schedule()
         self._steps += 1
         self._last_step_tokens = plan.num_batched_tokens
         if plan.empty:
             if self.spec is not None:  # e.g. everything was aborted: the proposer's state goes too
                 self.spec.proposer.retain({s.seq_id for s in self.scheduler.running})
-            self._retain_adapters()
-            if self.lora is not None and self.scheduler.waiting and not outputs:
+            self.adapters.retain()
+            if not outputs:
                 # Nothing can run until an adapter load ends: wait for it here rather than have the
                 # caller spin on empty steps, which starves the loading thread of the GIL.
-                self.lora.wait_for_loads(ADAPTER_WAIT_SECONDS)
+                self.adapters.wait_for_loads(ADAPTER_WAIT_SECONDS)
             return outputs
         if self.thread_governor is not None:
             self.thread_governor.begin()
@@ -393,7 +331,7 @@ class LLMEngine:
             self._propose()  # its time counts toward the step's (a draft model's forwards)
             new_tokens = sum(max(1, s.num_new_tokens) for s in progressed)
             self.spec.end_step(plan.num_batched_tokens, time.perf_counter() - t_start, new_tokens)
-        self._retain_adapters()
+        self.adapters.retain()
         return outputs
 
     def _propose(self) -> None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine import LLM, LoRARequest, SamplingParams
-from engine.decode_graphs import BUCKETS, EagerReplay, padded_segments
+from engine.decode_graphs import EagerReplay, padded_segments
 from kernels.lora_meta import build_lora_batch_meta
 from tests.helpers.tiny_adapters import ADAPTER_SPECS, PeftGreedyOracle, build_adapter
 
@@ -76,4 +76,3 @@ def test_decode_graphs_refuse_the_torch_attention_backend(checkpoint):
     llm = LLM(str(checkpoint("llama")), device="cpu", dtype="float32", attention_backend="torch")
     with pytest.raises(ValueError, match="Triton attention"):
         llm.engine.runner.use_decode_graphs(EagerReplay())
-    assert BUCKETS == tuple(sorted(BUCKETS))
