@@ -55,6 +55,7 @@ class OnlinePeerResult:
     start_s: dict[str, float] = field(default_factory=dict)  # system -> seconds until /health answered
     load_avg: dict[str, list[float]] = field(default_factory=dict)  # system -> 1-min load before, after
     cpu: str = ""
+    notes: list[str] = field(default_factory=list)  # settings that differ from the defaults
 
     def sustained(self, system: str) -> RateResult | None:
         """`system`'s highest offered rate with no failed request and p99 TTFT <= the bound."""
@@ -90,6 +91,7 @@ class OnlinePeerResult:
             lines.append(
                 "- start-up (until /health): " + ", ".join(f"{k} {v:.1f} s" for k, v in self.start_s.items())
             )
+        lines += [f"- {note}" for note in self.notes]
         loads = ", ".join(f"{k} {v[0]:.1f} / {v[-1]:.1f}" for k, v in self.load_avg.items())
         lines.append(f"- CPU: {self.cpu}; load average (1 min) before / after each server's run: {loads}")
         return "\n".join(lines)
@@ -158,18 +160,6 @@ def plan_all(
     return [plan_rate(weights, r, duration, prompt_len, output_len, seed + i) for i, r in enumerate(rates)]
 
 
-def vllm_server_cmd(
-    vllm_python: Path, model: str, adapters: dict[str, str], port: int, max_lora_rank: int, dtype: str
-) -> list[str]:
-    """vLLM's OpenAI server on 127.0.0.1:`port` serving `adapters` (name -> PEFT dir) as LoRA modules."""
-    cmd = [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", model]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--seed", "0"]
-    cmd += ["--skip-tokenizer-init", "--enable-lora", "--lora-modules"]
-    cmd += [f"{name}={path}" for name, path in adapters.items()]
-    cmd += ["--max-loras", str(len(adapters)), "--max-lora-rank", str(max_lora_rank)]
-    return cmd
-
-
 async def warm_up(url: str, names: list[str]) -> None:
     """One 2-token request per adapter, concurrently; raises RuntimeError if any fails."""
     plan = [PlannedRequest(0.0, i, [5, 6, 7, 8], 2) for i in range(len(names))]
@@ -191,24 +181,6 @@ def bench_server(
     ]
 
 
-def cpu_summary() -> str:
-    """'<model name>, N logical CPUs, <ISA flags that matter here>' from /proc/cpuinfo."""
-    import os
-
-    from engine.cpu_features import cpu_flags
-
-    name = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in cpu_flags()]
-    return f"{name}, {os.cpu_count()} logical CPUs, {' '.join(isa) or 'no AVX2'}"
-
-
 def run_online_peer(
     vllm_python: Path | None,
     workdir: Path,
@@ -222,13 +194,14 @@ def run_online_peer(
     prompt_len: tuple[int, int] = (8, 64),
     output_len: tuple[int, int] = (8, 64),
     ttft_bound: float = 1.0,
+    order: tuple[str, ...] = SYSTEMS,
+    vllm_bind: str | None = None,
 ) -> OnlinePeerResult:
-    """Build the workload, then serve and benchmark loraplex and (given `vllm_python`) vLLM in turn."""
-    import tempfile
-
-    from bench.hog import load_average
-    from bench.peer_vllm import build_workload, vllm_env
-    from bench.server_process import free_port, loraplex_cmd, loraplex_env, serving
+    """Build the workload, then serve and benchmark each system in `order`, one at a time (vLLM needs
+    `vllm_python`; `vllm_bind` overrides its VLLM_CPU_OMP_THREADS_BIND, e.g. "auto")."""
+    from bench.hog import cpu_summary, load_average
+    from bench.online_peer_servers import peer_server
+    from bench.peer_vllm import build_workload
 
     result = OnlinePeerResult(
         adapters, rank, threads, dtype, duration, alpha, prompt_len, output_len, ttft_bound
@@ -236,26 +209,19 @@ def run_online_peer(
     result.cpu = cpu_summary()
     wl = build_workload(workdir, adapters=adapters, requests=1, rank=rank, dtype=dtype)
     named = {f"a{i}": d for i, d in enumerate(wl.adapters)}
-    names = list(named)
     plans = plan_all(rates, adapters, alpha, duration, prompt_len, output_len)
-    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
-        env = loraplex_env(Path(tmp), Path(wl.model), {k: Path(v) for k, v in named.items()})
-        port = free_port()
-        cmd = loraplex_cmd(Path(wl.model), port, threads, adapters, wl.max_lora_rank, dtype)
+    for system in order:
+        if system == "vLLM" and vllm_python is None:
+            raise ValueError("benchmarking vLLM needs the python of its virtualenv")
         t0, load0 = time.perf_counter(), load_average()[0]
-        with serving(cmd, env, port, "`loraplex serve`", workdir / "loraplex-serve.log") as url:
-            result.start_s["loraplex"] = time.perf_counter() - t0
-            result.rates["loraplex"] = bench_server(url, names, rates, plans)
-            result.load_avg["loraplex"] = [load0, load_average()[0]]
-    if vllm_python is not None:
-        port = free_port()
-        cmd = vllm_server_cmd(vllm_python, wl.model, named, port, wl.max_lora_rank, dtype)
-        t0, load0 = time.perf_counter(), load_average()[0]
-        log = workdir / "vllm-serve.log"
-        with serving(cmd, vllm_env(vllm_python, threads), port, "vLLM's OpenAI server", log, 900) as url:
-            result.start_s["vLLM"] = time.perf_counter() - t0
-            result.rates["vLLM"] = bench_server(url, names, rates, plans)
-            result.load_avg["vLLM"] = [load0, load_average()[0]]
+        with peer_server(
+            system, workdir, wl.model, named, threads, wl.max_lora_rank, dtype, vllm_python, vllm_bind
+        ) as url:
+            result.start_s[system] = time.perf_counter() - t0
+            result.rates[system] = bench_server(url, list(named), rates, plans)
+            result.load_avg[system] = [load0, load_average()[0]]
+    if vllm_bind is not None and "vLLM" in order:
+        result.notes.append(f"vLLM with VLLM_CPU_OMP_THREADS_BIND={vllm_bind}")
     return result
 
 
@@ -270,7 +236,14 @@ def _pair(text: str) -> tuple[int, int]:
 def main(argv: list[str] | None = None) -> OnlinePeerResult:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vllm-python", type=Path, help="python of the vLLM CPU virtualenv")
-    ap.add_argument("--no-vllm", action="store_true", help="benchmark loraplex alone (no vLLM venv needed)")
+    ap.add_argument(
+        "--servers",
+        default="loraplex,vllm",
+        help="which servers to benchmark, in this order (loraplex, vllm)",
+    )
+    ap.add_argument(
+        "--vllm-omp-bind", default=None, help="vLLM's VLLM_CPU_OMP_THREADS_BIND (default 0-(threads-1))"
+    )
     ap.add_argument("--rates", default="2,4,8", help="comma-separated offered arrival rates (req/s)")
     ap.add_argument("--duration", type=float, default=15.0, help="seconds of arrivals per rate")
     ap.add_argument("--adapters", type=int, default=32)
@@ -291,16 +264,20 @@ def main(argv: list[str] | None = None) -> OnlinePeerResult:
         ap.error(f"--rates: expected comma-separated numbers, got {args.rates!r}")
     if not rates or rates[0] <= 0 or args.duration <= 0 or args.adapters < 1 or args.threads < 1:
         ap.error("rates, --duration, --adapters and --threads must be > 0")
-    if not args.no_vllm and (args.vllm_python is None or not args.vllm_python.exists()):
+    known = {s.lower(): s for s in SYSTEMS}
+    order = tuple(known.get(s.strip().lower(), s) for s in args.servers.split(","))
+    if not order or any(s not in SYSTEMS for s in order) or len(set(order)) != len(order):
+        ap.error(f"--servers: a comma-separated list of loraplex and vllm, got {args.servers!r}")
+    if "vLLM" in order and (args.vllm_python is None or not args.vllm_python.exists()):
         ap.error(
-            "give --vllm-python of a vLLM CPU virtualenv (`make bench-peer-venv` creates one), or --no-vllm"
+            "give --vllm-python of a vLLM CPU virtualenv (`make bench-peer-venv` creates one), "
+            "or --servers loraplex"
         )
     args.workdir.mkdir(parents=True, exist_ok=True)
-    vllm_python = None if args.no_vllm else args.vllm_python
     result = run_online_peer(
-        vllm_python, args.workdir, rates, adapters=args.adapters, rank=args.rank, threads=args.threads,
+        args.vllm_python, args.workdir, rates, adapters=args.adapters, rank=args.rank, threads=args.threads,
         dtype=args.dtype, duration=args.duration, alpha=args.alpha, prompt_len=args.prompt_len,
-        output_len=args.output_len, ttft_bound=args.ttft_bound,
+        output_len=args.output_len, ttft_bound=args.ttft_bound, order=order, vllm_bind=args.vllm_omp_bind,
     )  # fmt: skip
     from bench.plots import plot_online_peer
     from bench.workload import report

@@ -19,8 +19,8 @@ from bench.online_peer import (
     plan_all,
     ratio,
     sustained,
-    vllm_server_cmd,
 )
+from bench.online_peer_servers import vllm_server_cmd
 from bench.plots import plot_online_peer
 
 
@@ -128,7 +128,13 @@ def test_plot_and_bad_arguments(tmp_path, capsys):
     }
     plot_online_peer(res, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 0
-    for argv in (["--rates", "2,x", "--no-vllm"], ["--rates", "0", "--no-vllm"], ["--vllm-python", "/nope"]):
+    for argv in (
+        ["--rates", "2,x", "--servers", "loraplex"],
+        ["--rates", "0", "--servers", "loraplex"],
+        ["--servers", "loraplex,tgi"],
+        ["--servers", "loraplex,loraplex"],
+        ["--vllm-python", "/nope"],
+    ):
         with pytest.raises(SystemExit) as exc:
             main(argv)
         assert exc.value.code == 2
