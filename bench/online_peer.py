@@ -2,7 +2,8 @@
 
     python -m bench.online_peer --vllm-python .venv-vllm/bin/python [--adapters 32] [--rank 16] \\
         [--rates 2,4,8] [--duration 15] [--threads 2] [--dtype float32] [--ttft-bound 1.0] [--alpha 1.1] \\
-        [--prompt-len 8,64] [--output-len 8,64] [--workdir DIR] [--json out.json] [--plot out.png]
+        [--prompt-len 8,64] [--output-len 8,64] [--servers loraplex,vllm] [--vllm-omp-bind auto] \\
+        [--workdir DIR] [--json out.json] [--plot out.png]
 
 The model directory and the PEFT adapters are the offline peer benchmark's (`bench.peer_vllm.build_workload`:
 the benchmark's random Llama, N rank-r adapters on all 7 projections), registered as `a0..a{N-1}` in a
@@ -12,10 +13,13 @@ requests are planned once, before either server runs (`bench.online_client.plan_
 times, adapter k with probability ∝ 1/(k+1)^alpha, prompt token ids, max_tokens with `ignore_eos`), and
 the same plan is sent to each server, streaming.
 
-The servers run one after the other, never together: `loraplex serve` first, then vLLM's
-`vllm.entrypoints.openai.api_server` in its own virtualenv with the offline peer benchmark's CPU
-environment (`bench.peer_vllm.vllm_env`: KV space, thread binding, OpenMP threads, its libgomp
-preloaded), `--max-loras N --max-lora-rank r`, token-id prompts (`--skip-tokenizer-init`). Each gets one
+The servers run one after the other, never together, in `--servers` order: `loraplex serve` with
+`--threads`, and vLLM's `vllm.entrypoints.openai.api_server` in its own virtualenv with the offline peer
+benchmark's CPU environment (`bench.peer_vllm.vllm_env`: KV space, its libgomp preloaded) except the
+thread binding: by default vLLM's own `auto` (one core for its API server and engine core, the rest for
+the worker's OpenMP threads), which served far better than binding the worker to every core (`0-1`, the
+offline benchmark's setting) on the 2-core machine here; `--max-loras N --max-lora-rank r`, token-id
+prompts (`--skip-tokenizer-init`). Each gets one
 short request per adapter to warm up before the first rate. Reported per rate and server: output tok/s,
 TTFT p50/p99, TPOT p50, errors; and the headline: each server's highest rate whose p99 TTFT stays within
 `--ttft-bound` with no errors (its throughput there, and the ratio), and the throughput ratio at the
@@ -155,9 +159,11 @@ def plan_all(
     output_len: tuple[int, int],
     seed: int = 0,
 ) -> list[list[PlannedRequest]]:
-    """One planned workload per rate (rate i seeded `seed + i`), each request on one of the adapters."""
+    """One planned workload per rate, each request on one of the adapters. A rate's seed depends on the
+    rate itself (not on its place in `rates`), so adding a rate to a run leaves the others' requests as
+    they were."""
     weights = popularity(adapters, alpha)
-    return [plan_rate(weights, r, duration, prompt_len, output_len, seed + i) for i, r in enumerate(rates)]
+    return [plan_rate(weights, r, duration, prompt_len, output_len, seed + round(r * 1000)) for r in rates]
 
 
 async def warm_up(url: str, names: list[str]) -> None:
@@ -195,10 +201,10 @@ def run_online_peer(
     output_len: tuple[int, int] = (8, 64),
     ttft_bound: float = 1.0,
     order: tuple[str, ...] = SYSTEMS,
-    vllm_bind: str | None = None,
+    vllm_bind: str = "auto",
 ) -> OnlinePeerResult:
     """Build the workload, then serve and benchmark each system in `order`, one at a time (vLLM needs
-    `vllm_python`; `vllm_bind` overrides its VLLM_CPU_OMP_THREADS_BIND, e.g. "auto")."""
+    `vllm_python`; `vllm_bind` is its VLLM_CPU_OMP_THREADS_BIND, "auto" or a core list like "0-1")."""
     from bench.hog import cpu_summary, load_average
     from bench.online_peer_servers import peer_server
     from bench.peer_vllm import build_workload
@@ -220,7 +226,7 @@ def run_online_peer(
             result.start_s[system] = time.perf_counter() - t0
             result.rates[system] = bench_server(url, list(named), rates, plans)
             result.load_avg[system] = [load0, load_average()[0]]
-    if vllm_bind is not None and "vLLM" in order:
+    if "vLLM" in order:
         result.notes.append(f"vLLM with VLLM_CPU_OMP_THREADS_BIND={vllm_bind}")
     return result
 
@@ -242,7 +248,10 @@ def main(argv: list[str] | None = None) -> OnlinePeerResult:
         help="which servers to benchmark, in this order (loraplex, vllm)",
     )
     ap.add_argument(
-        "--vllm-omp-bind", default=None, help="vLLM's VLLM_CPU_OMP_THREADS_BIND (default 0-(threads-1))"
+        "--vllm-omp-bind",
+        default="auto",
+        help="vLLM's VLLM_CPU_OMP_THREADS_BIND: auto (vLLM's default: a core for its frontend, the rest to "
+        "the worker) or a core list like 0-1 (all cores to the worker, as the offline peer benchmark)",
     )
     ap.add_argument("--rates", default="2,4,8", help="comma-separated offered arrival rates (req/s)")
     ap.add_argument("--duration", type=float, default=15.0, help="seconds of arrivals per rate")

@@ -25,6 +25,18 @@ def vllm_server_cmd(
     return cmd
 
 
+def vllm_server_env(vllm_python: Path, threads: int, bind: str) -> dict[str, str]:
+    """The offline peer benchmark's vLLM environment with VLLM_CPU_OMP_THREADS_BIND=`bind`; with "auto"
+    OMP_NUM_THREADS is left unset, so vLLM sizes its worker's threads to the cores it binds."""
+    from bench.peer_vllm import vllm_env
+
+    env = vllm_env(vllm_python, threads)
+    env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    if bind == "auto":
+        env.pop("OMP_NUM_THREADS", None)
+    return env
+
+
 @contextlib.contextmanager
 def peer_server(
     system: str,
@@ -35,10 +47,9 @@ def peer_server(
     max_lora_rank: int,
     dtype: str,
     vllm_python: Path | None,
-    vllm_bind: str | None,
+    vllm_bind: str,
 ) -> Iterator[str]:
     """`system`'s server on a free loopback port serving `model` + the `named` adapters; yields its URL."""
-    from bench.peer_vllm import vllm_env
     from bench.server_process import free_port, loraplex_cmd, loraplex_env, serving
 
     port = free_port()
@@ -50,11 +61,7 @@ def peer_server(
                 yield url
         return
     assert vllm_python is not None
-    env = vllm_env(vllm_python, threads)
-    if vllm_bind is not None:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = vllm_bind
-        if vllm_bind == "auto":  # let vLLM size its worker's threads to the cores it binds
-            env.pop("OMP_NUM_THREADS", None)
+    env = vllm_server_env(vllm_python, threads, vllm_bind)
     cmd = vllm_server_cmd(vllm_python, model, named, port, max_lora_rank, dtype)
     with serving(cmd, env, port, "vLLM's OpenAI server", workdir / "vllm-serve.log", 900) as url:
         yield url

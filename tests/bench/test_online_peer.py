@@ -20,7 +20,7 @@ from bench.online_peer import (
     ratio,
     sustained,
 )
-from bench.online_peer_servers import vllm_server_cmd
+from bench.online_peer_servers import vllm_server_cmd, vllm_server_env
 from bench.plots import plot_online_peer
 
 
@@ -29,7 +29,8 @@ def test_plans_are_seeded_within_ranges_and_poisson_ordered():
     plans = plan_all(rates, adapters=5, alpha=1.1, duration=3.0, prompt_len=(4, 9), output_len=(2, 6))
     assert plans == plan_all(rates, 5, 1.1, 3.0, (4, 9), (2, 6))  # both servers get these exact requests
     assert plans != plan_all(rates, 5, 1.1, 3.0, (4, 9), (2, 6), seed=1)
-    assert plans[0] != plans[1][: len(plans[0])]  # each rate has its own seed
+    draws = [[(p.model, p.prompt, p.max_tokens) for p in plan] for plan in plans]
+    assert draws[0] != draws[1][: len(draws[0])]  # each rate has its own seed
     for plan in plans:
         ats = [p.at for p in plan]
         assert ats[0] == 0.0 and ats == sorted(ats) and ats[-1] < 3.0
@@ -118,6 +119,11 @@ def test_vllm_command_line():
     assert "--enable-lora" in cmd and "--skip-tokenizer-init" in cmd  # token-id prompts, no tokenizer
     i = cmd.index("--lora-modules")
     assert cmd[i + 1 : i + 3] == ["a0=/w/adapters/0", "a1=/w/adapters/1"]
+    auto = vllm_server_env(Path("/v/bin/python"), 2, "auto")
+    assert auto["VLLM_CPU_OMP_THREADS_BIND"] == "auto" and "OMP_NUM_THREADS" not in auto
+    assert auto["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    pinned = vllm_server_env(Path("/v/bin/python"), 2, "0-1")
+    assert pinned["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and pinned["OMP_NUM_THREADS"] == "2"
 
 
 def test_plot_and_bad_arguments(tmp_path, capsys):
@@ -139,3 +145,27 @@ def test_plot_and_bad_arguments(tmp_path, capsys):
             main(argv)
         assert exc.value.code == 2
     assert "make bench-peer-venv" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # a real `loraplex serve` subprocess
+def test_loraplex_side_end_to_end(tmp_path):
+    """The loraplex half of the benchmark for real: the peer workload's adapters registered under the names
+    the plan uses, `loraplex serve` started on a free port, warmed up, sent one rate, stopped."""
+    from bench.online_peer import run_online_peer
+
+    res = run_online_peer(
+        None,
+        tmp_path,
+        [4.0],
+        adapters=2,
+        duration=1.0,
+        prompt_len=(4, 8),
+        output_len=(2, 4),
+        order=("loraplex",),
+    )
+    (r,) = res.rates["loraplex"]
+    assert r.sent >= 1 and r.ok == r.sent and r.output_tokens_per_s > 0 and r.ttft_p99 >= r.ttft_p50 > 0
+    assert list(res.load_avg) == ["loraplex"] and res.start_s["loraplex"] > 0
+    assert "| 4 | loraplex |" in res.markdown() and "vLLM" not in res.markdown()
+    with pytest.raises(ValueError, match="virtualenv"):
+        run_online_peer(None, tmp_path, [4.0], adapters=2, duration=1.0, order=("vLLM",))
