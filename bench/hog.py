@@ -47,3 +47,21 @@ def load_average() -> tuple[float, float, float]:
         return os.getloadavg()
     except OSError:
         return (0.0, 0.0, 0.0)
+
+
+def cpu_summary() -> str:
+    """'<model name>, N logical CPUs, <ISA flags that matter here>' from /proc/cpuinfo."""
+    from pathlib import Path
+
+    from engine.cpu_features import cpu_flags
+
+    name = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in cpu_flags()]
+    return f"{name}, {os.cpu_count()} logical CPUs, {' '.join(isa) or 'no AVX2'}"

@@ -16,12 +16,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
-import random
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,28 +27,9 @@ import httpx
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-MAX_REQUESTS_PER_RATE = 2000
+from bench.online_client import RateResult, pct, plan_rate, send_planned
 
-
-@dataclass(slots=True)
-class RequestResult:
-    ok: bool
-    ttft: float = 0.0
-    tpot: float = 0.0
-    tokens: int = 0
-
-
-@dataclass(slots=True)
-class RateResult:
-    rate: float
-    sent: int
-    ok: int
-    duration: float
-    output_tokens_per_s: float
-    ttft_p50: float
-    ttft_p99: float
-    tpot_p50: float
-    tpot_p99: float
+__all__ = ["OnlineResult", "RateResult", "pct", "popularity", "run"]
 
 
 @dataclass(slots=True)
@@ -77,48 +55,6 @@ class OnlineResult:
         return "\n".join(rows)
 
 
-def pct(values: list[float], q: float) -> float:
-    """The q-quantile (0..1) of `values` by nearest rank; 0 for an empty list."""
-    if not values:
-        return 0.0
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q * len(s)) - 1))]
-
-
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int):
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "ignore_eos": True,
-    }
-    t0 = time.perf_counter()
-    first = None
-    tokens = 0
-    try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                return RequestResult(False)
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    return RequestResult(False)
-                new = sum(len(c.get("token_ids") or ()) for c in chunk.get("choices", ()))
-                if new:
-                    first = first or time.perf_counter()
-                    tokens += new
-    except httpx.HTTPError:
-        return RequestResult(False)
-    end = time.perf_counter()
-    if first is None:
-        return RequestResult(False)
-    return RequestResult(True, first - t0, (end - first) / max(tokens - 1, 1), tokens)
-
-
 async def run_rate(
     url: str,
     models: list[str],
@@ -129,36 +65,8 @@ async def run_rate(
     output_len: tuple[int, int],
     seed: int,
 ) -> RateResult:
-    rng = random.Random(seed)
-    tasks = []
-    limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
-    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
-        t0 = time.perf_counter()
-        next_at = 0.0
-        while next_at < duration and len(tasks) < MAX_REQUESTS_PER_RATE:
-            await asyncio.sleep(max(0.0, t0 + next_at - time.perf_counter()))
-            model = rng.choices(models, weights)[0]
-            prompt = [rng.randrange(3, 100) for _ in range(rng.randint(*prompt_len))]
-            tasks.append(
-                asyncio.create_task(one_request(client, url, model, prompt, rng.randint(*output_len)))
-            )
-            next_at += rng.expovariate(rate)
-        results = await asyncio.gather(*tasks)
-        elapsed = time.perf_counter() - t0
-    good = [r for r in results if r.ok]
-    ttft = [r.ttft for r in good]
-    tpot = [r.tpot for r in good]
-    return RateResult(
-        rate,
-        len(results),
-        len(good),
-        elapsed,
-        sum(r.tokens for r in good) / elapsed,
-        statistics.median(ttft) if ttft else 0,
-        pct(ttft, 0.99),
-        statistics.median(tpot) if tpot else 0,
-        pct(tpot, 0.99),
-    )
+    planned = plan_rate(weights, rate, duration, prompt_len, output_len, seed)
+    return await send_planned(url, models, planned, rate)
 
 
 def popularity(n: int, alpha: float) -> list[float]:
@@ -230,59 +138,22 @@ def _self_hosted(args, rates: list[float]) -> OnlineResult:
 
 def _build(root: Path, adapters: int) -> tuple[Path, dict[str, str]]:
     """A random base model and `adapters` active rank-16 adapters in a fresh data dir; the server's env."""
-    import os
-    import secrets
-
+    from bench.server_process import loraplex_env
     from bench.workload import ModelSpec, build_adapter, build_base
-    from lora_registry import RegistrySettings, open_registry
 
     base = build_base(root)
-    env = os.environ | {
-        "LORAPLEX_DATA_DIR": str(root / "data"),
-        "LORAPLEX_MODEL": str(base),
-        "LORAPLEX_ADMIN_TOKEN": secrets.token_urlsafe(24),  # the server refuses tokens under 16 characters
-    }
-    reg = open_registry(RegistrySettings.from_env(env))
-    try:
-        for i in range(adapters):
-            adapter = build_adapter(root / f"a{i}", ModelSpec(), 16, i)
-            reg.adapters.register(f"a{i}", adapter, activate=True)
-    finally:
-        reg.close()
-    return base, env
+    dirs = {f"a{i}": build_adapter(root / f"a{i}", ModelSpec(), 16, i) for i in range(adapters)}
+    return base, loraplex_env(root, base, dirs)
 
 
 @contextlib.contextmanager
 def _serving(base: Path, env: dict[str, str], args):
     """`loraplex serve` on a free loopback port until the block ends; yields its URL."""
-    import signal
-    import socket
-    import subprocess
+    from bench.server_process import free_port, loraplex_cmd, serving
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    exe = str(Path(sys.executable).parent / "loraplex")
-    cmd = [exe, "serve", "--model", str(base), "--port", str(port), "--device", "cpu"]
-    cmd += ["--max-loras", "16", "--threads", str(args.threads), "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"`loraplex serve` exited with code {proc.returncode} before it was ready")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        else:
-            raise RuntimeError("`loraplex serve` was not ready after 300 s")
+    port = free_port()
+    with serving(loraplex_cmd(base, port, args.threads, 16), env, port, "`loraplex serve`") as url:
         yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
 
 
 def accounting_cost(args, rates: list[float]) -> str:

@@ -94,3 +94,32 @@ def plot_history(points: list[dict], path: Path, goal: float = 1.15) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_online_peer(result, path: Path) -> None:
+    """Online peer benchmark: output tok/s and p99 TTFT (log y, with the bound) vs offered rate per server."""
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    colors = {"loraplex": "tab:blue", "vLLM": "tab:red"}
+    for system, rates in result.rates.items():
+        xs = [r.rate for r in rates]
+        color = colors.get(system, "tab:gray")
+        left.plot(xs, [r.output_tokens_per_s for r in rates], "o-", color=color, label=system)
+        right.plot(xs, [max(r.ttft_p99, 1e-3) for r in rates], "o-", color=color, label=system)
+    left.set_xlabel("offered rate (req/s)")
+    left.set_ylabel("output tokens / s")
+    left.set_ylim(bottom=0)
+    left.set_title("Throughput")
+    right.axhline(
+        result.ttft_bound, color="tab:green", linestyle="--", label=f"bound {result.ttft_bound:g} s"
+    )
+    right.set_yscale("log")
+    right.set_xlabel("offered rate (req/s)")
+    right.set_ylabel("p99 TTFT (s)")
+    right.set_title("p99 time to first token")
+    for ax in (left, right):
+        ax.legend()
+    fig.suptitle(f"Online, {result.adapters} adapters, {result.threads} threads, {result.dtype} (CPU)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -39,6 +39,10 @@ BENCHMARKS = {
         "bench.peer_vllm",
         "loraplex vs vLLM CPU on the identical workload (needs make bench-peer-venv).",
     ),
+    "serve-peer": (
+        "bench.online_peer",
+        "Online serving, loraplex vs vLLM CPU's OpenAI server: the same Poisson workload, p99 TTFT bound.",
+    ),
 }
 
 
