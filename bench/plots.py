@@ -34,17 +34,21 @@ def plot_offline(result, path: Path) -> None:
 
 
 def plot_scaling(result, path: Path) -> None:
-    """Throughput and pool hit rate vs number of distinct adapters (log x)."""
+    """Throughput and its byte floor, and pool hit rate, vs number of distinct adapters (log x)."""
     plt = _pyplot()
     xs = [p.adapters for p in result.points]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(xs, [p.tokens_per_s for p in result.points], "o-", color="tab:blue")
+    ax.plot(xs, [p.run.tokens_per_s for p in result.points], "o-", color="tab:blue", label="all steps")
+    ax.plot(xs, [p.run.decode_tokens_per_s for p in result.points], "d-", color="tab:green", label="decode")
+    floor = [p.run.decode_floor_tokens_per_s for p in result.points]
+    ax.plot(xs, floor, "^:", color="tab:gray", label="decode byte floor")
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_xlabel("distinct adapters")
     ax.set_ylabel("output tokens / s", color="tab:blue")
-    ax.set_ylim(bottom=0)
+    ax.legend(loc="lower left", fontsize=8)
     ax2 = ax.twinx()
-    ax2.plot(xs, [100 * p.pool_hit_rate for p in result.points], "s--", color="tab:orange")
+    ax2.plot(xs, [100 * p.run.pool_hit_rate for p in result.points], "s--", color="tab:orange")
     ax2.set_ylabel("pool hit rate (%)", color="tab:orange")
     ax2.set_ylim(0, 105)
     ax.set_title(f"Adapter scaling (ranks 8-64, pool {result.pool_pages} pages/projection)")

@@ -29,6 +29,11 @@ class EngineConfig:
         None  # pages per projection; default: room for 2*max_loras max-rank adapters
     )
     lora_page_rank: int = 16
+    # Adapter-aware admission (engine/scheduler/admission.py): requests whose adapter is in the device pool
+    # are admitted ahead of those whose adapter is not, each of which is passed over in at most
+    # `lora_max_bypass_steps` steps; False: plain policy order.
+    lora_resident_first: bool = True
+    lora_max_bypass_steps: int = 32
     lora_backend: str = "auto"  # CPU: "native" (default when a C compiler works) or "torch"; CUDA: "triton"
     lora_dtype: str = "auto"  # dtype of the adapter pool: auto (= dtype), float32, bfloat16, float16
     attention_backend: str = "auto"  # likewise

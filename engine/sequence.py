@@ -63,6 +63,7 @@ class Sequence:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     num_lora_skips: int = 0  # times admission passed over it because max_loras adapters were running
+    num_admission_bypasses: int = 0  # steps deferred by resident-first admission (scheduler/admission.py)
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, Logprob]] | None = None
     text: str = ""

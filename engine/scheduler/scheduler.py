@@ -9,9 +9,10 @@ Each step (`schedule`):
    `max_num_seqs`, `max_loras` and the KV pool allow, each starting after its cached prefix. A long
    prompt is split across steps (chunked prefill) by the token budget. A sequence whose adapter digest
    is not known yet (`lora_key` None) or whose adapter is not in the device pool (`is_resident` False)
-   is passed over without holding up the others. A sequence passed over `lora_starvation_steps` times
-   because `max_loras` adapters are already running stops admission behind it until its adapter gets
-   a slot.
+   is passed over without holding up the others; with `resident_first` (default) such sequences also
+   come after the resident ones of their priority, for a bounded number of steps (admission.py). A
+   sequence passed over `lora_starvation_steps` times because `max_loras` adapters are already running
+   stops admission behind it until its adapter gets a slot.
 With speculative decoding, a running request in decode whose `spec_token_ids` were set by the proposer
 (engine/spec/) is scheduled for 1 + k rows; the k proposed rows count against the token budget but only
 from what is left after one row for each later running request, and they are dropped (before anyone is
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 
 from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheManager
+from engine.scheduler.admission import count_bypasses, is_deferred, resident_first
 from engine.scheduler.output import RunnerOutput, ScheduledSequence, SchedulerOutput
 from engine.scheduler.policy import admission_order, pick_victim, validate_policy
 from engine.sequence import Sequence, SequenceStatus
@@ -45,9 +47,15 @@ class SchedulerConfig:
     # After this many steps passed over for lack of an adapter slot, a request blocks admission of
     # everything behind it, so the running adapters drain and its adapter gets a slot.
     lora_starvation_steps: int = 16
+    # Resident-first admission (admission.py): a request whose adapter is not resident waits behind
+    # resident ones for at most `max_bypass_steps` steps in which a later request was admitted.
+    resident_first: bool = True
+    max_bypass_steps: int = 32
 
     def __post_init__(self) -> None:
         validate_policy(self.policy)
+        if self.max_bypass_steps < 0:
+            raise ValueError(f"lora_max_bypass_steps must be >= 0, got {self.max_bypass_steps}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -62,6 +70,8 @@ class SchedulerConfig:
             max_num_batched_tokens=config.max_num_batched_tokens,
             policy=config.scheduling_policy,
             max_loras=config.max_loras,
+            resident_first=config.lora_resident_first,
+            max_bypass_steps=config.lora_max_bypass_steps,
         )
 
 
@@ -107,18 +117,33 @@ class Scheduler:
         return {s.lora_key for s in self.running if s.lora_key is not None}
 
     def adapters_wanted(self) -> list[str]:
-        """Adapters of waiting sequences that admission could take next, in admission order: at most as
-        many new ones as `max_loras` leaves beside the running adapters (policy `lpm` in queue order)."""
+        """Adapters of waiting sequences that admission could take next, in admission order (policy `lpm`
+        in queue order): as many new ones as `max_loras` leaves beside the running adapters and, with
+        `resident_first`, up to `max_loras` more, loaded ahead while the running batch computes. Resident
+        ones come first (admission.py), so the engine's uploads for later ones never evict them."""
         running = self.running_adapters()
-        free = self.config.max_loras - len(running)
+        limit = self.config.max_loras - len(running)
+        if self.config.resident_first:
+            limit += self.config.max_loras
         wanted: list[str] = []
-        for seq in admission_order(self.config.policy, self.waiting, lambda s: 0):
-            if len(wanted) >= free:
+        for seq in self._admission_order(lambda s: 0)[0]:
+            if len(wanted) >= limit:
                 break
             key = seq.lora_key
             if key is not None and key not in running and key not in wanted:
                 wanted.append(key)
         return wanted
+
+    def _admission_order(
+        self, cached: Callable[[Sequence], int]
+    ) -> tuple[list[Sequence], list[Sequence], set[int]]:
+        """(admission order, policy order, id()s of the deferred sequences) of the waiting queue."""
+        order = admission_order(self.config.policy, self.waiting, cached)
+        if not self.config.resident_first:
+            return order, order, set()
+        bound = self.config.max_bypass_steps
+        deferred = {id(s) for s in order if is_deferred(s, self.is_resident, bound)}
+        return resident_first(self.config.policy, order, deferred), order, deferred
 
     def finish_request(self, req: Sequence, status: SequenceStatus) -> None:
         """End a request (stop, length or abort) and release everything it holds."""
@@ -195,7 +220,8 @@ class Scheduler:
                 hit_cache[id(req)] = self.kv.find_cached_prefix(req)
             return hit_cache[id(req)][1]
 
-        order = admission_order(self.config.policy, self.waiting, cached)
+        order, policy_order, deferred = self._admission_order(cached)
+        admitted: set[int] = set()
         for req in order:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
@@ -228,7 +254,10 @@ class Scheduler:
             req.status = SequenceStatus.RUNNING
             running_adapters.add(key)
             scheduled.append(self._scheduled(req, n))
+            admitted.add(id(req))
             budget -= n
+        if deferred and admitted:
+            count_bypasses(policy_order, deferred, admitted)
         return budget
 
     def _take_spec(self, req: Sequence, pending: int, budget: int) -> list[int]:

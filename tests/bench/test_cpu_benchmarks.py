@@ -104,15 +104,30 @@ def test_scaling_tiny(workdir, tmp_path):
         workdir=workdir,
         quiet=True,
         repeats=2,
+        thrash_adapters=12,
+        thrash_per_adapter=2,
     )
     assert [p.adapters for p in r.points] == [1, 4, 12]
-    assert [p.requests for p in r.points] == [4, 4, 12]
-    assert all(p.output_tokens == 3 * p.requests for p in r.points)
-    assert r.points[0].pool_hit_rate == 1.0  # one adapter, warmed up: always resident
-    assert r.points[-1].pool_hit_rate < 1.0  # 12 adapters of up to 4 pages do not fit 16 pages
-    assert all(0.0 <= p.pool_hit_rate <= 1.0 for p in r.points)
+    runs = [p.run for p in r.points]
+    assert [p.requests for p in runs] == [4, 4, 12]
+    assert all(p.output_tokens == 3 * p.requests for p in runs)
+    assert runs[0].pool_hit_rate == 1.0  # one adapter, warmed up: always resident
+    assert runs[-1].pool_hit_rate < 1.0  # 12 adapters of up to 4 pages do not fit 16 pages
+    assert all(0.0 <= p.pool_hit_rate <= 1.0 for p in runs)
     assert r.drop_vs_first()[0] == 0.0
+    # the byte floor counts every step: base bytes each, adapter pages for the adapters in it
+    assert runs[0].mean_distinct_adapters == 1.0 and runs[-1].mean_distinct_adapters > 1.0
+    assert all(p.steps >= 3 and p.floor_s > 0 for p in runs)
+    assert [(t.order, t.resident_first) for t in r.thrash] == [
+        ("cyclic", True),
+        ("cyclic", False),
+        ("random", True),
+        ("random", False),
+    ]
+    assert all(t.run.requests == 24 and t.run.output_tokens == 72 for t in r.thrash)
+    assert "resident-first" in r.markdown() and "decode floor" in r.markdown()
     plot_scaling(r, tmp_path / "scaling.png")
+    assert (tmp_path / "scaling.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_cold_load_tiny(workdir, tmp_path):

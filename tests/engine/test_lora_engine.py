@@ -113,7 +113,8 @@ def test_lora_backend_and_dtype_choices_are_checked(adapters):
             LLM(str(base), device="cpu", dtype=kwargs.pop("dtype", "float32"), **kwargs)
 
 
-def test_mixed_adapters_under_chunking_preemption_and_small_pool(adapters):
+@pytest.mark.parametrize("resident_first", [True, False])
+def test_mixed_adapters_under_chunking_preemption_and_small_pool(adapters, resident_first):
     base, dirs, oracle = adapters["llama"]
     llm = _llm(
         base,
@@ -121,6 +122,8 @@ def test_mixed_adapters_under_chunking_preemption_and_small_pool(adapters):
         max_num_batched_tokens=9,
         max_loras=2,
         lora_pool_pages=3,  # one rank-32 adapter needs 2 pages per module: forces pool evictions
+        lora_resident_first=resident_first,
+        lora_max_bypass_steps=4,
     )
     _run_and_check(llm, dirs, oracle, _workload(dirs, seed=2, n=12))
     stats = llm.engine.get_stats()

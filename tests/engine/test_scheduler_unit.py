@@ -7,6 +7,8 @@ checked in milliseconds.
 
 from __future__ import annotations
 
+import pytest
+
 from engine.kv_cache import KVCacheManager
 from engine.lora_request import LoRARequest
 from engine.sampling_params import SamplingParams
@@ -26,13 +28,16 @@ def _sched(
     policy: str = "fcfs",
     is_resident=None,
     lora_starvation_steps: int = 16,
+    **config,
 ) -> Scheduler:
+    """A scheduler over a real KV cache manager; `config`: further `SchedulerConfig` fields."""
     cfg = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         policy=policy,
         max_loras=max_loras,
         lora_starvation_steps=lora_starvation_steps,
+        **config,
     )
     return Scheduler(cfg, KVCacheManager(num_blocks, block_size), (EOS,), is_resident=is_resident)
 
@@ -142,15 +147,18 @@ def test_priority_policy_admits_lower_value_first():
     assert _ids(s.schedule()) == [("high", 3)]
 
 
-def test_max_loras_limits_distinct_adapters_per_step():
-    s = _sched(max_loras=2)
+@pytest.mark.parametrize("resident_first", [True, False])
+def test_max_loras_limits_distinct_adapters_per_step(resident_first):
+    s = _sched(max_loras=2, resident_first=resident_first)
     for sid, lora in (("a", "x"), ("b", "y"), ("c", "z"), ("d", "x"), ("e", None)):
         s.add_request(_seq(sid, 3, lora=lora))
-    assert s.adapters_wanted() == ["x", "y"]
+    # the adapters of the free slots; resident-first admission also names up to max_loras more to load ahead
+    assert s.adapters_wanted() == (["x", "y", "z"] if resident_first else ["x", "y"])
     plan = s.schedule()
     # z would be a third adapter: passed over; d shares x and e uses none, so both still run.
     assert [sid for sid, _ in _ids(plan)] == ["a", "b", "d", "e"]
-    assert s.running_adapters() == {"x", "y"} and s.adapters_wanted() == []
+    assert s.running_adapters() == {"x", "y"}
+    assert s.adapters_wanted() == (["z"] if resident_first else [])
     assert s.waiting[0].seq_id == "c" and s.waiting[0].num_lora_skips == 1
 
 
