@@ -20,7 +20,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     if not scaling:
         return inv_freq.float()
     if scaling.get("rope_type") == "freq_factors":  # llama.cpp's `rope_freqs` tensor: one divisor each
-        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
         return (inv_freq.float() / factors).float()
     factor = float(scaling["factor"])
     low = float(scaling.get("low_freq_factor", 1.0))

@@ -16,10 +16,9 @@ from engine.model.gguf_file import GGUFError, find_gguf
 from engine.model.loader import _target, load_model
 from engine.model_config import ModelConfig, ModelConfigError
 from engine.tokenizer import load_tokenizer
-from tests.helpers.gguf_files import CHAT_TEMPLATE, char_vocab, write_gguf
-from tests.helpers.tiny_models import build_checkpoint
+from tests.helpers.gguf_files import CHAT_TEMPLATE, build_gguf_pair, char_vocab, hf_gguf_model, write_gguf
 
-K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # the ones llama.cpp users meet most
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +30,7 @@ def gguf_file(tmp_path_factory):
         key = (arch, qtype, tuple(sorted(kw.items(), key=str)))
         if key not in cache:
             root = tmp_path_factory.mktemp(f"gguf-{arch}-{qtype}")
-            shape = dict(hidden_size=256, intermediate_size=512) if qtype in K_QUANTS else {}
-            scaling = {"rope_scaling": None} if arch == "llama" else {}
-            hf = build_checkpoint(root / "hf", arch, **shape, **scaling)
-            cache[key] = hf, write_gguf(hf, root / "gguf" / f"tiny-{qtype}.gguf", qtype, **kw)
+            cache[key] = build_gguf_pair(root, arch, qtype, **kw)
         return cache[key]
 
     return make
@@ -59,9 +55,7 @@ def _ours(model) -> dict[str, torch.Tensor]:
 
 
 def _hf_state(gguf: Path) -> dict[str, torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-
-    ref = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    ref = hf_gguf_model(gguf)
     tied = ref.config.tie_word_embeddings
     return {k: v for k, v in ref.state_dict().items() if not (tied and k == "lm_head.weight")}
 

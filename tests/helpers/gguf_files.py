@@ -143,3 +143,24 @@ def llama3_rope_factors(head_dim: int, theta: float, scaling: dict) -> list[floa
     plain = rope_inv_freq(head_dim, theta, None)
     scaled = rope_inv_freq(head_dim, theta, scaling)
     return (plain / scaled).tolist()
+
+
+K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+
+def build_gguf_pair(root: Path, arch: str, qtype: str, **write_kwargs) -> tuple[Path, Path]:
+    """(HF dir, GGUF file) of a tiny random `arch` model (without RoPE scaling), as `qtype`; K-quants get
+    rows of 256 (their block) by a hidden size of 256."""
+    from tests.helpers.tiny_models import build_checkpoint
+
+    shape = dict(hidden_size=256, intermediate_size=512) if qtype in K_QUANTS else {}
+    scaling = {"rope_scaling": None} if arch == "llama" else {}
+    hf = build_checkpoint(root / "hf", arch, **shape, **scaling)
+    return hf, write_gguf(hf, root / "gguf" / f"tiny-{qtype}.gguf", qtype, **write_kwargs)
+
+
+def hf_gguf_model(gguf: Path, dtype: torch.dtype = torch.float32):
+    """The oracle: transformers' own load of the GGUF file (dequantized)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype).eval()
