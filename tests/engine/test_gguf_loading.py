@@ -222,3 +222,19 @@ def test_serve_starts_on_a_gguf_file(gguf_file, tmp_path, monkeypatch):
     result = CliRunner().invoke(app, ["serve", "--port", "1"], env=env)
     assert result.exit_code == 0, result.output
     assert [s.engine.model for s in started] == [str(gguf)]
+
+
+def test_adapters_register_against_a_gguf_base(gguf_file, tmp_path):
+    """`LORAPLEX_MODEL=file.gguf`: adapters trained on the HF checkpoint validate against its GGUF."""
+    from api.cli import app
+    from tests.helpers.tiny_adapters import ADAPTER_SPECS, build_adapter
+
+    hf, gguf = gguf_file("llama", "Q8_0")
+    adapter = build_adapter(hf, tmp_path / "ad", **ADAPTER_SPECS["all7-r4"])
+    env = {"LORAPLEX_DATA_DIR": str(tmp_path / "data"), "LORAPLEX_MODEL": str(gguf)}
+    result = CliRunner().invoke(app, ["adapters", "register", "support", str(adapter)], env=env)
+    assert result.exit_code == 0, result.output
+    bad = build_adapter(build_gguf_pair(tmp_path / "k", "llama", "Q4_K")[0], tmp_path / "wide", r=2,
+                        lora_alpha=4, target_modules=["q_proj"])  # fmt: skip
+    result = CliRunner().invoke(app, ["adapters", "register", "wide", str(bad)], env=env)
+    assert result.exit_code == 1 and "Traceback" not in result.output
