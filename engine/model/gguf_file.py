@@ -25,6 +25,8 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 SUPPORTED_TYPES = (
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
 )  # fmt: skip
+# tokenizer.ggml.model values transformers builds a tokenizer from (SentencePiece-style, byte-level BPE)
+TOKENIZER_TYPES = ("llama", "gpt2")
 _HALF_TYPES = {"F16": "float16", "BF16": "bfloat16"}
 _READ_ERRORS = (ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError, OSError)
 
@@ -43,8 +45,11 @@ def find_gguf(path: str | Path) -> Path | None:
     if p.is_file():
         if p.suffix.lower() == GGUF_SUFFIX:
             return p
-        with open(p, "rb") as f:
-            return p if f.read(4) == GGUF_MAGIC else None
+        try:
+            with open(p, "rb") as f:
+                return p if f.read(4) == GGUF_MAGIC else None
+        except OSError as exc:
+            raise GGUFError(f"{p}: cannot be read: {exc}") from exc
     if not p.is_dir() or (p / "config.json").exists():
         return None
     found = sorted(f for f in p.iterdir() if f.suffix.lower() == GGUF_SUFFIX and f.is_file())
@@ -99,6 +104,11 @@ def read_facts(path: Path) -> GGUFFacts:
     if bad:
         raise GGUFError(
             f"{path}: tensor type {', '.join(bad)} is not supported; supported: {', '.join(SUPPORTED_TYPES)}"
+        )
+    tokenizer = field_value(reader, "tokenizer.ggml.model")
+    if tokenizer not in (None, *TOKENIZER_TYPES):
+        raise GGUFError(
+            f"{path}: tokenizer type {tokenizer!r} is not supported; supported: {', '.join(TOKENIZER_TYPES)}"
         )
     shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
     if "token_embd.weight" not in shapes:

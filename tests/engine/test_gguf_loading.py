@@ -186,7 +186,12 @@ def _two_files(root: Path, hf: Path) -> Path:
     return root / "two"
 
 
+def _unsupported_tokenizer(root: Path, hf: Path) -> Path:
+    return write_gguf(hf, root / "rwkv-tok.gguf", "Q8_0", tokenizer_model="rwkv")
+
+
 BAD = {
+    "tokenizer": (_unsupported_tokenizer, "tokenizer type 'rwkv' is not supported"),
     "arch": (_unsupported_arch, "GGUF architecture 'gpt2' is not supported"),
     "type": (_unsupported_type, "tensor type IQ4_NL is not supported"),
     "truncated": (_truncated, "not a readable GGUF file"),

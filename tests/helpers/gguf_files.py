@@ -87,6 +87,7 @@ def write_gguf(
     name: str = "tiny-test-model",
     skip: tuple[str, ...] = (),
     seed: int = 0,
+    tokenizer_model: str = "llama",
 ) -> Path:
     """Write the checkpoint in `hf_dir` (a tiny llama or qwen2) as the GGUF file `out`."""
     import gguf
@@ -109,7 +110,7 @@ def write_gguf(
     w.add_vocab_size(cfg["vocab_size"])
     if tokenizer:
         tokens = char_vocab(cfg["vocab_size"])
-        w.add_tokenizer_model("llama")
+        w.add_tokenizer_model(tokenizer_model)
         w.add_token_list(tokens)
         w.add_token_scores([-float(i) for i in range(len(tokens))])
         w.add_token_types([2, 3, 3] + [1] * (len(tokens) - 3))
