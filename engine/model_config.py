@@ -199,7 +199,13 @@ def resolve_dtype(dtype: str | torch.dtype, model: ModelConfig, device: torch.de
 
 
 def dtype_reason(dtype: str | torch.dtype, model: ModelConfig, device: torch.device) -> str:
-    """Why `resolve_dtype` chose what it did, for the startup log."""
+    """Why `resolve_dtype` chose what it did, for the startup log (a GGUF checkpoint's tensor types too)."""
+    reason = _dtype_rule(dtype, model, device)
+    gguf_types = model.extra.get("gguf_types")
+    return f"{reason}; GGUF file, {gguf_types} dequantized at load" if gguf_types else reason
+
+
+def _dtype_rule(dtype: str | torch.dtype, model: ModelConfig, device: torch.device) -> str:
     if dtype != "auto":
         return "as configured"
     ckpt = str(model.checkpoint_dtype).removeprefix("torch.")

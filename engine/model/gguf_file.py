@@ -191,6 +191,8 @@ def gguf_model_config(path: Path) -> ModelConfig:
     """The engine's `ModelConfig` for the GGUF file at `path` (its `path` is the file)."""
     facts = read_facts(path)
     cfg = ModelConfig.from_dict(facts.config, path)
+    types = ", ".join(sorted(set(facts.tensor_types.values())))
+    cfg = replace(cfg, extra=cfg.extra | {"gguf_types": types})
     if facts.rope_freq_factors is not None:
         if len(facts.rope_freq_factors) != cfg.head_dim // 2:
             raise GGUFError(

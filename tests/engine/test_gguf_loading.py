@@ -14,9 +14,11 @@ from typer.testing import CliRunner
 
 from engine.model.gguf_file import GGUFError, find_gguf
 from engine.model.loader import _target, load_model
-from engine.model_config import ModelConfig, ModelConfigError
+from engine.model_config import ModelConfig, ModelConfigError, dtype_reason
 from engine.tokenizer import load_tokenizer
 from tests.helpers.gguf_files import CHAT_TEMPLATE, build_gguf_pair, char_vocab, hf_gguf_model, write_gguf
+
+pytestmark = pytest.mark.slow  # transformers' GGUF loader as the oracle
 
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # the ones llama.cpp users meet most
 
@@ -99,6 +101,10 @@ def test_config_from_metadata(gguf_file, arch):
     assert from_gguf.checkpoint_dtype == torch.float16  # every matmul weight is F16
     assert (from_gguf.bos_token_id, from_gguf.eos_token_ids) == (1, (2,))
     assert from_gguf.path == gguf
+    reason = dtype_reason("auto", from_gguf, torch.device("cpu"))
+    assert reason.startswith("auto: float16 checkpoint") and reason.endswith(
+        "GGUF file, F16, F32 dequantized at load"
+    )
 
 
 def test_directory_with_one_gguf_file(gguf_file, tmp_path):
