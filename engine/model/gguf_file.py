@@ -11,6 +11,7 @@ Supported: `general.architecture` `llama` (also Mistral-family files, which llam
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -60,11 +61,24 @@ def find_gguf(path: str | Path) -> Path | None:
 
 
 def open_reader(path: Path) -> Any:
-    """`gguf.GGUFReader` over `path` (memory-mapped), or GGUFError for a corrupt or truncated file."""
+    """`gguf.GGUFReader` over `path` (memory-mapped), or GGUFError for a corrupt or truncated file.
+
+    Parsing the header of a real model takes seconds (every vocabulary entry is a field part), and the
+    config, the tokenizer check and the weights each need it: the last readers are kept, keyed by the
+    file's identity (path, size, modification time)."""
+    try:
+        st = path.stat()
+    except OSError as exc:
+        raise GGUFError(f"{path}: cannot be read: {exc}") from exc
+    return _cached_reader(str(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_reader(path: str, _size: int, _mtime_ns: int) -> Any:
     from gguf import GGUFReader
 
     try:
-        return GGUFReader(str(path))
+        return GGUFReader(path)
     except _READ_ERRORS as exc:
         raise GGUFError(f"{path}: not a readable GGUF file (corrupt or truncated?): {exc}") from exc
 
