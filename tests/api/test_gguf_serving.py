@@ -29,6 +29,7 @@ def test_serve_a_gguf_file(tmp_path):
         client = srv.admin()
         models = client.get("/v1/models").json()
         assert gguf.name in [m["id"] for m in models["data"]]
+        assert srv.state.settings.model_aliases == (gguf.stem,)  # "tiny-Q8_0" means the base model too
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         oracle = hf_gguf_model(gguf)
         body = {"model": gguf.name, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -39,7 +40,7 @@ def test_serve_a_gguf_file(tmp_path):
             _hf_greedy(oracle, ids, 6), skip_special_tokens=True
         )
         messages = [{"role": "user", "content": "Hi"}]
-        r = client.post("/v1/chat/completions", json=body | {"messages": messages})
+        r = client.post("/v1/chat/completions", json=body | {"messages": messages, "model": gguf.stem})
         assert r.status_code == 200, r.text
         rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         assert rendered.endswith("assistant: ")  # the file's own template
