@@ -131,7 +131,12 @@ def read_facts(path: Path) -> GGUFFacts:
     if "rope_freqs.weight" in types:
         t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         factors = tuple(float(x) for x in dequantize_tensor(t))
-    config = _config(reader, arch, path, shapes, types)
+    try:
+        config = _config(reader, arch, path, shapes, types)
+    except (ValueError, TypeError) as exc:
+        if isinstance(exc, GGUFError):
+            raise
+        raise GGUFError(f"{path}: malformed metadata: {exc}") from exc
     return GGUFFacts(path, arch, config, factors, types)
 
 

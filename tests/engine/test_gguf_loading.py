@@ -249,3 +249,13 @@ def test_adapters_register_against_a_gguf_base(gguf_file, tmp_path):
                         lora_alpha=4, target_modules=["q_proj"])  # fmt: skip
     result = CliRunner().invoke(app, ["adapters", "register", "wide", str(bad)], env=env)
     assert result.exit_code == 1 and "Traceback" not in result.output
+
+
+def test_missing_tensor_is_a_checkpoint_error(gguf_file):
+    from engine.model.loader import CheckpointError
+
+    _, gguf = gguf_file("llama", "Q8_0", skip=("blk.1.ffn_up.weight",))
+    with pytest.raises(
+        CheckpointError, match=r"lacks weights for: layers\.1\.mlp\.gate_up_proj\.weight\[slice 1\]"
+    ):
+        load_model(ModelConfig.from_dir(gguf), torch.float32, torch.device("cpu"))
