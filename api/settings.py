@@ -18,8 +18,11 @@ MAX_SHUTDOWN_GRACE = 3600.0  # seconds; `shutdown_grace_seconds` is in [0, this]
 
 def checkpoint_names(path: Path) -> list[str]:
     """Names the checkpoint goes by: its directory name and the `_name_or_path` in its config.json (the
-    Hugging Face id it was saved from), so clients may use either as `model`."""
+    Hugging Face id it was saved from), so clients may use either as `model`; a GGUF file's name with
+    and without `.gguf`."""
     names = [path.name]
+    if path.suffix.lower() == ".gguf":  # a GGUF file: also its name without the suffix
+        names.append(path.stem)
     try:
         cfg = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):

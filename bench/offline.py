@@ -2,12 +2,13 @@
 
     python -m bench.offline [--adapters 32] [--requests 32] [--rank 16] [--prompt-len 64] \\
         [--new-tokens 48] [--repeats 3] [--threads 1] [--dtype float32] [--hog N] [--no-hf] \\
-        [--json out.json] [--plot docs/x.png]
+        [--model path/to/model.gguf | path/to/hf_dir] [--json out.json] [--plot docs/x.png]
 
 A random-weight Llama (hidden 384, 6 layers, intermediate 1024, vocab 8000, 6 heads / 2 KV heads) and
 `--adapters` random rank-`--rank` PEFT adapters on all 7 projections are written to a work directory
-(nothing is downloaded). In one process, one after another, it times greedy generation of the same
-batch (request i on adapter i mod N):
+(nothing is downloaded); `--model` benchmarks a given checkpoint instead (a GGUF file is dequantized at
+load; the HF + PEFT baseline gets transformers' dequantized copy of it). In one process, one after
+another, it times greedy generation of the same batch (request i on adapter i mod N):
 
 1. loraplex with the adapters, and 2. loraplex on the base model — interleaved, best of `--repeats`;
 3. HF transformers + PEFT `generate(adapter_names=...)` on the same batch (its tokens are compared);
@@ -44,6 +45,7 @@ from bench.workload import (
     best,
     build_adapter,
     build_base,
+    hf_copy,
     make_prompts,
     report,
     timed_run,
@@ -175,14 +177,21 @@ class OfflineResult:
         return "\n".join(lines)
 
 
-def prepare(workdir: Path, spec: ModelSpec, ranks: list[int]) -> tuple[Path, list[Path]]:
-    """Build (or reuse) the base model and adapters `a{i}` of rank `ranks[i]` under `workdir`."""
-    base = workdir / "base"
-    if not (base / "config.json").exists():
-        build_base(workdir, spec)
+def prepare(
+    workdir: Path, spec: ModelSpec, ranks: list[int], model: Path | None = None
+) -> tuple[Path, list[Path]]:
+    """Build (or reuse) the base model and adapters `a{i}` of rank `ranks[i]` under `workdir`; with
+    `model` (an HF directory or a GGUF file, whose shape `spec` must then be) that is the base."""
+    if model is not None:
+        base = model
+        tag = f"-{Path(model).stem}"
+    else:
+        base, tag = workdir / "base", ""
+        if not (base / "config.json").exists():
+            build_base(workdir, spec)
     dirs = []
     for i, r in enumerate(ranks):
-        d = workdir / f"a{i}-r{r}"
+        d = workdir / f"a{i}-r{r}{tag}"
         if not (d / "adapter_config.json").exists():
             build_adapter(d, spec, r, seed=1000 + i)
         dirs.append(d)
@@ -206,17 +215,19 @@ def run_offline(
     dtype: str = "float32",
     hogs: int = 0,
     adaptive_threads: bool = True,
+    model: Path | None = None,
 ) -> OfflineResult:
-    """Run benchmark 1 (see the module docstring) and return its timings."""
+    """Run benchmark 1 (see the module docstring) and return its timings; `model` replaces the random
+    Llama by a checkpoint (HF directory or GGUF file)."""
     from engine import LLM, LoRARequest, SamplingParams
 
-    spec = spec or ModelSpec()
+    spec = ModelSpec.of_model(model) if model is not None else spec or ModelSpec()
     lora = lora or LoRAOptions()
     load_start = load_average()[0]
     with bench_env(threads, workdir) as workdir:
         with progress(quiet) as bar:
             task = bar.add_task("building model and adapters", total=1)
-            base, dirs = prepare(workdir, spec, [rank] * adapters)
+            base, dirs = prepare(workdir, spec, [rank] * adapters, model)
             bar.advance(task)
             loras = [LoRARequest(f"a{i}", str(d)) for i, d in enumerate(dirs)]
             prompts = make_prompts(requests, prompt_len, spec.vocab_size)
@@ -286,9 +297,9 @@ def run_offline(
                 from bench.hf_peft import load_peft_model, time_peft_generate
 
                 task = bar.add_task("HF transformers + PEFT generate", total=1)
-                model = load_peft_model(base, dirs)
+                peft_model = load_peft_model(hf_copy(base, workdir), dirs)
                 hf_s, hf_tokens = time_peft_generate(
-                    model, prompts, [i % adapters for i in range(requests)], new_tokens
+                    peft_model, prompts, [i % adapters for i in range(requests)], new_tokens
                 )
                 result.hf_peft_s = hf_s
                 ours = result.mixed.token_ids
@@ -313,6 +324,12 @@ def main(argv: list[str] | None = None) -> OfflineResult:
     )
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers + PEFT baseline")
     ap.add_argument("--workdir", type=Path, default=None, help="reuse generated model/adapters from here")
+    ap.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="benchmark this checkpoint (HF dir or .gguf file), not a random one",
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write the result as JSON here")
     ap.add_argument("--plot", type=Path, default=None, help="write a PNG bar chart of the throughputs")
     ap.add_argument("--dtype", default="float32", help="model dtype: float32 or bfloat16 (or auto)")
@@ -354,6 +371,7 @@ def main(argv: list[str] | None = None) -> OfflineResult:
         dtype=args.dtype,
         hogs=args.hog,
         adaptive_threads=not args.fixed_threads,
+        model=args.model,
     )
     from bench.plots import plot_offline
 

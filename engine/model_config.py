@@ -81,8 +81,16 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
-        """Read `path/config.json` and return the engine's view of it, or raise `ModelConfigError`."""
+        """Read `path/config.json` and return the engine's view of it, or raise `ModelConfigError`.
+
+        `path` may also be a llama.cpp GGUF file (or a directory holding one and no `config.json`): its
+        metadata then stands in for `config.json` (`engine.model.gguf_file`)."""
         root = Path(path)
+        from engine.model.gguf_file import find_gguf, gguf_model_config  # imports this module
+
+        gguf = find_gguf(root)
+        if gguf is not None:
+            return gguf_model_config(gguf)
         cfg_file = root / "config.json"
         if not cfg_file.is_file():
             raise ModelConfigError(f"{root}: no config.json (expected a Hugging Face checkpoint directory)")
@@ -191,7 +199,13 @@ def resolve_dtype(dtype: str | torch.dtype, model: ModelConfig, device: torch.de
 
 
 def dtype_reason(dtype: str | torch.dtype, model: ModelConfig, device: torch.device) -> str:
-    """Why `resolve_dtype` chose what it did, for the startup log."""
+    """Why `resolve_dtype` chose what it did, for the startup log (a GGUF checkpoint's tensor types too)."""
+    reason = _dtype_rule(dtype, model, device)
+    gguf_types = model.extra.get("gguf_types")
+    return f"{reason}; GGUF file, {gguf_types} dequantized at load" if gguf_types else reason
+
+
+def _dtype_rule(dtype: str | torch.dtype, model: ModelConfig, device: torch.device) -> str:
     if dtype != "auto":
         return "as configured"
     ckpt = str(model.checkpoint_dtype).removeprefix("torch.")

@@ -10,8 +10,16 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenize
 
 
 def load_tokenizer(path: str | Path) -> Any | None:
-    """`AutoTokenizer` for the checkpoint directory, or None when it ships no tokenizer files."""
+    """`AutoTokenizer` for the checkpoint directory, or None when it ships no tokenizer files.
+
+    For a GGUF checkpoint, the tokenizer its `tokenizer.ggml.*` metadata describes (built by
+    transformers, chat template included), or None when the file has none."""
     root = Path(path)
+    from engine.model.gguf_file import find_gguf, gguf_tokenizer
+
+    gguf = find_gguf(root)
+    if gguf is not None:
+        return gguf_tokenizer(gguf)
     if not any((root / f).exists() for f in _TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer

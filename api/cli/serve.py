@@ -15,7 +15,11 @@ MIN_ADMIN_TOKEN_CHARS = 16
 def serve(
     model: Annotated[
         Path | None,
-        typer.Option("--model", envvar="LORAPLEX_MODEL", help="Base model: a local HF directory."),
+        typer.Option(
+            "--model",
+            envvar="LORAPLEX_MODEL",
+            help="Base model: a local HF directory, or a llama.cpp .gguf file (dequantized at load).",
+        ),
     ] = None,
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
@@ -90,8 +94,12 @@ def serve(
 
     if model is None:
         fail("no base model: pass --model PATH or set LORAPLEX_MODEL")
-    if not (model / "config.json").is_file():
-        fail(f"{model}: not a Hugging Face checkpoint directory (no config.json)")
+    from engine.model_config import ModelConfig, ModelConfigError
+
+    try:  # reads config.json (or a GGUF file's header) only: bad models fail here, not in the engine
+        ModelConfig.from_dir(model)
+    except ModelConfigError as exc:
+        fail(str(exc))
     try:
         settings = ServerSettings.build(
             str(model),

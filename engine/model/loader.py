@@ -1,9 +1,10 @@
-"""Load a Hugging Face checkpoint directory (`*.safetensors`, sharded or not) into our model."""
+"""Load a Hugging Face checkpoint directory (`*.safetensors`, sharded or not), or a GGUF file, into our
+model."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -31,13 +32,15 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> Ll
     """Build the model on `device` in `dtype` and fill every parameter from the checkpoint's tensors.
 
     The module tree is created on the meta device and materialized once, so no memory is spent on
-    random initialization. Packed projections (q|k|v, gate|up) are filled slice by slice.
+    random initialization. Packed projections (q|k|v, gate|up) are filled slice by slice. A GGUF
+    checkpoint (`cfg.path` is the file) is dequantized tensor by tensor (`gguf_loader`).
     """
-    files = sorted(Path(cfg.path).glob("*.safetensors"))
-    if not files:
-        bins = list(Path(cfg.path).glob("*.bin"))
-        hint = " (pickle .bin weights are refused; convert to safetensors)" if bins else ""
-        raise CheckpointError(f"{cfg.path}: no *.safetensors weight files{hint}")
+    if Path(cfg.path).is_file():
+        from engine.model.gguf_loader import gguf_tensors
+
+        tensors: Iterator[tuple[str, str, torch.Tensor]] = gguf_tensors(cfg)
+    else:
+        tensors = _safetensors(Path(cfg.path))
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     model = model.to(dtype).to_empty(device=device)
@@ -45,19 +48,35 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> Ll
     params = dict(model.named_parameters())
     filled: set[str] = set()
     with torch.no_grad():
-        for file in files:
-            with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    target = _target(key)
-                    if target is None:
-                        continue
-                    name, slice_idx = target
-                    if name not in params:
-                        raise CheckpointError(f"{file.name}: unexpected tensor {key!r}")
-                    _copy_into(model, params[name], name, slice_idx, f.get_tensor(key), key)
-                    filled.add(name if slice_idx is None else f"{name}#{slice_idx}")
+        for source, key, tensor in tensors:
+            target = _target(key)
+            if target is None:
+                continue
+            name, slice_idx = target
+            if name not in params:
+                raise CheckpointError(f"{source}: unexpected tensor {key!r}")
+            _copy_into(model, params[name], name, slice_idx, tensor, key)
+            filled.add(name if slice_idx is None else f"{name}#{slice_idx}")
     _check_complete(model, params, filled)
     return model.eval()
+
+
+def _safetensors(root: Path) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(file name, HF tensor key, tensor) for every tensor of the directory's `*.safetensors` files;
+    CheckpointError at once when there are none."""
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        bins = list(root.glob("*.bin"))
+        hint = " (pickle .bin weights are refused; convert to safetensors)" if bins else ""
+        raise CheckpointError(f"{root}: no *.safetensors weight files{hint}")
+    return _read_safetensors(files)
+
+
+def _read_safetensors(files: list[Path]) -> Iterator[tuple[str, str, torch.Tensor]]:
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield file.name, key, f.get_tensor(key)
 
 
 def _target(key: str) -> tuple[str, int | None] | None:

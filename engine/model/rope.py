@@ -11,6 +11,7 @@ import torch
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """inv_freq[i] = theta^(-2i/d), optionally rescaled by the llama3 rule.
 
+    freq_factors (from a GGUF file's `rope_freqs`): inv_freq[i] / factors[i].
     llama3: wavelengths longer than `original_max_position_embeddings / low_freq_factor` are divided by
     `factor`, those shorter than `.../high_freq_factor` are kept, and the band between is interpolated.
     """
@@ -18,6 +19,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     inv_freq = 1.0 / (theta**exponents)
     if not scaling:
         return inv_freq.float()
+    if scaling.get("rope_type") == "freq_factors":  # llama.cpp's `rope_freqs` tensor: one divisor each
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
+        return (inv_freq.float() / factors).float()
     factor = float(scaling["factor"])
     low = float(scaling.get("low_freq_factor", 1.0))
     high = float(scaling.get("high_freq_factor", 4.0))

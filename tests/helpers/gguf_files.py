@@ -1,0 +1,167 @@
+"""Tiny GGUF files for tests, written with `gguf.GGUFWriter` from a tiny random HF checkpoint the way
+llama.cpp's converter writes them (GGUF tensor names, q/k rows permuted for llama, norms in F32).
+
+Types `gguf` can quantize (F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) hold the checkpoint's weights,
+quantized; for K-quants (which `gguf` only dequantizes) every matmul weight is random but valid blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+)
+_HF_TO_GGUF = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+# byte offsets of the float16 scale fields in one block of each K-quant (the rest may be any bytes)
+_K_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def char_vocab(size: int) -> list[str]:
+    """SentencePiece-style character vocabulary of `size` tokens: <unk>, <s>, </s>, ▁ (space), …"""
+    chars = ["▁", *string.ascii_letters, *string.digits, *string.punctuation]
+    tokens = ["<unk>", "<s>", "</s>", *chars]
+    assert len(tokens) >= size, size
+    return tokens[:size]
+
+
+def permute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp's converter order for q/k rows (the inverse of the loader's `unpermute_rows`)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def gguf_name(hf_key: str) -> str | None:
+    if hf_key == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf_key == "model.norm.weight":
+        return "output_norm.weight"
+    if hf_key == "lm_head.weight":
+        return "output.weight"
+    parts = hf_key.split(".")
+    layer, module, leaf = parts[2], ".".join(parts[3:-1]), parts[-1]
+    return f"blk.{layer}.{_HF_TO_GGUF[module]}.{leaf}" if module in _HF_TO_GGUF else None
+
+
+def _encode(name: str, w: np.ndarray, qtype: str, rng: np.random.Generator):
+    """(array, raw ggml type or None) of one tensor stored as `qtype`."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quantize
+
+    kind = GGMLQuantizationType[qtype]
+    block, type_size = GGML_QUANT_SIZES[kind]
+    if w.ndim == 1 or qtype == "F32" or w.shape[-1] % block:
+        return w.astype(np.float32), None  # llama.cpp keeps norms (and rows it cannot block) in F32
+    if qtype == "F16":
+        return w.astype(np.float16), None
+    if qtype in _K_SCALE_OFFSETS:
+        blocks = rng.integers(0, 256, size=(w.shape[0], w.shape[1] // block, type_size), dtype=np.uint8)
+        scale = np.frombuffer(np.float16(0.02 if qtype != "Q6_K" else 0.004).tobytes(), np.uint8)
+        for off in _K_SCALE_OFFSETS[qtype]:
+            blocks[..., off : off + 2] = scale
+        return blocks.reshape(w.shape[0], -1), kind
+    return quantize(w.astype(np.float32), kind), kind
+
+
+def write_gguf(
+    hf_dir: Path,
+    out: Path,
+    qtype: str = "F32",
+    tokenizer: bool = True,
+    rope_freqs: list[float] | None = None,
+    name: str = "tiny-test-model",
+    skip: tuple[str, ...] = (),
+    seed: int = 0,
+    tokenizer_model: str = "llama",
+) -> Path:
+    """Write the checkpoint in `hf_dir` (a tiny llama or qwen2) as the GGUF file `out`."""
+    import gguf
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    arch = {"llama": "llama", "qwen2": "qwen2"}[cfg["model_type"]]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_name(name)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_dimension_count(cfg["hidden_size"] // heads)
+    w.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
+    w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
+    w.add_vocab_size(cfg["vocab_size"])
+    if tokenizer:
+        tokens = char_vocab(cfg["vocab_size"])
+        w.add_tokenizer_model(tokenizer_model)
+        w.add_token_list(tokens)
+        w.add_token_scores([-float(i) for i in range(len(tokens))])
+        w.add_token_types([2, 3, 3] + [1] * (len(tokens) - 3))
+        w.add_unk_token_id(0)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_chat_template(CHAT_TEMPLATE)
+    rng = np.random.default_rng(seed)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
+    for key, t in load_file(str(hf_dir / "model.safetensors")).items():
+        gname = gguf_name(key)
+        if gname is None or gname in skip:
+            continue
+        t = t.float()
+        if arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
+            t = permute_rows(t, heads if "attn_q" in gname else kv_heads)
+        data, raw = _encode(gname, t.numpy(), qtype, rng)
+        w.add_tensor(gname, data, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def llama3_rope_factors(head_dim: int, theta: float, scaling: dict) -> list[float]:
+    """The `rope_freqs` llama.cpp's converter writes for llama3 RoPE scaling: plain / scaled inv_freq."""
+    from engine.model.rope import rope_inv_freq
+
+    plain = rope_inv_freq(head_dim, theta, None)
+    scaled = rope_inv_freq(head_dim, theta, scaling)
+    return (plain / scaled).tolist()
+
+
+K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+
+def build_gguf_pair(root: Path, arch: str, qtype: str, **write_kwargs) -> tuple[Path, Path]:
+    """(HF dir, GGUF file) of a tiny random `arch` model (without RoPE scaling), as `qtype`; K-quants get
+    rows of 256 (their block) by a hidden size of 256."""
+    from tests.helpers.tiny_models import build_checkpoint
+
+    shape = dict(hidden_size=256, intermediate_size=512) if qtype in K_QUANTS else {}
+    scaling = {"rope_scaling": None} if arch == "llama" else {}
+    hf = build_checkpoint(root / "hf", arch, **shape, **scaling)
+    return hf, write_gguf(hf, root / "gguf" / f"tiny-{qtype}.gguf", qtype, **write_kwargs)
+
+
+def hf_gguf_model(gguf: Path, dtype: torch.dtype = torch.float32):
+    """The oracle: transformers' own load of the GGUF file (dequantized)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype).eval()
