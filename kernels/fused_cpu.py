@@ -189,3 +189,65 @@ def silu_mul(
         gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), inter, rows, inter, torch.get_num_threads()
     )
     return out
+
+
+class FusedStep:
+    """The three ops for one forward pass, checked once here; then each call is one foreign-function call.
+
+    For the engine's decoder, which calls them a few times per layer on tensors it made itself: every
+    tensor passed is a CPU tensor of `dtype` with unit column stride (activations, rows strided or not)
+    or contiguous (weights), as the checked functions above require — not checked again per call.
+    """
+
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        positions: Tensor,  # [T] int64, contiguous: the tokens' positions (for RoPE)
+        cos: Tensor,  # [P, D/2] float32, contiguous
+        sin: Tensor,  # [P, D/2] float32, contiguous
+    ) -> None:
+        entries = _entries(None)
+        if ("fused_rope", dtype) not in entries:
+            raise ValueError(f"fused_cpu: no kernels for {dtype} here")
+        if positions.dim() != 1 or positions.dtype != torch.int64 or not positions.is_contiguous():
+            raise ValueError("fused_cpu: positions must be a contiguous 1-d int64 tensor")
+        for name, t in (("cos", cos), ("sin", sin)):
+            if t.dim() != 2 or t.shape != cos.shape or t.dtype != torch.float32 or not t.is_contiguous():
+                raise ValueError(f"fused_cpu: {name} must be contiguous [P, D/2] float32 like cos")
+        self.dtype, self.rows, self.threads = dtype, positions.shape[0], torch.get_num_threads()
+        self._norm = entries[("fused_add_rms_norm", dtype)]
+        self._rope = entries[("fused_rope", dtype)]
+        self._silu = entries[("fused_silu_mul", dtype)]
+        self._keep = (positions, cos, sin)  # the pointers below stay valid
+        self._tables = (positions.data_ptr(), cos.shape[0], cos.data_ptr(), sin.data_ptr())
+        self._half = cos.shape[1]
+
+    def add_rms_norm(self, residual: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> Tensor:
+        """As `add_rms_norm` (delta, if given, of residual's shape)."""
+        rows, cols = residual.shape
+        out = torch.empty(rows, cols, dtype=self.dtype)
+        d, ds = (None, 0) if delta is None else (delta.data_ptr(), delta.stride(0))
+        self._norm(residual.data_ptr(), residual.stride(0), d, ds, out.data_ptr(), cols, weight.data_ptr(),
+                   rows, cols, eps, self.threads)  # fmt: skip
+        return out
+
+    def rope_(self, x: Tensor, heads: int, qk_norm: tuple[Tensor, Tensor, int, float] | None = None) -> None:
+        """As `rope_` on this step's rows, positions and tables (head_dim = 2 * the tables' width)."""
+        d = 2 * self._half
+        if x.shape[0] != self.rows or heads * d > x.shape[1]:
+            raise ValueError(
+                f"fused_cpu: rope_ on {tuple(x.shape)} for {heads} heads of {d}, {self.rows} rows"
+            )
+        qw, kw, qh, eps = (None, None, 0, 0.0) if qk_norm is None else qk_norm
+        rc = self._rope(x.data_ptr(), x.stride(0), self.rows, heads, d, *self._tables, qh,
+                        None if qw is None else qw.data_ptr(), None if kw is None else kw.data_ptr(), eps,
+                        self.threads)  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"fused_cpu: a position is outside the tables' {self._tables[1]} positions")
+
+    def silu_mul(self, gate_up: Tensor) -> Tensor:
+        """As `silu_mul`."""
+        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(rows, inter, dtype=self.dtype)
+        self._silu(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), inter, rows, inter, self.threads)
+        return out

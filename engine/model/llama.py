@@ -21,7 +21,7 @@ from engine.model.cpu_fused import use_fused
 from engine.model.linear import LoRAStepContext, ProjectionLinear
 from engine.model.rope import RotaryEmbedding, apply_rope
 from engine.model_config import ModelConfig
-from kernels import fused_cpu
+from kernels.fused_cpu import FusedStep
 
 
 @dataclass(slots=True)
@@ -49,9 +49,9 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
 
-    def fused(self, residual: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+    def fused(self, step: FusedStep, residual: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
         """CPU: ``residual += delta`` in place (if given), then return ``forward(residual)``, in one pass."""
-        return fused_cpu.add_rms_norm(residual, delta, self.weight, self.eps)
+        return step.add_rms_norm(residual, delta, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -72,17 +72,17 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
 
     def forward(self, x, rope_tables, kv: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, backend):
-        """`rope_tables`: the per-step (cos2, sin2) of the torch path, or None on the fused CPU path."""
+        """`rope_tables`: the per-step (cos2, sin2) of the torch path, or the step's fused CPU ops."""
         t = x.shape[0]
         qkv = self.qkv_proj(x, batch.lora)
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q_size, kv_size = nh * d, nkv * d
         v = qkv[:, q_size + kv_size :].view(t, nkv, d)
-        if rope_tables is None:  # fused CPU path: q and k normed (Qwen3) and rotated in place in qkv
+        if isinstance(rope_tables, FusedStep):  # q and k normed (Qwen3) and rotated in place in qkv
             qk_norm = None
             if self.q_norm is not None and self.k_norm is not None:
                 qk_norm = (self.q_norm.weight, self.k_norm.weight, nh, self.q_norm.eps)
-            fused_cpu.rope_(qkv, nh + nkv, d, batch.positions, self.rope.cos, self.rope.sin, qk_norm)
+            rope_tables.rope_(qkv, nh + nkv, qk_norm)
             q, k = qkv[:, :q_size].view(t, nh, d), qkv[:, q_size : q_size + kv_size].view(t, nkv, d)
         elif self.q_norm is not None and self.k_norm is not None:
             q = apply_rope(self.q_norm(qkv[:, :q_size].view(t, nh, d)), rope_tables)
@@ -105,9 +105,9 @@ class MLP(nn.Module):
         self.down_proj = ProjectionLinear(inter, ("down_proj",), (cfg.hidden_size,), layer)
         self.inter = inter
 
-    def forward(self, x: torch.Tensor, lora: LoRAStepContext | None, fused: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoRAStepContext | None, fused: FusedStep | None = None):
         gu = self.gate_up_proj(x, lora)
-        h = fused_cpu.silu_mul(gu) if fused else nn.functional.silu(gu[:, : self.inter]) * gu[:, self.inter :]
+        h = fused.silu_mul(gu) if fused else nn.functional.silu(gu[:, : self.inter]) * gu[:, self.inter :]
         return self.down_proj(h, lora)
 
 
@@ -123,17 +123,17 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), rope_tables, kv, batch, backend)
         return x + self.mlp(self.post_attention_layernorm(x), batch.lora)
 
-    def forward_fused(self, residual, h, kv, batch: ForwardBatch, backend, next_norm: RMSNorm | None):
+    def forward_fused(self, step: FusedStep, residual, h, kv, batch: ForwardBatch, backend, next_norm):
         """CPU: `h` is this layer's normed input; adds both branches into `residual` in place and returns
         the next layer's normed input (`next_norm` of the updated residual), or None without `next_norm`.
         """
-        attn = self.self_attn(h, None, kv, batch, backend)
-        h = self.post_attention_layernorm.fused(residual, attn)
-        out = self.mlp(h, batch.lora, fused=True)
+        attn = self.self_attn(h, step, kv, batch, backend)
+        h = self.post_attention_layernorm.fused(step, residual, attn)
+        out = self.mlp(h, batch.lora, step)
         if next_norm is None:
             residual.add_(out)
             return None
-        return next_norm.fused(residual, out)
+        return next_norm.fused(step, residual, out)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -165,7 +165,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
         if use_fused(x, self.fused_cpu_ops):
-            x = self.norm.fused(self._layers_fused(x, batch, kv_caches, backend)[batch.logits_indices], None)
+            step = FusedStep(x.dtype, batch.positions, self.rope.cos, self.rope.sin)
+            x = self._layers_fused(step, x, batch, kv_caches, backend)
+            x = self.norm.fused(step, x[batch.logits_indices], None)
         else:
             rope_tables = self.rope.tables(batch.positions)  # gathered once, shared by every layer
             for layer, kv in zip(self.layers, kv_caches, strict=True):
@@ -174,12 +176,12 @@ class LlamaForCausalLM(nn.Module):
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
         return nn.functional.linear(x, head).float()
 
-    def _layers_fused(self, x: torch.Tensor, batch: ForwardBatch, kv_caches, backend) -> torch.Tensor:
+    def _layers_fused(self, step: FusedStep, x: torch.Tensor, batch: ForwardBatch, kv_caches, backend):
         """The decoder stack on the fused CPU path: `x` (the embeddings) is the residual stream, updated in
         place; returns it after the last layer (before the final norm)."""
         layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
-        h = layers[0].input_layernorm.fused(x, None)
+        h = layers[0].input_layernorm.fused(step, x, None)
         for i, (layer, kv) in enumerate(zip(layers, kv_caches, strict=True)):
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
-            h = layer.forward_fused(x, h, kv, batch, backend, nxt)
+            h = layer.forward_fused(step, x, h, kv, batch, backend, nxt)
         return x

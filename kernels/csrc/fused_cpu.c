@@ -26,7 +26,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__F16C__) || defined(__AVX512F__)
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -66,6 +66,21 @@ static INLINE void st_f32(float *p, vf v) { memcpy(p, &v, sizeof v); }
 static INLINE float lds_f32(const float *p) { return *p; }
 static INLINE void sts_f32(float *p, float f) { *p = f; }
 
+#if L == 8 /* AVX2: one widening load, a blend for NaN and one pack + permute to narrow */
+static INLINE vf ld_bf16(const uint16_t *p) {
+    __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+    return (vf)_mm256_castsi256_ps(w);
+}
+static INLINE void st_bf16(uint16_t *p, vf v) {
+    __m256i w = _mm256_castps_si256((__m256)v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(w, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(w, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps((__m256)v, (__m256)v, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan); /* NaN stays a (quiet) NaN, as torch's */
+    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(packed));
+}
+#else
 static INLINE vf ld_bf16(const uint16_t *p) {
     vu16 h;
     memcpy(&h, p, sizeof h);
@@ -83,6 +98,7 @@ static INLINE void st_bf16(uint16_t *p, vf v) {
     vu16 h = __builtin_convertvector(r, vu16);
     memcpy(p, &h, sizeof h);
 }
+#endif
 static INLINE float lds_bf16(const uint16_t *p) {
     uint32_t w = (uint32_t)*p << 16;
     float f;

@@ -163,6 +163,26 @@ def test_results_do_not_depend_on_the_thread_count():
         assert all(torch.equal(a, b) for a, b in zip(outs[0], other, strict=True))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_prepared_step_computes_what_the_checked_ops_do(dtype):
+    """`FusedStep` (the engine's per-forward entry, checked once) gives the same bits as the functions."""
+    qkv, positions, nh, nkv, rope = _qkv_case(dtype, 64)
+    step = fused_cpu.FusedStep(dtype, positions, rope.cos, rope.sin)
+    qk_norm = (_randn(64, dtype=dtype, seed=5), _randn(64, dtype=dtype, seed=6), nh, 1e-6)
+    want, got = qkv.clone(), qkv.clone()
+    rope_(want, nh + nkv, 64, positions, rope.cos, rope.sin, qk_norm)
+    step.rope_(got, nh + nkv, qk_norm)
+    assert torch.equal(got, want)
+    res, delta = _randn(11, 389, dtype=dtype, seed=1), _randn(11, 389, dtype=dtype, seed=2)
+    w = _randn(389, dtype=dtype, seed=3)
+    r1, r2 = res.clone(), res.clone()
+    assert torch.equal(step.add_rms_norm(r1, delta, w, 1e-6), add_rms_norm(r2, delta, w, 1e-6))
+    assert torch.equal(r1, r2)
+    assert torch.equal(step.silu_mul(qkv[:, :256]), silu_mul(qkv[:, :256]))
+    with pytest.raises(ValueError, match="outside the tables"):
+        fused_cpu.FusedStep(dtype, positions + 200, rope.cos, rope.sin).rope_(qkv.clone(), nh + nkv)
+
+
 def test_bad_inputs_get_clear_errors():
     x = torch.zeros(4, 16)
     rope = RotaryEmbedding(8, 10, 10000.0, None)
