@@ -77,19 +77,20 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x, batch.lora)
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q_size, kv_size = nh * d, nkv * d
-        v = qkv[:, q_size + kv_size :].view(t, nkv, d)
         if isinstance(rope_tables, FusedStep):  # q and k normed (Qwen3) and rotated in place in qkv
             qk_norm = None
             if self.q_norm is not None and self.k_norm is not None:
                 qk_norm = (self.q_norm.weight, self.k_norm.weight, nh, self.q_norm.eps)
             rope_tables.rope_(qkv, nh + nkv, qk_norm)
-            q, k = qkv[:, :q_size].view(t, nh, d), qkv[:, q_size : q_size + kv_size].view(t, nkv, d)
-        elif self.q_norm is not None and self.k_norm is not None:
-            q = apply_rope(self.q_norm(qkv[:, :q_size].view(t, nh, d)), rope_tables)
-            k = apply_rope(self.k_norm(qkv[:, q_size : q_size + kv_size].view(t, nkv, d)), rope_tables)
-        else:  # q and k are adjacent columns: rotate both heads' blocks in one pass
-            qk = apply_rope(qkv[:, : q_size + kv_size].view(t, nh + nkv, d), rope_tables)
-            q, k = qk[:, :nh], qk[:, nh:]
+            q, k, v = qkv.view(t, nh + 2 * nkv, d).split((nh, nkv, nkv), dim=1)  # views: one call
+        else:
+            v = qkv[:, q_size + kv_size :].view(t, nkv, d)
+            if self.q_norm is not None and self.k_norm is not None:
+                q = apply_rope(self.q_norm(qkv[:, :q_size].view(t, nh, d)), rope_tables)
+                k = apply_rope(self.k_norm(qkv[:, q_size : q_size + kv_size].view(t, nkv, d)), rope_tables)
+            else:  # q and k are adjacent columns: rotate both heads' blocks in one pass
+                qk = apply_rope(qkv[:, : q_size + kv_size].view(t, nh + nkv, d), rope_tables)
+                q, k = qk[:, :nh], qk[:, nh:]
         backend.write_kv(k, v, kv[0], kv[1], batch.attn)
         o = backend.attend(q, kv[0], kv[1], batch.attn, self.scale)
         return self.o_proj(o.reshape(t, q_size), batch.lora)
