@@ -1,6 +1,12 @@
 """The CPU step's small ops, fused or not: time per call of each way to compute them, as ratios.
 
     python -m bench.fused_cpu [--tokens 32] [--dtype float32] [--repeats 7] [--calls 2000]
+    python -m bench.fused_cpu --steps 200 [--tokens 32] [--dtype float32]
+
+With ``--steps N``: whole decode steps of the offline benchmark's model instead (`--tokens` sequences,
+64-token prompts, base model), the fused and the unfused path alternating step by step on one engine;
+prints the median step time of each and their ratio (alternating per step keeps the machine's load
+changes out of the ratio).
 
 For the offline benchmark model's shapes (hidden 384, intermediate 1024, 6 q / 2 kv heads of 64), times
 per call, interleaved and best of `--repeats` rounds of `--calls` calls each:
@@ -84,13 +90,59 @@ def cases(tokens: int, dtype: torch.dtype) -> dict[str, dict[str, Callable[[], o
     }
 
 
+def decode_steps_ab(tokens: int, dtype: str, steps: int) -> dict[bool, tuple[float, float]]:
+    """Per path (fused: True), the median (wall, CPU) seconds of a base-only decode step, the two paths
+    alternating step by step. The process's CPU time is the work done, however the cores are shared (with
+    one thread; with more it includes the threads' spinning at barriers)."""
+    import statistics
+    import tempfile
+    from pathlib import Path
+
+    from bench.workload import ModelSpec, build_base, make_prompts
+    from engine import LLM, SamplingParams
+
+    spec = ModelSpec()
+    with tempfile.TemporaryDirectory() as tmp:
+        base = build_base(Path(tmp), spec)
+        llm = LLM(str(base), device="cpu", dtype=dtype, enable_lora=False, enable_prefix_caching=False,
+                  max_num_seqs=tokens, adaptive_threads=False)  # fmt: skip
+    eng, model = llm.engine, llm.engine.model
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(make_prompts(tokens, 64, spec.vocab_size)):
+        eng.add_request(f"r{i}", p, params)
+    while eng.runner.last_batch[0] != eng.runner.last_batch[1] or eng.runner.last_batch[0] == 0:
+        eng.step()  # through the prefill
+    times: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    for i in range(steps):
+        model.fused_cpu_ops = fused = i % 2 == 0
+        t0, c0 = time.perf_counter(), time.process_time()
+        eng.step()
+        times[fused].append((time.perf_counter() - t0, time.process_time() - c0))
+    for rid in range(tokens):
+        eng.abort_request(f"r{rid}")
+    return {
+        f: (statistics.median(w for w, _ in ts), statistics.median(c for _, c in ts))
+        for f, ts in times.items()
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--steps", type=int, default=0, help="time whole decode steps instead (see above)")
     args = ap.parse_args(argv)
+    if args.steps:
+        med = decode_steps_ab(args.tokens, args.dtype, args.steps)
+        print(
+            f"{args.tokens} sequences, {args.dtype}, {torch.get_num_threads()} threads, median decode step:"
+        )
+        for i, what in enumerate(("wall", "CPU")):
+            fused, unfused = med[True][i] * 1e3, med[False][i] * 1e3
+            print(f"  {what:4s} {fused:7.2f} ms fused, {unfused:7.2f} ms unfused: {unfused / fused:.3f}x")
+        return 0
     isa = fused_cpu.available_isas()[-1]
     print(f"{args.tokens} tokens, {args.dtype}, {torch.get_num_threads()} threads, isa {isa}")
     for group, fns in cases(args.tokens, DTYPES[args.dtype]).items():

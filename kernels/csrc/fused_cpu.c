@@ -64,6 +64,7 @@ static INLINE vf ld_f32(const float *p) {
 }
 static INLINE void st_f32(float *p, vf v) { memcpy(p, &v, sizeof v); }
 static INLINE float lds_f32(const float *p) { return *p; }
+static INLINE vf rnd_f32(vf v) { return v; }
 static INLINE void sts_f32(float *p, float f) { *p = f; }
 
 #if L == 8 /* AVX2: one widening load, a blend for NaN and one pack + permute to narrow */
@@ -99,6 +100,17 @@ static INLINE void st_bf16(uint16_t *p, vf v) {
     memcpy(p, &h, sizeof h);
 }
 #endif
+/* v rounded to bfloat16 precision, kept as float32 lanes (the same value st_bf16 then ld_bf16 give). */
+static INLINE vf rnd_bf16(vf v) {
+    vu w;
+    memcpy(&w, &v, sizeof w);
+    vu r = (w + 0x7FFFu + ((w >> 16) & 1u)) & 0xFFFF0000u;
+    vu nan = (vu)(v != v);
+    r = (r & ~nan) | (0x7FC00000u & nan);
+    vf f;
+    memcpy(&f, &r, sizeof f);
+    return f;
+}
 static INLINE float lds_bf16(const uint16_t *p) {
     uint32_t w = (uint32_t)*p << 16;
     float f;
@@ -135,6 +147,11 @@ static INLINE void st_f16(_Float16 *p, vf v) {
 }
 #endif
 static INLINE float lds_f16(const _Float16 *p) { return (float)*p; }
+static INLINE vf rnd_f16(vf v) {
+    _Float16 tmp[L];
+    st_f16(tmp, v);
+    return ld_f16(tmp);
+}
 static INLINE void sts_f16(_Float16 *p, float f) { *p = (_Float16)f; }
 #endif
 
@@ -205,9 +222,7 @@ static INLINE float sumsq(const float *p, int64_t n) {
     static void norm_row_##tn(const float *buf, T *dst, const T *w, int64_t n, float inv) {                  \
         int64_t i = 0;                                                                                       \
         for (; i + L <= n; i += L) {                                                                         \
-            T tmp[L];                                                                                        \
-            st_##tn(tmp, ld_f32(buf + i) * splat(inv));                                                      \
-            st_##tn(dst + i, ld_##tn(tmp) * ld_##tn(w + i));                                                 \
+            st_##tn(dst + i, rnd_##tn(ld_f32(buf + i) * splat(inv)) * ld_##tn(w + i));                       \
         }                                                                                                    \
         for (; i < n; i++) {                                                                                 \
             T tmp;                                                                                           \
@@ -290,18 +305,14 @@ static INLINE float sumsq(const float *p, int64_t n) {
             int64_t i = 0;                                                                                   \
             for (; i + L <= inter; i += L) {                                                                 \
                 vf vg = ld_##tn(g + i);                                                                      \
-                T tmp[L];                                                                                    \
-                st_##tn(tmp, vg / (splat(1.0f) + vexp(-vg)));                                                \
-                st_##tn(o + i, ld_##tn(tmp) * ld_##tn(u + i));                                               \
+                st_##tn(o + i, rnd_##tn(vg / (splat(1.0f) + vexp(-vg))) * ld_##tn(u + i));                  \
             }                                                                                                \
             if (i < inter) { /* the tail through the vector code too (same exp): padded with zeros */     \
                 T gt[L] = {0}, ut[L] = {0}, ot[L];                                                           \
                 memcpy(gt, g + i, (inter - i) * sizeof(T));                                                  \
                 memcpy(ut, u + i, (inter - i) * sizeof(T));                                                  \
                 vf vg = ld_##tn(gt);                                                                         \
-                T tmp[L];                                                                                    \
-                st_##tn(tmp, vg / (splat(1.0f) + vexp(-vg)));                                                \
-                st_##tn(ot, ld_##tn(tmp) * ld_##tn(ut));                                                     \
+                st_##tn(ot, rnd_##tn(vg / (splat(1.0f) + vexp(-vg))) * ld_##tn(ut));                        \
                 memcpy(o + i, ot, (inter - i) * sizeof(T));                                                  \
             }                                                                                                \
         }                                                                                                    \
