@@ -11,6 +11,9 @@ or float16 on the CPU. The library holds the kernels at several instruction-set 
 generic, AVX2, AVX-512), bit-identical to each other; the best one this CPU runs is used unless `isa=`
 names another. Threads: torch's intra-op count at the call (``torch.get_num_threads()``), for calls
 large enough to split (as torch's elementwise ops).
+
+The functions check their inputs on every call; the engine's decoder uses `FusedStep`, checked once per
+forward pass, whose calls are one foreign-function call each.
 """
 
 from __future__ import annotations

@@ -108,7 +108,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoRAStepContext | None, fused: FusedStep | None = None):
         gu = self.gate_up_proj(x, lora)
-        h = fused.silu_mul(gu) if fused else nn.functional.silu(gu[:, : self.inter]) * gu[:, self.inter :]
+        if fused is not None:  # the CPU's native SiLU(gate) * up
+            h = fused.silu_mul(gu)
+        else:
+            h = nn.functional.silu(gu[:, : self.inter]) * gu[:, self.inter :]
         return self.down_proj(h, lora)
 
 
