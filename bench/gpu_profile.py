@@ -8,7 +8,8 @@ per step (sum of kernel times) and the top host-side ops by self CPU time — th
 time is host (Python/launch) overhead.
 
 Usage: ``python -m bench.gpu_profile [--size 1b] [--requests 64] [--steps 10]`` (CUDA), or
-``python -m bench.gpu_profile --device cpu --size bench --dtype float32 --requests 32 --steps 20``.
+``python -m bench.gpu_profile --device cpu --size bench --dtype float32 --requests 32 --steps 20``
+(``--no-fused``: the CPU's small ops as the unfused torch formulas, `engine/model/cpu_fused.py`).
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ def profile_decode(eng, prompts, params, loras, steps: int, label: str, device: 
               f"{launches:.0f} kernels per step\n")  # fmt: skip
     else:
         ops_ms = sum(e.self_cpu_time_total for e in events) / steps / 1e3
-        print(f"\n### {label}: {wall * 1e3:.2f} ms per decode step (wall, profiled), {ops_ms:.2f} ms in ops")
+        calls = sum(e.count for e in events) / steps  # every recorded op, nested ones included
+        print(f"\n### {label}: {wall * 1e3:.2f} ms per decode step (wall, profiled), {ops_ms:.2f} ms in ops, "
+              f"{calls:.0f} op calls per step")  # fmt: skip
     print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
     while eng.has_unfinished_requests():
         eng.step()
@@ -70,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/loraplex-gpu-e2e"))
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument(
+        "--no-fused",
+        action="store_true",
+        help="CPU: the torch formulas instead of the fused native small ops",
+    )
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: pass --device cpu to profile on the CPU")
@@ -82,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     dirs = build_adapters(root, spec, args.adapters, 16)
     llm = _llm(base, args.device, args.dtype, args.requests, args.prompt_len, args.adapters, 16, kv_gib=8)
     eng = llm.engine
+    eng.model.fused_cpu_ops = not args.no_fused
     loras = [LoRARequest(f"a{i}", str(d)) for i, d in enumerate(dirs)]
     for lr in loras:
         eng.pin_lora(eng.add_lora(lr))

@@ -2,7 +2,8 @@
 
     python -m bench.offline [--adapters 32] [--requests 32] [--rank 16] [--prompt-len 64] \\
         [--new-tokens 48] [--repeats 3] [--threads 1] [--dtype float32] [--hog N] [--no-hf] \\
-        [--model path/to/model.gguf | path/to/hf_dir] [--json out.json] [--plot docs/x.png]
+        [--model path/to/model.gguf | path/to/hf_dir] [--json out.json] [--plot docs/x.png] \\
+        [--compare-unfused]
 
 A random-weight Llama (hidden 384, 6 layers, intermediate 1024, vocab 8000, 6 heads / 2 KV heads) and
 `--adapters` random rank-`--rank` PEFT adapters on all 7 projections are written to a work directory
@@ -13,6 +14,9 @@ another, it times greedy generation of the same batch (request i on adapter i mo
 1. loraplex with the adapters, and 2. loraplex on the base model — interleaved, best of `--repeats`;
 3. HF transformers + PEFT `generate(adapter_names=...)` on the same batch (its tokens are compared);
 4. the "GEMM limit": the dense matmuls alone for the base run's decode steps (`bench.gemm_limit`).
+
+With `--compare-unfused`, each repeat also times 2 with the small ops between the projections as the
+torch formulas instead of the fused native kernels (`engine/model/cpu_fused.py`), interleaved.
 
 Ratios are the result: LoRA overhead (1/2), speed-up over PEFT (3/1), and the base decode's fraction
 of the GEMM limit (4 / decode time of 2).
@@ -77,6 +81,7 @@ class OfflineResult:
     adaptive_threads: bool = True  # the engine's thread governor (engine/cpu_threads.py) was on
     floor: ByteFloor | None = None  # bytes a decode step must read, and the read bandwidth
     load_avg: list[float] = field(default_factory=list)  # 1-minute load average at the start and the end
+    base_unfused: RunTiming | None = None  # `--compare-unfused`: base-only with the torch small ops on CPU
 
     @property
     def lora_overhead(self) -> float:
@@ -102,7 +107,7 @@ class OfflineResult:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        for run in ("mixed", "base", "hog_mixed", "hog_base"):
+        for run in ("mixed", "base", "hog_mixed", "hog_base", "base_unfused"):
             if d[run] is not None:
                 d[run].pop("token_ids")
         d.update(
@@ -126,6 +131,12 @@ class OfflineResult:
             f"| loraplex, base model only | {self.base.total_s:.2f} | {self.base.prefill_s:.2f} | "
             f"{self.base.decode_s:.2f} | {self.base.tokens_per_s:.0f} |",
         ]
+        if self.base_unfused is not None:
+            u = self.base_unfused
+            lines.append(
+                f"| loraplex, base model only, unfused small ops | {u.total_s:.2f} | {u.prefill_s:.2f} | "
+                f"{u.decode_s:.2f} | {u.tokens_per_s:.0f} |"
+            )
         for name, run in (("adapters", self.hog_mixed), ("base model only", self.hog_base)):
             if run is not None:
                 lines.append(
@@ -140,6 +151,12 @@ class OfflineResult:
             lines.append(f"| GEMM limit ({n} decode steps) | | | {self.gemm_limit_decode_s:.2f} | |")
         lines.append("")
         lines.append(f"- LoRA overhead (mixed / base time): **{self.lora_overhead:.2f}x**")
+        if self.base_unfused is not None:
+            u, b = self.base_unfused, self.base
+            lines.append(
+                f"- Fused CPU small ops, base only: **{u.total_s / b.total_s:.2f}x** the unfused throughput "
+                f"(decode {u.decode_s / b.decode_s:.2f}x); greedy tokens equal: {u.token_ids == b.token_ids}"
+            )
         if self.hog_retained is not None:
             m, b = self.hog_retained
             lines.append(
@@ -216,6 +233,7 @@ def run_offline(
     hogs: int = 0,
     adaptive_threads: bool = True,
     model: Path | None = None,
+    compare_unfused: bool = False,
 ) -> OfflineResult:
     """Run benchmark 1 (see the module docstring) and return its timings; `model` replaces the random
     Llama by a checkpoint (HF directory or GGUF file)."""
@@ -250,14 +268,19 @@ def run_offline(
                 eng.pin_lora(eng.add_lora(lr))
             timed_run(eng, prompts[:4], params, per_req[:4], "warm-lora")
             timed_run(eng, prompts[:4], params, None, "warm-base")
-            legs = 4 if hogs else 2
+            legs = (4 if hogs else 2) + compare_unfused
             task = bar.add_task("loraplex mixed / base (interleaved)", total=legs * repeats)
-            mixed, base_runs, hog_mixed, hog_base = [], [], [], []
+            mixed, base_runs, hog_mixed, hog_base, unfused = [], [], [], [], []
             for r in range(repeats):
                 mixed.append(timed_run(eng, prompts, params, per_req, f"mixed{r}"))
                 bar.advance(task)
                 base_runs.append(timed_run(eng, prompts, params, None, f"base{r}"))
                 bar.advance(task)
+                if compare_unfused:  # the same engine with the torch formulas for the small ops
+                    eng.model.fused_cpu_ops = False
+                    unfused.append(timed_run(eng, prompts, params, None, f"unfused{r}"))
+                    eng.model.fused_cpu_ops = True
+                    bar.advance(task)
                 if hogs:
                     with cpu_hogs(hogs):
                         hog_mixed.append(timed_run(eng, prompts, params, per_req, f"hog-mixed{r}"))
@@ -282,6 +305,7 @@ def run_offline(
                 adaptive_threads=adaptive_threads,
                 hog_mixed=best(hog_mixed) if hogs else None,
                 hog_base=best(hog_base) if hogs else None,
+                base_unfused=best(unfused) if compare_unfused else None,
             )
             result.floor = ByteFloor(
                 base_weight_bytes(eng.model),
@@ -339,6 +363,11 @@ def main(argv: list[str] | None = None) -> OfflineResult:
     ap.add_argument(
         "--fixed-threads", action="store_true", help="keep --threads under contention (no thread governor)"
     )
+    ap.add_argument(
+        "--compare-unfused",
+        action="store_true",
+        help="also time base-only with the CPU's small ops as torch formulas (interleaved)",
+    )
     LoRAOptions.add_arguments(ap)
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument(
@@ -372,6 +401,7 @@ def main(argv: list[str] | None = None) -> OfflineResult:
         hogs=args.hog,
         adaptive_threads=not args.fixed_threads,
         model=args.model,
+        compare_unfused=args.compare_unfused,
     )
     from bench.plots import plot_offline
 

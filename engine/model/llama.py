@@ -3,6 +3,10 @@
 Differences between the families are configuration, not code paths: Qwen2 adds q/k/v bias, Qwen3 adds
 RMSNorm on each head of q and k before RoPE, Qwen2 may tie the LM head to the embeddings, Llama 3 scales
 RoPE frequencies.
+
+On the CPU (`engine/model/cpu_fused.py`) the small ops between the projections are fused native calls
+(`kernels/fused_cpu.py`): the residual add with the next RMSNorm, RoPE (with Qwen3's q/k norm) in place on
+the packed qkv output, and SiLU(gate) * up. Elsewhere (CUDA) they are the torch formulas below.
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
+from engine.model.cpu_fused import use_fused
 from engine.model.linear import LoRAStepContext, ProjectionLinear
 from engine.model.rope import RotaryEmbedding, apply_rope
 from engine.model_config import ModelConfig
+from kernels.fused_cpu import FusedStep
 
 
 @dataclass(slots=True)
@@ -43,6 +49,10 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
 
+    def fused(self, step: FusedStep, residual: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        """CPU: ``residual += delta`` in place (if given), then return ``forward(residual)``, in one pass."""
+        return step.add_rms_norm(residual, delta, self.weight, self.eps)
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding):
@@ -62,17 +72,25 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
 
     def forward(self, x, rope_tables, kv: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, backend):
+        """`rope_tables`: the per-step (cos2, sin2) of the torch path, or the step's fused CPU ops."""
         t = x.shape[0]
         qkv = self.qkv_proj(x, batch.lora)
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q_size, kv_size = nh * d, nkv * d
-        v = qkv[:, q_size + kv_size :].view(t, nkv, d)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = apply_rope(self.q_norm(qkv[:, :q_size].view(t, nh, d)), rope_tables)
-            k = apply_rope(self.k_norm(qkv[:, q_size : q_size + kv_size].view(t, nkv, d)), rope_tables)
-        else:  # q and k are adjacent columns: rotate both heads' blocks in one pass
-            qk = apply_rope(qkv[:, : q_size + kv_size].view(t, nh + nkv, d), rope_tables)
-            q, k = qk[:, :nh], qk[:, nh:]
+        if isinstance(rope_tables, FusedStep):  # q and k normed (Qwen3) and rotated in place in qkv
+            qk_norm = None
+            if self.q_norm is not None and self.k_norm is not None:
+                qk_norm = (self.q_norm.weight, self.k_norm.weight, nh, self.q_norm.eps)
+            rope_tables.rope_(qkv, nh + nkv, qk_norm)
+            q, k, v = qkv.view(t, nh + 2 * nkv, d).split((nh, nkv, nkv), dim=1)  # views: one call
+        else:
+            v = qkv[:, q_size + kv_size :].view(t, nkv, d)
+            if self.q_norm is not None and self.k_norm is not None:
+                q = apply_rope(self.q_norm(qkv[:, :q_size].view(t, nh, d)), rope_tables)
+                k = apply_rope(self.k_norm(qkv[:, q_size : q_size + kv_size].view(t, nkv, d)), rope_tables)
+            else:  # q and k are adjacent columns: rotate both heads' blocks in one pass
+                qk = apply_rope(qkv[:, : q_size + kv_size].view(t, nh + nkv, d), rope_tables)
+                q, k = qk[:, :nh], qk[:, nh:]
         backend.write_kv(k, v, kv[0], kv[1], batch.attn)
         o = backend.attend(q, kv[0], kv[1], batch.attn, self.scale)
         return self.o_proj(o.reshape(t, q_size), batch.lora)
@@ -88,9 +106,12 @@ class MLP(nn.Module):
         self.down_proj = ProjectionLinear(inter, ("down_proj",), (cfg.hidden_size,), layer)
         self.inter = inter
 
-    def forward(self, x: torch.Tensor, lora: LoRAStepContext | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoRAStepContext | None, fused: FusedStep | None = None):
         gu = self.gate_up_proj(x, lora)
-        h = nn.functional.silu(gu[:, : self.inter]) * gu[:, self.inter :]
+        if fused is not None:  # the CPU's native SiLU(gate) * up
+            h = fused.silu_mul(gu)
+        else:
+            h = nn.functional.silu(gu[:, : self.inter]) * gu[:, self.inter :]
         return self.down_proj(h, lora)
 
 
@@ -105,6 +126,18 @@ class DecoderLayer(nn.Module):
     def forward(self, x, rope_tables, kv, batch: ForwardBatch, backend):
         x = x + self.self_attn(self.input_layernorm(x), rope_tables, kv, batch, backend)
         return x + self.mlp(self.post_attention_layernorm(x), batch.lora)
+
+    def forward_fused(self, step: FusedStep, residual, h, kv, batch: ForwardBatch, backend, next_norm):
+        """CPU: `h` is this layer's normed input; adds both branches into `residual` in place and returns
+        the next layer's normed input (`next_norm` of the updated residual), or None without `next_norm`.
+        """
+        attn = self.self_attn(h, step, kv, batch, backend)
+        h = self.post_attention_layernorm.fused(step, residual, attn)
+        out = self.mlp(h, batch.lora, step)
+        if next_norm is None:
+            residual.add_(out)
+            return None
+        return next_norm.fused(step, residual, out)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -126,6 +159,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
+        self.fused_cpu_ops = True  # False: the torch formulas on the CPU too (benchmarks compare both)
 
     def forward(
         self,
@@ -134,9 +168,24 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
-        rope_tables = self.rope.tables(batch.positions)  # gathered once, shared by every layer
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope_tables, kv, batch, backend)
-        x = self.norm(x[batch.logits_indices])
+        if use_fused(x, self.fused_cpu_ops):
+            step = FusedStep(x.dtype, batch.positions, self.rope.cos, self.rope.sin)
+            x = self._layers_fused(step, x, batch, kv_caches, backend)
+            x = self.norm.fused(step, x[batch.logits_indices], None)
+        else:
+            rope_tables = self.rope.tables(batch.positions)  # gathered once, shared by every layer
+            for layer, kv in zip(self.layers, kv_caches, strict=True):
+                x = layer(x, rope_tables, kv, batch, backend)
+            x = self.norm(x[batch.logits_indices])
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
         return nn.functional.linear(x, head).float()
+
+    def _layers_fused(self, step: FusedStep, x: torch.Tensor, batch: ForwardBatch, kv_caches, backend):
+        """The decoder stack on the fused CPU path: `x` (the embeddings) is the residual stream, updated in
+        place; returns it after the last layer (before the final norm)."""
+        layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
+        h = layers[0].input_layernorm.fused(step, x, None)
+        for i, (layer, kv) in enumerate(zip(layers, kv_caches, strict=True)):
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
+            h = layer.forward_fused(step, x, h, kv, batch, backend, nxt)
+        return x

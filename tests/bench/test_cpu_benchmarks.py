@@ -198,6 +198,40 @@ def test_decode_profile_script_on_cpu(tmp_path, capsys):
     assert "### mixed:" in out and "### base:" in out and "aten::mm" in out
 
 
+def test_decode_profile_counts_fewer_ops_with_the_fused_cpu_ops(tmp_path, capsys):
+    """`--no-fused` profiles the torch formulas for the small ops: more op calls per step than fused."""
+    import re
+
+    from bench import gpu_profile
+
+    argv = ["--device", "cpu", "--size", "tiny", "--requests", "2", "--adapters", "1", "--steps", "2"]
+    calls = []
+    for extra in ([], ["--no-fused"]):
+        assert gpu_profile.main([*argv, "--prompt-len", "8", "--workdir", str(tmp_path), *extra]) == 0
+        base = capsys.readouterr().out.split("### base:")[1]
+        calls.append(int(re.search(r"(\d+) op calls per step", base).group(1)))
+    assert calls[0] < calls[1]
+
+
+def test_offline_compares_the_unfused_small_ops(workdir):
+    """`--compare-unfused`: an interleaved base-only leg with the torch formulas, same greedy tokens."""
+    r = _tiny_offline(workdir, adapters=2, requests=2, new_tokens=3, hf=False, compare_unfused=True)
+    assert r.base_unfused is not None and r.base_unfused.token_ids == r.base.token_ids
+    assert "unfused small ops" in r.markdown() and "greedy tokens equal: True" in r.markdown()
+    assert "base_unfused" in r.to_dict()
+
+
+def test_fused_ops_script(capsys):
+    """`bench.fused_cpu`: each way per op group with its ratio; `--steps`: the alternating step A/B."""
+    from bench import fused_cpu
+
+    assert fused_cpu.main(["--tokens", "3", "--repeats", "1", "--calls", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("torch, unfused") == 3 and "native silu_mul" in out
+    assert fused_cpu.main(["--tokens", "2", "--steps", "4"]) == 0
+    assert "ms fused" in capsys.readouterr().out
+
+
 def test_peer_workload_is_what_both_engines_read(tmp_path):
     """The vLLM peer benchmark's workload (no vLLM needed): model, PEFT adapters and token-id prompts on
     disk, the runner's spec file, and the environment vLLM CPU is started with."""
