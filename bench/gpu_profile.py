@@ -8,7 +8,9 @@ per step (sum of kernel times) and the top host-side ops by self CPU time — th
 time is host (Python/launch) overhead.
 
 Usage: ``python -m bench.gpu_profile [--size 1b] [--requests 64] [--steps 10]`` (CUDA), or
-``python -m bench.gpu_profile --device cpu --size bench --dtype float32 --requests 32 --steps 20``.
+``python -m bench.gpu_profile --device cpu --size bench --dtype float32 --requests 32 --steps 20``
+(``--cpu-attention torch``: decode attention through the torch gather + SDPA path instead of the native
+kernel).
 """
 
 from __future__ import annotations
@@ -70,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/loraplex-gpu-e2e"))
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument(
+        "--cpu-attention", choices=["native", "torch"], default="native",
+        help="CPU decode attention: the native paged kernel, or the torch gather + SDPA path",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: pass --device cpu to profile on the CPU")
@@ -82,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     dirs = build_adapters(root, spec, args.adapters, 16)
     llm = _llm(base, args.device, args.dtype, args.requests, args.prompt_len, args.adapters, 16, kv_gib=8)
     eng = llm.engine
+    native = getattr(eng.runner.backend, "native", None)  # the torch backend's native CPU attention
+    if native is not None:
+        native.enabled = args.cpu_attention == "native"
     loras = [LoRARequest(f"a{i}", str(d)) for i, d in enumerate(dirs)]
     for lr in loras:
         eng.pin_lora(eng.add_lora(lr))

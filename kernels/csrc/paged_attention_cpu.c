@@ -103,10 +103,59 @@ INLINE void chunk_scores(elem_t KV, const char *const *k_rows, int64_t cnt, cons
         }
 }
 
+/* One online-softmax update of the pass's nv query vectors with a chunk of cnt keys (first key k0),
+ * rows k_rows / v_rows of element type RE: scores, running max m and sum l, acc rescaled and added to. */
+INLINE void chunk_update(elem_t RE, const char *const *k_rows, const char *const *v_rows, int64_t cnt, int64_t k0,
+                         const float (*qbuf)[DMAX], int64_t nv, int64_t d, const int64_t *lim, float *m, float *l,
+                         float (*acc)[DMAX], float (*scores)[KCHUNK]) {
+    const int64_t d8 = d & ~(int64_t)7;
+    chunk_scores(RE, k_rows, cnt, (const float(*)[DMAX])qbuf, nv, d, scores);
+    for (int64_t v = 0; v < nv; v++) {
+        float *s = scores[v], mx = m[v];
+        int64_t vis = lim[v] - k0 < cnt ? lim[v] - k0 : cnt; /* keys of this chunk v sees (>= 0) */
+        for (int64_t j = 0; j < vis; j++) mx = s[j] > mx ? s[j] : mx;
+        for (int64_t j = vis < 0 ? 0 : vis; j < cnt; j++) s[j] = -INFINITY;
+        float corr = m[v] == -INFINITY ? 0.0f : expf(m[v] - mx), sum = 0.0f;
+        int64_t j = 0;
+        for (; j + 8 <= cnt; j += 8) {
+            v8f p = v8_exp_nonpos(v8_load_f32(s + j) - mx);
+            v8_store_f32(s + j, p);
+            sum += v8_hsum(p);
+        }
+        for (; j < cnt; j++) sum += (s[j] = s[j] == -INFINITY ? 0.0f : expf(s[j] - mx));
+        m[v] = mx, l[v] = l[v] * corr + sum;
+        float *o = acc[v];
+        int64_t e = 0;
+        for (; e + 32 <= d8; e += 32) { /* four independent sums: FMA latency, not a chain, bounds it */
+            v8f t0 = v8_load_f32(o + e) * corr, t1 = v8_load_f32(o + e + 8) * corr;
+            v8f t2 = v8_load_f32(o + e + 16) * corr, t3 = v8_load_f32(o + e + 24) * corr;
+            for (int64_t r = 0; r < cnt; r++) {
+                const float pr = s[r];
+                t0 += pr * RE.ld8(v_rows[r], e), t1 += pr * RE.ld8(v_rows[r], e + 8);
+                t2 += pr * RE.ld8(v_rows[r], e + 16), t3 += pr * RE.ld8(v_rows[r], e + 24);
+            }
+            v8_store_f32(o + e, t0), v8_store_f32(o + e + 8, t1);
+            v8_store_f32(o + e + 16, t2), v8_store_f32(o + e + 24, t3);
+        }
+        for (; e < d8; e += 8) {
+            v8f t = v8_load_f32(o + e) * corr;
+            for (int64_t r = 0; r < cnt; r++) t += s[r] * RE.ld8(v_rows[r], e);
+            v8_store_f32(o + e, t);
+        }
+        for (int64_t e = d8; e < d; e++) {
+            float t = o[e] * corr;
+            for (int64_t r = 0; r < cnt; r++) t += s[r] * RE.ld1(v_rows[r], e);
+            o[e] = t;
+        }
+    }
+}
+
 /* One pass: query vectors v0 .. v0 + nv - 1 of sequence b on KV head h (vector v is row v / group, head
  * h * group + v % group). */
 INLINE void attend_pass(elem_t Q, elem_t KV, const args_t *a, int64_t b, int64_t h, int64_t v0, int64_t nv) {
     float qbuf[VMAX][DMAX], acc[VMAX][DMAX], scores[VMAX][KCHUNK], m[VMAX], l[VMAX];
+    float kw[KCHUNK][DMAX], vw[KCHUNK][DMAX]; /* a half-precision chunk widened to float32 */
+    const elem_t F32 = {ld8_f32, ld1_f32, st8_f32, st1_f32, 4};
     int64_t lim[VMAX]; /* keys visible to vector v: 0 .. lim[v] - 1 */
     const char *k_rows[KCHUNK], *v_rows[KCHUNK];
     const int64_t d = a->d, d8 = d & ~(int64_t)7, group = a->hq / a->hkv, bs = a->bs;
@@ -137,32 +186,17 @@ INLINE void attend_pass(elem_t Q, elem_t KV, const args_t *a, int64_t b, int64_t
                     __builtin_prefetch(a->v + next + j * row_bytes + c);
                 }
         }
-        chunk_scores(KV, k_rows, cnt, (const float(*)[DMAX])qbuf, nv, d, scores);
-        for (int64_t v = 0; v < nv; v++) {
-            float *s = scores[v], mx = m[v];
-            int64_t vis = lim[v] - k0 < cnt ? lim[v] - k0 : cnt; /* keys of this chunk v sees (>= 0) */
-            for (int64_t j = 0; j < vis; j++) mx = s[j] > mx ? s[j] : mx;
-            for (int64_t j = vis < 0 ? 0 : vis; j < cnt; j++) s[j] = -INFINITY;
-            float corr = m[v] == -INFINITY ? 0.0f : expf(m[v] - mx), sum = 0.0f;
-            int64_t j = 0;
-            for (; j + 8 <= cnt; j += 8) {
-                v8f p = v8_exp_nonpos(v8_load_f32(s + j) - mx);
-                v8_store_f32(s + j, p);
-                sum += v8_hsum(p);
+        if (KV.size == sizeof(float)) {
+            chunk_update(KV, k_rows, v_rows, cnt, k0, (const float(*)[DMAX])qbuf, nv, d, lim, m, l, acc, scores);
+        } else { /* half precision: widen the chunk once, not once per query vector */
+            const char *kw_rows[KCHUNK], *vw_rows[KCHUNK];
+            for (int64_t j = 0; j < cnt; j++) {
+                int64_t e = 0;
+                for (; e < d8; e += 8) v8_store_f32(kw[j] + e, KV.ld8(k_rows[j], e)), v8_store_f32(vw[j] + e, KV.ld8(v_rows[j], e));
+                for (; e < d; e++) kw[j][e] = KV.ld1(k_rows[j], e), vw[j][e] = KV.ld1(v_rows[j], e);
+                kw_rows[j] = (const char *)kw[j], vw_rows[j] = (const char *)vw[j];
             }
-            for (; j < cnt; j++) sum += (s[j] = s[j] == -INFINITY ? 0.0f : expf(s[j] - mx));
-            m[v] = mx, l[v] = l[v] * corr + sum;
-            float *o = acc[v];
-            for (int64_t e = 0; e < d8; e += 8) {
-                v8f t = v8_load_f32(o + e) * corr;
-                for (int64_t r = 0; r < cnt; r++) t += s[r] * KV.ld8(v_rows[r], e);
-                v8_store_f32(o + e, t);
-            }
-            for (int64_t e = d8; e < d; e++) {
-                float t = o[e] * corr;
-                for (int64_t r = 0; r < cnt; r++) t += s[r] * KV.ld1(v_rows[r], e);
-                o[e] = t;
-            }
+            chunk_update(F32, kw_rows, vw_rows, cnt, k0, (const float(*)[DMAX])qbuf, nv, d, lim, m, l, acc, scores);
         }
         k0 += cnt;
     }

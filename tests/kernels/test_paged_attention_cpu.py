@@ -4,12 +4,14 @@ multiples of the block size), shuffled block tables, decode rows and short causa
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
+
 import pytest
 import torch
 
 from kernels.paged_attention_cpu import available_isas, best_isa, paged_attention_cpu, supported
 from kernels.reference import paged_attention_decode_ref, paged_attention_prefill_ref
-from tests.engine.attention_case import attention_case
 
 ISAS = ["generic", "avx2", "avx512"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -26,12 +28,29 @@ def _isa(isa: str) -> str:
     return isa
 
 
+@dataclass(slots=True)
+class _Meta:
+    seq_lens: torch.Tensor  # [B] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32
+
+
 def _case(seed, block_size, hkv, hq, d, seq_lens, q_lens, q_dtype, kv_dtype, spread=1.0):
-    n_blocks = sum(-(-n // block_size) for n in seq_lens) + 3  # a few blocks no sequence uses
-    c = attention_case(seed, n_blocks, block_size, hkv, hq, d, seq_lens, q_lens, sum(n == 1 for n in q_lens))
+    """Random caches with a few blocks no sequence uses; each sequence's blocks drawn from a random
+    permutation (non-contiguous, out of order); the last `q_lens[b]` tokens of sequence b are queries."""
     if not supported(q_dtype, kv_dtype, d):
         pytest.skip(f"no kernel for {q_dtype} x {kv_dtype} with this C compiler")
-    return (c.q * spread).to(q_dtype), c.k_cache.to(kv_dtype), c.v_cache.to(kv_dtype), c.tables, c.meta
+    gen = torch.Generator().manual_seed(seed)
+    counts = [-(-n // block_size) for n in seq_lens]
+    shape = (sum(counts) + 3, block_size, hkv, d)
+    k, v = torch.randn(*shape, generator=gen), torch.randn(*shape, generator=gen)
+    perm = torch.randperm(shape[0], generator=gen).to(torch.int32)
+    tables = torch.zeros(len(seq_lens), max(counts), dtype=torch.int32)
+    for b, start in enumerate(itertools.accumulate([0, *counts[:-1]])):
+        tables[b, : counts[b]] = perm[start : start + counts[b]]
+    qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    q = torch.randn(int(qsl[-1]), hq, d, generator=gen) * spread
+    meta = _Meta(torch.tensor(seq_lens, dtype=torch.int32), qsl)
+    return q.to(q_dtype), k.to(kv_dtype), v.to(kv_dtype), tables, meta
 
 
 def _assert_close(out, ref, dtype, tol=None):
