@@ -2,7 +2,8 @@
 torch path (gather the blocks with `index_select`, one masked SDPA), interleaved, best of N.
 
 Three measurements on the offline benchmark's random Llama (``--size``, as in ``bench.gpu_e2e``), base
-model only (no adapters), the engine's own thread count (``OMP_NUM_THREADS``):
+model only (no adapters), at the thread count ``OMP_NUM_THREADS`` (the thread governor is off, so both
+paths run at the same count whatever the load):
 
 1. attention alone: one layer's decode attention for ``--requests`` sequences of ``--prompt-len`` tokens;
 2. decode steps: ``--requests`` sequences decoding together, ``--steps`` steps per round, the path
@@ -129,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     base = build_base_on_device(args.workdir / f"model-{args.size}-{args.dtype}", spec, dtype)
     llm = _llm(base, "cpu", args.dtype, args.requests, args.prompt_len, 1, 16, kv_gib=2)
     eng = llm.engine
+    eng.thread_governor = None  # both paths at the same thread count (the governor reacts to the load)
     prompts = make_prompts(args.requests, args.prompt_len, spec.vocab_size)
     steps = decode_steps(eng, prompts, args.steps, args.repeats)
     print(f"decode step: {_fmt(steps)} (threads now {torch.get_num_threads()})")
@@ -143,7 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     tok = {p: max(r.output_tokens / r.total_s for r in runs[p]) for p in PATHS}
     same = sum(a == b for a, b in zip(runs["native"][0].token_ids, runs["torch"][0].token_ids, strict=True))
     n, t = tok["native"], tok["torch"]
-    print(f"offline base: native {n:.0f} tok/s, torch {t:.0f} tok/s, native / torch {n / t:.3f}x")
+    dec = {p: min(r.decode_s / max(1, r.decode_steps) for r in runs[p]) * 1e3 for p in PATHS}
+    print(f"offline base: native {n:.0f} tok/s, torch {t:.0f} tok/s, native / torch {n / t:.3f}x; "
+          f"decode steps in it: native {dec['native']:.2f} ms, torch {dec['torch']:.2f} ms "
+          f"({dec['torch'] / dec['native']:.3f}x)")  # fmt: skip
     print(f"  CPU time per run: native {cpu['native']:.2f} s, torch {cpu['torch']:.2f} s "
           f"({cpu['torch'] / cpu['native']:.3f}x); greedy equal {same}/{len(prompts)}; "
           f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip
