@@ -7,7 +7,9 @@ paths run at the same count whatever the load):
 
 1. attention alone: one layer's decode attention for ``--requests`` sequences of ``--prompt-len`` tokens;
 2. decode steps: ``--requests`` sequences decoding together, ``--steps`` steps per round, the path
-   switched between rounds (A B B A ...), so both see the same contexts;
+   switched between rounds (A B B A ...), so both see the same contexts; after one untimed pass over
+   the same context lengths (the torch path's first step at a new padded length is many times slower
+   than its later ones);
 3. offline throughput: the whole batch (``--requests`` prompts, ``--new-tokens`` greedy tokens each),
    generated once per path per repeat, interleaved; greedy tokens of the two paths are compared.
 
@@ -132,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     eng = llm.engine
     eng.thread_governor = None  # both paths at the same thread count (the governor reacts to the load)
     prompts = make_prompts(args.requests, args.prompt_len, spec.vocab_size)
-    steps = decode_steps(eng, prompts, args.steps, args.repeats)
+    decode_steps(eng, prompts, args.steps, args.repeats)  # warm-up: the torch path's first step at each
+    steps = decode_steps(eng, prompts, args.steps, args.repeats)  # context length costs far more than later
     print(f"decode step: {_fmt(steps)} (threads now {torch.get_num_threads()})")
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     runs: dict[str, list] = {p: [] for p in PATHS}
