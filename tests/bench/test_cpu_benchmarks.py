@@ -188,7 +188,8 @@ def test_cpu_attention_ab_script(tmp_path, capsys):
     paths generate the same greedy tokens; `bench.gpu_profile --cpu-attention torch` runs the torch path."""
     from bench import cpu_attention, gpu_profile
 
-    argv = ["--size", "tiny", "--requests", "4", "--prompt-len", "8", "--steps", "2", "--workdir", str(tmp_path)]
+    argv = ["--size", "tiny", "--requests", "4", "--prompt-len", "8", "--steps", "2"]
+    argv += ["--workdir", str(tmp_path)]
     assert cpu_attention.main([*argv, "--new-tokens", "4", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "attention alone" in out and "decode step" in out and "greedy equal 4/4" in out
