@@ -102,6 +102,7 @@ def test_threads_isas_and_subsets_agree():
     args = (q, k, v, tables, meta.seq_lens, meta.query_start_loc, 0.3)
     one = paged_attention_cpu(*args, num_threads=1)
     assert torch.equal(paged_attention_cpu(*args, num_threads=2), one)
+    assert torch.equal(paged_attention_cpu(*args, num_threads=4), one)
     assert torch.equal(paged_attention_cpu(*args, isa=best_isa()), one)
     for isa in available_isas():
         torch.testing.assert_close(paged_attention_cpu(*args, isa=isa), one, rtol=1e-5, atol=1e-6)
