@@ -9,7 +9,9 @@ time is host (Python/launch) overhead.
 
 Usage: ``python -m bench.gpu_profile [--size 1b] [--requests 64] [--steps 10]`` (CUDA), or
 ``python -m bench.gpu_profile --device cpu --size bench --dtype float32 --requests 32 --steps 20``
-(``--no-fused``: the CPU's small ops as the unfused torch formulas, `engine/model/cpu_fused.py`).
+(``--no-fused``: the CPU's small ops as the unfused torch formulas, `engine/model/cpu_fused.py`;
+``--cpu-attention torch``: decode attention through the torch gather + SDPA path instead of the native
+kernel).
 """
 
 from __future__ import annotations
@@ -78,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="CPU: the torch formulas instead of the fused native small ops",
     )
+    ap.add_argument(
+        "--cpu-attention", choices=["native", "torch"], default="native",
+        help="CPU decode attention: the native paged kernel, or the torch gather + SDPA path",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: pass --device cpu to profile on the CPU")
@@ -91,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     llm = _llm(base, args.device, args.dtype, args.requests, args.prompt_len, args.adapters, 16, kv_gib=8)
     eng = llm.engine
     eng.model.fused_cpu_ops = not args.no_fused
+    native = getattr(eng.runner.backend, "native", None)  # the torch backend's native CPU attention
+    if native is not None:
+        native.enabled = args.cpu_attention == "native"
     loras = [LoRARequest(f"a{i}", str(d)) for i, d in enumerate(dirs)]
     for lr in loras:
         eng.pin_lora(eng.add_lora(lr))

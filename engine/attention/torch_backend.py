@@ -1,5 +1,9 @@
 """Paged attention in plain torch: the CPU path (and CUDA fallback).
 
+On the CPU, decode rows and short query runs go through the native kernel when it builds
+(`cpu_native.py`: the K/V blocks are read in place, no gather); the torch code below is the path for
+long prefill chunks, and for everything when the kernel is unavailable or `native` is off.
+
 Decodes are batched: gather each sequence's blocks into `[B, Hkv, max_blocks*block_size, D]`, mask
 positions past `seq_len`, and attend with one SDPA call. Short runs of a few query rows (speculative
 verification, small chunks) are batched likewise (`short_runs.py`). Longer prefill chunks go one
@@ -14,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.attention.cpu_native import NativeAttention
 from engine.attention.short_runs import SHORT_RUN_MAX_ROWS, ShortRunsPlan, attend_short_runs, short_runs_plan
 from kernels.intmath import cdiv
 
@@ -21,7 +26,10 @@ from kernels.intmath import cdiv
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, native: bool = True) -> None:
+        # `native`: decode rows and short runs on the CPU through the native kernel when it builds
+        # (`self.native.enabled` may be flipped between steps, e.g. to compare the paths)
+        self.native = NativeAttention(native)
         # The decode gather indices and mask depend only on the step's metadata: built for the first
         # layer, reused by the others (keyed by the metadata object of the step).
         self._plan_meta: AttentionMetadata | None = None
@@ -36,13 +44,20 @@ class TorchAttentionBackend(AttentionBackend):
         flat_v.index_copy_(0, meta.slot_mapping, value.to(v_cache.dtype))
 
     def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        step = self.native.step(query, k_cache, meta)
+        if step is not None:
+            out = torch.empty_like(query)
+            step.call(query if query.stride(-1) == 1 else query.contiguous(), k_cache, v_cache, out, scale)
+            for b in step.rest:
+                self._attend_one(query, k_cache, v_cache, meta, scale, b, out)
+            return out
         nd = meta.num_decodes
         if nd == meta.num_seqs:
             return self._decode(query, k_cache, v_cache, meta, scale)
         out = torch.empty_like(query)
         if nd:
             out[:nd] = self._decode(query[:nd], k_cache, v_cache, meta, scale)
-        qs, sl = meta.query_start_list, meta.seq_lens_list
+        qs = meta.query_start_list
         block_size = k_cache.shape[1]
         short = [b for b in range(nd, meta.num_seqs) if qs[b + 1] - qs[b] <= SHORT_RUN_MAX_ROWS]
         if len(short) > 1:  # e.g. speculative verification rows: one batched call
@@ -52,15 +67,20 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             short = []
         for b in range(nd, meta.num_seqs):
-            if short and b in short:
-                continue
-            q = query[qs[b] : qs[b + 1]]
-            n_blocks = cdiv(sl[b], block_size)
-            blocks = meta.block_tables[b, :n_blocks].long()
-            k = k_cache.index_select(0, blocks).flatten(0, 1)[: sl[b]]
-            v = v_cache.index_select(0, blocks).flatten(0, 1)[: sl[b]]
-            out[qs[b] : qs[b + 1]] = _causal_attention(q, k, v, sl[b] - q.shape[0], scale)
+            if not (short and b in short):
+                self._attend_one(query, k_cache, v_cache, meta, scale, b, out)
         return out
+
+    def _attend_one(
+        self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float, b: int, out
+    ) -> None:
+        """Sequence b's query rows (a prefill chunk) through SDPA over its gathered blocks, into `out`."""
+        qs, sl = meta.query_start_list, meta.seq_lens_list
+        q = query[qs[b] : qs[b + 1]]
+        blocks = meta.block_tables[b, : cdiv(sl[b], k_cache.shape[1])].long()
+        k = k_cache.index_select(0, blocks).flatten(0, 1)[: sl[b]]
+        v = v_cache.index_select(0, blocks).flatten(0, 1)[: sl[b]]
+        out[qs[b] : qs[b + 1]] = _causal_attention(q, k, v, sl[b] - q.shape[0], scale)
 
     def _decode_plan(
         self, meta: AttentionMetadata, block_size: int

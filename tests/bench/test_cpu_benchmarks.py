@@ -232,6 +232,21 @@ def test_fused_ops_script(capsys):
     assert "ms fused" in capsys.readouterr().out
 
 
+def test_cpu_attention_ab_script(tmp_path, capsys):
+    """`bench.cpu_attention` times the native and the torch CPU attention paths at a tiny size, and both
+    paths generate the same greedy tokens; `bench.gpu_profile --cpu-attention torch` runs the torch path."""
+    from bench import cpu_attention, gpu_profile
+
+    argv = ["--size", "tiny", "--requests", "4", "--prompt-len", "8", "--steps", "2"]
+    argv += ["--workdir", str(tmp_path)]
+    assert cpu_attention.main([*argv, "--new-tokens", "4", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "attention alone" in out and "decode step" in out and "greedy equal 4/4" in out
+    argv += ["--device", "cpu", "--dtype", "float32", "--adapters", "2", "--cpu-attention", "torch"]
+    assert gpu_profile.main(argv) == 0
+    assert "aten::_scaled_dot_product" in capsys.readouterr().out  # the torch path's SDPA ran
+
+
 def test_peer_workload_is_what_both_engines_read(tmp_path):
     """The vLLM peer benchmark's workload (no vLLM needed): model, PEFT adapters and token-id prompts on
     disk, the runner's spec file, and the environment vLLM CPU is started with."""

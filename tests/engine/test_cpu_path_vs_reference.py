@@ -118,11 +118,14 @@ def test_cpu_lora_context_matches_reference(group, native, pool_dtype, act, layo
     assert not torch.allclose(y, y0)
 
 
-def test_torch_attention_matches_reference():
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+def test_torch_attention_matches_reference(native):
     # two decodes, then prefill chunks of 6 and 7 tokens
     c = attention_case(1, 20, 4, 2, 6, 8, seq_lens=[5, 9, 13, 7], q_lens=[1, 1, 6, 7], num_decodes=2)
     q, k_cache, v_cache, tables, meta = c.q, c.k_cache, c.v_cache, c.tables, c.meta
-    out = TorchAttentionBackend().attend(q, k_cache, v_cache, meta, 0.3)
+    backend = TorchAttentionBackend(native=native)
+    out = backend.attend(q, k_cache, v_cache, meta, 0.3)
+    assert (backend.native.step(q, k_cache, meta) is not None) == native
     ref_dec = paged_attention_decode_ref(q[:2], k_cache, v_cache, tables[:2], meta.seq_lens[:2], 0.3)
     starts = meta.query_start_loc[2:] - 2
     ref_pre = paged_attention_prefill_ref(q[2:], k_cache, v_cache, tables[2:], starts, meta.seq_lens[2:], 0.3)

@@ -1,8 +1,10 @@
-"""The torch backend's batched path for short query runs (speculative verification rows, small chunks)
-equals the reference paged attention, next to decodes and a long prefill chunk, with GQA."""
+"""The torch backend's paths for short query runs (speculative verification rows, small chunks) — the
+batched SDPA path and the native CPU kernel — equal the reference paged attention, next to decodes and a
+long prefill chunk, with GQA."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.attention.short_runs import SHORT_RUN_MAX_ROWS
@@ -11,15 +13,20 @@ from kernels.reference import paged_attention_decode_ref, paged_attention_prefil
 from tests.engine.attention_case import attention_case
 
 
-def test_short_runs_match_reference():
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+def test_short_runs_match_reference(native):
     # two decodes; then runs of 5, 2, a long chunk of 30, 17 (the longest short run) and 3 rows
     q_lens = [1, 1, 5, 2, 30, SHORT_RUN_MAX_ROWS, 3]
     seq_lens = [6, 11, 9, 2, 41, 40, 4]
     c = attention_case(3, 64, 4, 2, 8, 16, seq_lens=seq_lens, q_lens=q_lens, num_decodes=2)
     q, k_cache, v_cache, tables, meta = c.q, c.k_cache, c.v_cache, c.tables, c.meta
-    backend = TorchAttentionBackend()
+    backend = TorchAttentionBackend(native=native)
     out = backend.attend(q, k_cache, v_cache, meta, 0.25)
-    assert backend._short is not None and backend._short.num_seqs == 4  # the batched path ran
+    step = backend.native.step(q, k_cache, meta)
+    if native:  # the kernel took the decodes and the short runs, SDPA the 30-row chunk
+        assert step is not None and step.call.num_seqs == 6 and step.rest == [4] and backend._short is None
+    else:
+        assert step is None and backend._short is not None and backend._short.num_seqs == 4
     ref_dec = paged_attention_decode_ref(q[:2], k_cache, v_cache, tables[:2], meta.seq_lens[:2], 0.25)
     starts = meta.query_start_loc[2:] - 2
     ref_pre = paged_attention_prefill_ref(

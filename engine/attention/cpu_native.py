@@ -1,0 +1,79 @@
+"""The native CPU paged attention (`kernels.paged_attention_cpu`) as the torch backend's path for decode
+rows and short query runs (speculative verification, small chunks).
+
+Once per step (the first layer's call, keyed by the step's metadata object) it decides whether the
+kernel serves this step and prepares it: the sequences with at most `SHORT_RUN_MAX_ROWS` query rows,
+their block tables and lengths checked once, and torch's current thread count (which the thread governor
+may lower between steps). Later layers reuse the plan: one foreign-function call per layer. When the
+library cannot be built, or the dtypes or head size are not supported, the step gets no plan and the
+backend takes its torch path.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.attention.backend import AttentionMetadata
+from engine.attention.short_runs import SHORT_RUN_MAX_ROWS
+
+if TYPE_CHECKING:
+    from kernels.paged_attention_cpu import PreparedPagedAttention
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class NativeStep:
+    call: PreparedPagedAttention  # the kernel for the sequences it serves (decodes, short runs)
+    rest: list[int]  # sequences it leaves to the torch path (long prefill chunks)
+
+
+class NativeAttention:
+    """Prepares `NativeStep`s; `enabled` False (or a failed build) means no plans, the torch path."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._meta: AttentionMetadata | None = None
+        self._step: NativeStep | None = None
+        self._broken: str | None = None  # why the library is unusable here, once known
+        self.steps_served = 0  # steps that got a plan (tests and stats)
+
+    def step(self, query: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> NativeStep | None:
+        """The step's plan, or None when the native kernel does not serve it."""
+        if not self.enabled or self._broken is not None or query.device.type != "cpu":
+            return None
+        if self._meta is meta:
+            return self._step
+        self._meta, self._step = meta, self._prepare(query, k_cache, meta)
+        self.steps_served += self._step is not None
+        return self._step
+
+    def _prepare(
+        self, query: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> NativeStep | None:
+        from kernels.native_build import NativeBuildError
+        from kernels.paged_attention_cpu import PreparedPagedAttention, supported
+
+        try:
+            if not supported(query.dtype, k_cache.dtype, k_cache.shape[3]) or not k_cache.is_contiguous():
+                return None
+        except NativeBuildError as exc:
+            self._broken = str(exc)
+            log.warning("CPU attention uses the torch path: %s", exc)
+            return None
+        qs = meta.query_start_list
+        seqs: list[int] = []
+        rest: list[int] = []
+        for b in range(meta.num_seqs):
+            (seqs if b < meta.num_decodes or qs[b + 1] - qs[b] <= SHORT_RUN_MAX_ROWS else rest).append(b)
+        if not seqs:
+            return None
+        call = PreparedPagedAttention(
+            meta.block_tables, meta.seq_lens, meta.query_start_loc, seqs, k_cache, query.dtype,
+            query.shape[1], num_threads=torch.get_num_threads(),
+        )  # fmt: skip
+        return NativeStep(call, rest)
