@@ -63,6 +63,8 @@ class LLMEngine:
         self.dtype_reason = dtype_reason(config.dtype, self.model_config, self.device)
         self.tokenizer = load_tokenizer(config.model)
         self.model = load_model(self.model_config, self.dtype, self.device)
+        if config.packed_cpu_gemms:
+            self.model.pack_cpu_gemms()
         self.num_kv_blocks = self._num_blocks()
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.lora: LoRAManager | None = None

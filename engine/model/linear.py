@@ -15,6 +15,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from engine.model.cpu_gemm import pack, packed_linear
+
 
 class LoRAStepContext(Protocol):
     """Per-step adapter state handed to every projection (implemented by the LoRA layer of the engine)."""
@@ -43,12 +45,22 @@ class ProjectionLinear(nn.Module):
         out = sum(slice_sizes)
         self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
+        self.packed = False  # True: `weight` is in oneDNN's blocked layout (`pack_weight`, CPU float32)
 
     def forward(self, x: torch.Tensor, lora: LoRAStepContext | None = None) -> torch.Tensor:
-        y = nn.functional.linear(x, self.weight, self.bias)
+        if self.packed:
+            y = packed_linear(x, self.weight, self.bias)
+        else:
+            y = nn.functional.linear(x, self.weight, self.bias)
         if lora is not None:
             lora.apply(self.layer_index, self.slice_names, x, y)
         return y
+
+    def pack_weight(self) -> None:
+        """Replace the dense weight by its packed form (`engine/model/cpu_gemm.py`); once, after loading."""
+        if not self.packed:
+            self.weight = nn.Parameter(pack(self.weight), requires_grad=False)
+            self.packed = True
 
     def slice_offsets(self) -> tuple[int, ...]:
         """Start column of each slice in the packed output."""

@@ -18,6 +18,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.model.cpu_fused import use_fused
+from engine.model.cpu_gemm import can_pack, pack, packed_linear
 from engine.model.linear import LoRAStepContext, ProjectionLinear
 from engine.model.rope import RotaryEmbedding, apply_rope
 from engine.model_config import ModelConfig
@@ -160,6 +161,7 @@ class LlamaForCausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
         self.fused_cpu_ops = True  # False: the torch formulas on the CPU too (benchmarks compare both)
+        self.packed_head: torch.Tensor | None = None  # the LM head in oneDNN's layout (`pack_cpu_gemms`)
 
     def forward(
         self,
@@ -177,8 +179,24 @@ class LlamaForCausalLM(nn.Module):
             for layer, kv in zip(self.layers, kv_caches, strict=True):
                 x = layer(x, rope_tables, kv, batch, backend)
             x = self.norm(x[batch.logits_indices])
+        if self.packed_head is not None:
+            return packed_linear(x, self.packed_head, None).float()
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
         return nn.functional.linear(x, head).float()
+
+    def pack_cpu_gemms(self) -> bool:
+        """On a CPU in float32, pack every projection's weight and the LM head for oneDNN
+        (`engine/model/cpu_gemm.py`); returns whether it did. Call once, after the weights are loaded."""
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
+        if not can_pack(head.device, head.dtype):
+            return False
+        for module in self.modules():
+            if isinstance(module, ProjectionLinear):
+                module.pack_weight()
+        self.packed_head = pack(head)
+        if self.lm_head is not None:  # untied: the dense head is read by nothing else
+            self.lm_head = nn.Parameter(self.packed_head, requires_grad=False)
+        return True
 
     def _layers_fused(self, step: FusedStep, x: torch.Tensor, batch: ForwardBatch, kv_caches, backend):
         """The decoder stack on the fused CPU path: `x` (the embeddings) is the residual stream, updated in
