@@ -23,6 +23,7 @@
  * runtime and count, passed in) when a call has at least GRAIN elements, as torch's own elementwise ops.
  * Results do not depend on the thread count (rows are independent).
  */
+#include "cpu_isa.h"
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -332,17 +333,5 @@ int fused_has_f16(void) { return 1; }
 int fused_has_f16(void) { return 0; }
 #endif
 
-/* 0: generic, always; 1: avx2 (AVX2 + FMA + F16C); 2: avx512 (that + AVX-512 F/BW/VL). */
-int fused_isa_supported(int level) {
-    if (level == 0) return 1;
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_cpu_init();
-    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-    if (level == 1) return avx2 != 0;
-    if (level == 2)
-        return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("avx512vl");
-#endif
-    return 0;
-}
+int fused_isa_supported(int level) { return loraplex_isa_supported(level, 0); }
 #endif

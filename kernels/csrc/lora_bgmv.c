@@ -24,6 +24,7 @@
  *
  * Semantics are those of kernels/reference.py: lora_shrink_ref, the scaling, then lora_expand_ref.
  */
+#include "cpu_isa.h"
 #include <stdint.h>
 #include <string.h>
 #ifdef _OPENMP
@@ -187,17 +188,5 @@ int lora_bgmv_has_f16(void) { return 1; }
 int lora_bgmv_has_f16(void) { return 0; }
 #endif
 
-/* 0: generic, always; 1: avx2 (AVX2 + FMA + F16C); 2: avx512bf16 (that + AVX-512 F/BW/VL/BF16). */
-int lora_bgmv_isa_supported(int level) {
-    if (level == 0) return 1;
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_cpu_init();
-    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-    if (level == 1) return avx2 != 0;
-    if (level == 2)
-        return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
-#endif
-    return 0;
-}
+int lora_bgmv_isa_supported(int level) { return loraplex_isa_supported(level, 1); }
 #endif

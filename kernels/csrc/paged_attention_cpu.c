@@ -19,6 +19,7 @@
  * level (kernels/native_build.py, -DPA_ISA=<name>): generic, avx2 (AVX2, FMA, F16C), avx512 (AVX-512
  * F/BW/VL); `paged_attention_isa_supported(level)` (generic build) says which the CPU runs.
  */
+#include "cpu_isa.h"
 #include <math.h>
 #include <stdint.h>
 #ifdef _OPENMP
@@ -264,17 +265,5 @@ int paged_attention_has_f16(void) { return 1; }
 int paged_attention_has_f16(void) { return 0; }
 #endif
 
-/* 0: generic, always; 1: avx2 (AVX2 + FMA + F16C); 2: avx512 (that + AVX-512 F/BW/VL). */
-int paged_attention_isa_supported(int level) {
-    if (level == 0) return 1;
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_cpu_init();
-    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-    if (level == 1) return avx2 != 0;
-    if (level == 2)
-        return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("avx512vl");
-#endif
-    return 0;
-}
+int paged_attention_isa_supported(int level) { return loraplex_isa_supported(level, 0); }
 #endif
