@@ -5,7 +5,6 @@ native library cannot be built."""
 from __future__ import annotations
 
 import logging
-import stat
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.model import cpu_fused
 from kernels import fused_cpu
+from tests.helpers.broken_compiler import use_broken_compiler
 from tests.helpers.tiny_models import ARCHS
 
 pytestmark = pytest.mark.slow  # the HF oracle on tiny models
@@ -66,11 +66,7 @@ def test_only_cpu_tensors_of_a_supported_dtype_take_the_fused_path():
 @pytest.fixture
 def no_compiler(monkeypatch, tmp_path):
     """A C compiler that fails and an empty build cache; the process's loaded library is dropped."""
-    cc = tmp_path / "cc"
-    cc.write_text('#!/bin/sh\necho "cc: not today" >&2\nexit 1\n')
-    cc.chmod(cc.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("CC", str(cc))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    use_broken_compiler(monkeypatch, tmp_path)
     fused_cpu.forget_library()
     cpu_fused.native_dtypes.cache_clear()
     yield

@@ -5,7 +5,6 @@ built — same results as the reference either way."""
 from __future__ import annotations
 
 import logging
-import stat
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from kernels import paged_attention_cpu
 from kernels.reference import paged_attention_decode_ref, paged_attention_prefill_ref
 from tests.engine.attention_case import attention_case
+from tests.helpers.broken_compiler import use_broken_compiler
 
 
 def _case(seed=1, dtype=torch.float32):
@@ -57,11 +57,7 @@ def test_plan_per_step_follows_the_thread_count():
 
 
 def test_torch_path_when_the_kernel_cannot_be_built(monkeypatch, tmp_path, caplog):
-    cc = tmp_path / "cc"
-    cc.write_text("#!/bin/sh\necho no compiler here >&2\nexit 1\n")
-    cc.chmod(cc.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("CC", str(cc))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    use_broken_compiler(monkeypatch, tmp_path)
     paged_attention_cpu.forget_library()
     try:
         q, k, v, tables, meta = _case(3)
