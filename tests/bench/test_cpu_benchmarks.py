@@ -195,7 +195,8 @@ def test_decode_profile_script_on_cpu(tmp_path, capsys):
     argv = ["--device", "cpu", "--size", "tiny", "--dtype", "float32", "--requests", "4", "--adapters", "2"]
     assert gpu_profile.main([*argv, "--steps", "2", "--prompt-len", "8", "--workdir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "### mixed:" in out and "### base:" in out and "aten::mm" in out
+    assert "### mixed:" in out and "### base:" in out
+    assert "mkldnn::_linear_pointwise" in out or "aten::mm" in out  # packed weights (CPU float32), or dense
 
 
 def test_decode_profile_counts_fewer_ops_with_the_fused_cpu_ops(tmp_path, capsys):
