@@ -20,7 +20,7 @@
         int64_t n8 = n & ~(int64_t)7;                                                                         \
         v8f s = {0};                                                                                          \
         for (int64_t i = 0; i < n8; i += 8) s += LOADW(w + i) * LOADX(x + i);                                 \
-        float r = hsum8(s);                                                                                   \
+        float r = v8_hsum(s);                                                                                   \
         for (int64_t i = n8; i < n; i++) r += SCALARW(w + i) * SCALARX(x + i);                                \
         return r;                                                                                             \
     }                                                                                                         \
@@ -28,8 +28,8 @@
     static inline float P##_dotv(const W *w, const float *v, int64_t n) {                                     \
         int64_t n8 = n & ~(int64_t)7;                                                                         \
         v8f s = {0};                                                                                          \
-        for (int64_t i = 0; i < n8; i += 8) s += LOADW(w + i) * load_f32(v + i);                              \
-        float r = hsum8(s);                                                                                   \
+        for (int64_t i = 0; i < n8; i += 8) s += LOADW(w + i) * v8_load_f32(v + i);                              \
+        float r = v8_hsum(s);                                                                                   \
         for (int64_t i = n8; i < n; i++) r += SCALARW(w + i) * v[i];                                          \
         return r;                                                                                             \
     }                                                                                                         \
@@ -52,7 +52,7 @@
                 s2 += LOADW(a2 + i) * xv;                                                                     \
                 s3 += LOADW(a3 + i) * xv;                                                                     \
             }                                                                                                 \
-            float r0 = hsum8(s0), r1 = hsum8(s1), r2 = hsum8(s2), r3 = hsum8(s3);                             \
+            float r0 = v8_hsum(s0), r1 = v8_hsum(s1), r2 = v8_hsum(s2), r3 = v8_hsum(s3);                             \
             for (int64_t i = n8; i < n; i++) {                                                                \
                 float xi = SCALARX(x + i);                                                                    \
                 r0 += SCALARW(a0 + i) * xi;                                                                   \
@@ -75,7 +75,7 @@
                 v8f w0 = LOADW(a0 + i), w1 = LOADW(a1 + i), u0 = LOADX(x0 + i), u1 = LOADX(x1 + i);           \
                 s00 += w0 * u0, s01 += w1 * u0, s10 += w0 * u1, s11 += w1 * u1;                               \
             }                                                                                                 \
-            float r00 = hsum8(s00), r01 = hsum8(s01), r10 = hsum8(s10), r11 = hsum8(s11);                     \
+            float r00 = v8_hsum(s00), r01 = v8_hsum(s01), r10 = v8_hsum(s10), r11 = v8_hsum(s11);                     \
             for (int64_t i = n8; i < n; i++) {                                                                \
                 float w0 = SCALARW(a0 + i), w1 = SCALARW(a1 + i), u0 = SCALARX(x0 + i), u1 = SCALARX(x1 + i); \
                 r00 += w0 * u0, r01 += w1 * u0, r10 += w0 * u1, r11 += w1 * u1;                               \
@@ -100,9 +100,9 @@
                 for (int64_t p = 0; p < np; p++)                                                              \
                     for (int i = 0; i < 8; i++) {                                                             \
                         const W *bo = bs[p] + (o + i) * pr;                                                   \
-                        for (int64_t j = 0; j < rs[p]; j += 8) s[i] += LOADW(bo + j) * load_f32(v + off[p] + j); \
+                        for (int64_t j = 0; j < rs[p]; j += 8) s[i] += LOADW(bo + j) * v8_load_f32(v + off[p] + j); \
                     }                                                                                         \
-                STOREX(y + o, hsum8x8(s) + LOADX(y + o));                                                     \
+                STOREX(y + o, v8_hsum8x8(s) + LOADX(y + o));                                                     \
             }                                                                                                 \
         }                                                                                                     \
         for (; o < fout; o++) {                                                                               \
@@ -124,11 +124,11 @@
                         const W *bo = bs[p] + (o + i) * pr;                                                   \
                         for (int64_t j = 0; j < rs[p]; j += 8) {                                              \
                             v8f w = LOADW(bo + j);                                                            \
-                            s0[i] += w * load_f32(v0 + off[p] + j), s1[i] += w * load_f32(v1 + off[p] + j);   \
+                            s0[i] += w * v8_load_f32(v0 + off[p] + j), s1[i] += w * v8_load_f32(v1 + off[p] + j);   \
                         }                                                                                     \
                     }                                                                                         \
-                STOREX(y0 + o, hsum8x8(s0) + LOADX(y0 + o));                                                  \
-                STOREX(y1 + o, hsum8x8(s1) + LOADX(y1 + o));                                                  \
+                STOREX(y0 + o, v8_hsum8x8(s0) + LOADX(y0 + o));                                                  \
+                STOREX(y1 + o, v8_hsum8x8(s1) + LOADX(y1 + o));                                                  \
             }                                                                                                 \
         }                                                                                                     \
         if (o < fout) {                                                                                       \

@@ -1,6 +1,6 @@
-/* Eight-lane float32 vectors (GCC vector extensions) and the loads and stores that widen float32,
- * bfloat16 and float16 elements to them and round them back (to nearest even, NaN kept a quiet NaN, as
- * torch rounds). Compiled at every instruction-set level: with F16C the float16 conversions use it.
+/* Eight-lane float32 vectors (GCC vector extensions), shared by the native CPU kernels, and the loads and
+ * stores that widen float32, bfloat16 and float16 elements to them and round them back (to nearest even,
+ * NaN kept a quiet NaN, as torch rounds). Compiled at every instruction-set level: with F16C the float16 conversions use it.
  * `VEC8_HAS_F16` is defined when the compiler has _Float16.
  */
 #ifndef LORAPLEX_VEC8_H
