@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import platform
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from kernels.native_build import build_library
+from kernels.native_build import AVX2_FLAGS, AVX512_FLAGS, build_isa_levels
 
 _SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 _I64, _VP, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
@@ -41,26 +40,14 @@ _ARGTYPES = {
 }
 
 _COMMON = ("-ffp-contract=off", "-Wno-psabi")  # separate multiply and add at every level: same bits
-_X86_ISAS = (
-    ("generic", ("-DFUSED_ISA=generic", "-DFUSED_ISA_LEVEL=0", *_COMMON)),
-    ("avx2", ("-DFUSED_ISA=avx2", "-DFUSED_ISA_LEVEL=1", "-mavx2", "-mfma", "-mf16c", *_COMMON)),
-    (
-        "avx512",
-        ("-DFUSED_ISA=avx512", "-DFUSED_ISA_LEVEL=2", "-mavx2", "-mfma", "-mf16c")
-        + ("-mavx512f", "-mavx512bw", "-mavx512vl", *_COMMON),
-    ),
-)
+_X86_ISAS = (("generic", ()), ("avx2", AVX2_FLAGS), ("avx512", AVX512_FLAGS))
 
 
 @functools.cache
 def _library() -> tuple[ctypes.CDLL, tuple[str, ...]]:
     """The compiled library and the ISA names this CPU runs, lowest first (built on first use).
     Raises NativeBuildError."""
-    if platform.machine().lower() in ("x86_64", "amd64"):
-        lib = build_library("fused_cpu.c", [flags for _, flags in _X86_ISAS])
-        runs = tuple(name for level, (name, _) in enumerate(_X86_ISAS) if lib.fused_isa_supported(level))
-        return lib, runs
-    return build_library("fused_cpu.c", [("-march=native", *_COMMON)]), ("generic",)
+    return build_isa_levels("fused_cpu.c", "FUSED_ISA", _X86_ISAS, "fused_isa_supported", _COMMON)
 
 
 def forget_library() -> None:

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import platform
 
 import torch
 from torch import Tensor
 
 from kernels._common import check_tensor
-from kernels.native_build import build_library
+from kernels.native_build import AVX2_FLAGS, AVX512_FLAGS, build_isa_levels
 
 _OP = "lora_bgmv_cpu"
 _SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -28,34 +27,14 @@ _ARGTYPES = [_VP, _I64, _VP, _I64, _VP, _VP, _VP, _VP, _VP, _VP, _VP, _I64, _I64
 
 # Instruction-set levels the library is built for on x86-64, lowest first: (name, extra compiler flags).
 # Each is the whole kernel compiled for that level; the best one the CPU runs is used.
-_X86_ISAS = (
-    ("generic", ("-DLORA_ISA=generic", "-DLORA_ISA_LEVEL=0")),
-    ("avx2", ("-DLORA_ISA=avx2", "-DLORA_ISA_LEVEL=1", "-mavx2", "-mfma", "-mf16c")),
-    (
-        "avx512bf16",
-        (
-            "-DLORA_ISA=avx512bf16",
-            "-DLORA_ISA_LEVEL=2",
-            "-mavx2",
-            "-mfma",
-            "-mf16c",
-            "-mavx512f",
-            "-mavx512bw",
-        )
-        + ("-mavx512vl", "-mavx512bf16"),
-    ),
-)
+_X86_ISAS = (("generic", ()), ("avx2", AVX2_FLAGS), ("avx512bf16", (*AVX512_FLAGS, "-mavx512bf16")))
 
 
 @functools.cache
 def _library() -> tuple[ctypes.CDLL, tuple[str, ...]]:
     """The compiled library and the ISA names it has that this CPU runs, lowest first (built on first use).
     Raises NativeBuildError."""
-    if platform.machine().lower() in ("x86_64", "amd64"):
-        lib = build_library("lora_bgmv.c", [flags for _, flags in _X86_ISAS])
-        runs = tuple(name for level, (name, _) in enumerate(_X86_ISAS) if lib.lora_bgmv_isa_supported(level))
-        return lib, runs
-    return build_library("lora_bgmv.c"), ("generic",)  # built for this CPU (-march=native)
+    return build_isa_levels("lora_bgmv.c", "LORA_ISA", _X86_ISAS, "lora_bgmv_isa_supported")
 
 
 def forget_library() -> None:

@@ -112,3 +112,32 @@ def _compile(
             if proc.returncode != 0:
                 raise NativeBuildError(f"{' '.join(cmd[:-1])} {source.name}: {proc.stderr.strip()}")
         os.replace(f"{tmp}/lib.so", target)
+
+
+# The instruction-set levels of the native CPU kernels on x86-64, lowest first, as `csrc/cpu_isa.h` checks
+# them: generic; AVX2 + FMA + F16C; that + AVX-512 F/BW/VL (+ BF16 for a kernel that needs it).
+AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")
+AVX512_FLAGS = (*AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl")
+
+
+def build_isa_levels(
+    source_name: str,
+    macro: str,
+    levels: Sequence[tuple[str, tuple[str, ...]]],
+    probe: str,
+    extra: tuple[str, ...] = (),
+) -> tuple[ctypes.CDLL, tuple[str, ...]]:
+    """Build `csrc/<source_name>` once per level of `levels` ((name, compiler flags), lowest first; level
+    i compiled with ``-D<macro>=<name> -D<macro>_LEVEL=i`` and `extra`) into one library, and return it
+    with the names of the levels this CPU runs (asked of the generic build's function `probe`, which
+    takes a level index). Not on x86-64: one build for this CPU (``-march=native``), level ``generic``.
+    Raises NativeBuildError."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return build_library(source_name, [(*NATIVE, *extra)]), ("generic",)
+    variants = [
+        (f"-D{macro}={name}", f"-D{macro}_LEVEL={i}", *flags, *extra)
+        for i, (name, flags) in enumerate(levels)
+    ]
+    lib = build_library(source_name, variants)
+    supported = getattr(lib, probe)
+    return lib, tuple(name for i, (name, _) in enumerate(levels) if supported(i))

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import platform
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from kernels._common import FLOAT_DTYPES, check_shape, check_tensor
-from kernels.native_build import build_library
+from kernels.native_build import AVX2_FLAGS, AVX512_FLAGS, build_isa_levels
 
 _OP = "paged_attention_cpu"
 _SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -34,23 +33,14 @@ _ARGTYPES += [_I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int]
 MAX_HEAD_DIM = 256  # DMAX in the C source
 
 # Instruction-set levels the library is built for on x86-64, lowest first: (name, extra compiler flags).
-_AVX2 = ("-mavx2", "-mfma", "-mf16c")
-_X86_ISAS = (
-    ("generic", ("-DPA_ISA=generic", "-DPA_ISA_LEVEL=0")),
-    ("avx2", ("-DPA_ISA=avx2", "-DPA_ISA_LEVEL=1", *_AVX2)),
-    ("avx512", ("-DPA_ISA=avx512", "-DPA_ISA_LEVEL=2", *_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl")),
-)
+_X86_ISAS = (("generic", ()), ("avx2", AVX2_FLAGS), ("avx512", AVX512_FLAGS))
 
 
 @functools.cache
 def _library() -> tuple[ctypes.CDLL, tuple[str, ...]]:
     """The compiled library and the ISA names it has that this CPU runs, lowest first (built on first use).
     Raises NativeBuildError."""
-    if platform.machine().lower() in ("x86_64", "amd64"):
-        lib = build_library("paged_attention_cpu.c", [flags for _, flags in _X86_ISAS])
-        runs = tuple(n for level, (n, _) in enumerate(_X86_ISAS) if lib.paged_attention_isa_supported(level))
-        return lib, runs
-    return build_library("paged_attention_cpu.c"), ("generic",)  # built for this CPU (-march=native)
+    return build_isa_levels("paged_attention_cpu.c", "PA_ISA", _X86_ISAS, "paged_attention_isa_supported")
 
 
 def forget_library() -> None:
