@@ -15,21 +15,14 @@ Usage: ``python -m bench.gpu_features [--device cuda] [--dtype float32]``; `benc
 from __future__ import annotations
 
 import argparse
-import codecs
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
+
+from tools.train_demo import DEMO_OUTPUTS
 
 DEMO = Path(__file__).resolve().parent.parent / "demo"
 WORDS = ["hello world", "abc", "quick brown fox", "zebra", "lorem ipsum", "gpu check"]
-TRANSFORMS: dict[str | None, Callable[[str], str]] = {
-    None: lambda s: s,
-    "upper": str.upper,
-    "reverse": lambda s: s[::-1],
-    "rot13": lambda s: codecs.encode(s, "rot13"),
-    "novowels": lambda s: "".join(c for c in s if c not in "aeiou"),
-}
 SCHEMA = {
     "type": "object",
     "properties": {"word": {"type": "string", "maxLength": 8}, "n": {"type": "integer", "minimum": 0}},
@@ -39,10 +32,10 @@ SCHEMA = {
 
 
 def _batch() -> tuple[list[str], list[str | None]]:
-    """Every (prompt, adapter) pair of WORDS x TRANSFORMS, adapters interleaved."""
+    """Every (prompt, adapter) pair of WORDS x DEMO_OUTPUTS, adapters interleaved."""
     prompts, names = [], []
     for w in WORDS:
-        for name in TRANSFORMS:
+        for name in DEMO_OUTPUTS:
             prompts.append(f"{w}=")
             names.append(name)
     return prompts, names
@@ -62,14 +55,14 @@ def run(device: str, dtype: str) -> list[tuple[str, str, bool]]:
     from engine.structured import StructuredSpec
 
     prompts, names = _batch()
-    loras = {n: LoRARequest(n, str(DEMO / "adapters" / n)) for n in TRANSFORMS if n is not None}
+    loras = {n: LoRARequest(n, str(DEMO / "adapters" / n)) for n in DEMO_OUTPUTS if n is not None}
     per_req = [loras[n] if n else None for n in names]
     greedy = SamplingParams(max_tokens=32, temperature=0, stop=["\n"])
     rows: list[tuple[str, str, bool]] = []
 
     llm = LLM(str(DEMO / "base"), device=device, dtype=dtype, max_loras=4)
     outs = [o.outputs[0] for o in llm.generate(prompts, greedy, lora_request=per_req)]
-    ok = sum(o.text == TRANSFORMS[n](p[:-1]) for o, n, p in zip(outs, names, prompts, strict=True))
+    ok = sum(o.text == DEMO_OUTPUTS[n](p[:-1]) for o, n, p in zip(outs, names, prompts, strict=True))
     rows.append(("demo outputs", f"{ok}/{len(prompts)} equal the Python transform", ok == len(prompts)))
 
     structured = SamplingParams(

@@ -68,6 +68,11 @@ TASKS: dict[str, Callable[[str], str]] = {
     "novowels": lambda t: "".join(c for c in t if c not in "aeiou"),
 }
 ADAPTERS = ("upper", "reverse", "rot13", "novowels")
+# What each bundled demo model computes, by adapter name (None: the base model, which echoes).
+DEMO_OUTPUTS: dict[str | None, Callable[[str], str]] = {
+    None: TASKS["echo"],
+    **{a: TASKS[a] for a in ADAPTERS},
+}
 
 
 @dataclass(slots=True)

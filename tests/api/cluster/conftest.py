@@ -18,23 +18,14 @@ from lora_registry.migrate import upgrade
 from tests.helpers.live_server import ADMIN_TOKEN, free_port, wait_until
 from tests.helpers.redis_service import REDIS_URL, require_redis
 from tests.lora_registry.pg import postgres_database
+from tools.train_demo import DEMO_OUTPUTS
 
 DEMO = Path(__file__).resolve().parents[3] / "demo"
 ADAPTERS = ("upper", "reverse", "rot13", "novowels")
 
 
-def _rot13(s: str) -> str:
-    return s.translate(str.maketrans("abcdefghijklmnopqrstuvwxyz", "nopqrstuvwxyzabcdefghijklm"))
-
-
 # What each demo model computes (demo/README.md); None is the base model (echo).
-EXPECTED = {
-    None: lambda s: s,
-    "upper": str.upper,
-    "reverse": lambda s: s[::-1],
-    "rot13": _rot13,
-    "novowels": lambda s: "".join(c for c in s if c not in "aeiou"),
-}
+EXPECTED = DEMO_OUTPUTS
 
 
 @dataclass
