@@ -111,7 +111,7 @@ class EngineAdapters:
     def pin(self, name_or_digest: str, pinned: bool = True) -> bool:
         return self.manager().pin_lora(name_or_digest, self.scheduler.running_adapters(), pinned)
 
-    def list(self) -> list[LoRAInfo]:
+    def infos(self) -> list[LoRAInfo]:
         return self.manager().list_loras()
 
     def stats(self) -> LoRAPoolStats:

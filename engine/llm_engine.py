@@ -227,7 +227,7 @@ class LLMEngine:
         return self.adapters.pin(name_or_digest, pinned)
 
     def list_loras(self) -> list[LoRAInfo]:
-        return self.adapters.list()
+        return self.adapters.infos()
 
     def get_lora_stats(self) -> LoRAPoolStats:
         return self.adapters.stats()
