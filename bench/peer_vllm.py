@@ -12,7 +12,9 @@ rank-r PEFT adapters on all 7 projections, token-id prompts (no tokenizer: both 
 runs in its own virtualenv (`bench/peer_vllm_runner.py`, a long-lived process answering commands), so
 both engines stay loaded and the repeats are interleaved: loraplex mixed, loraplex base, vLLM mixed,
 vLLM base, and (unless `--no-vllm-compiled`) vLLM base with LoRA off, in a second vLLM process where
-torch.compile is allowed (vLLM's LoRA ops disable it on CPU). Best of `--repeats` per leg.
+torch.compile is allowed (vLLM's LoRA ops disable it on CPU). Best of `--repeats` per leg. Before each
+leg the benchmark waits until both engines are idle (`bench/settle.py`): vLLM busy-polls for about a
+second after a batch, and a leg started then would share its cores.
 
 vLLM settings: `VLLM_CPU_KVCACHE_SPACE=2`, `VLLM_CPU_OMP_THREADS_BIND=0-(threads-1)`, the venv's libgomp
 preloaded, `max_loras=N`, `max_lora_rank=r`. Reported: each engine's output tok/s, the ratios,
@@ -30,6 +32,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from bench.settle import wait_quiet
 from bench.workload import ModelSpec, make_prompts
 
 RUNNER = Path(__file__).with_name("peer_vllm_runner.py")
@@ -203,6 +206,11 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
 
 
+def settle(vllm: VllmProcess) -> None:
+    """Wait until neither engine is still busy from its last leg (`bench/settle.py`)."""
+    wait_quiet([vllm.proc.pid])
+
+
 def run_peer(
     vllm_python: Path,
     workdir: Path,
@@ -254,11 +262,14 @@ def run_peer(
                 for hogs in (0, hog) if hog else (0,):  # quiet, then beside `hog` busy processes
                     tag = "_hog" if hogs else ""
                     with cpu_hogs(hogs):
+                        settle(vllm)
                         m = timed_run(eng, wl.prompts, params, per_req, f"m{r}{tag}")
                         record(f"mixed{tag}", m.total_s, m.token_ids)
+                        settle(vllm)
                         b = timed_run(eng, wl.prompts, params, None, f"b{r}{tag}")
                         record(f"base{tag}", b.total_s, b.token_ids)
                         for leg in ("mixed", "base"):
+                            settle(vllm)
                             out = vllm.run(leg)
                             record(f"vllm_{leg}{tag}", out["seconds"], out["tokens"])
                 bar.advance(task)
@@ -272,8 +283,10 @@ def run_peer(
                 vllm.run("base")
                 bar.advance(task)
                 for r in range(repeats):
+                    settle(vllm)
                     b = timed_run(eng, wl.prompts, params, None, f"bc{r}")  # interleaved with loraplex base
                     record("base", b.total_s, b.token_ids)
+                    settle(vllm)
                     out = vllm.run("base")
                     record("vllm_base_compiled", out["seconds"], out["tokens"])
                     bar.advance(task)

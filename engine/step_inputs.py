@@ -49,10 +49,15 @@ class StepInputs:
 
 
 def step_inputs(items: Sequence[ScheduledSequence], block_size: int) -> StepInputs:
-    """The host arrays of one step (module docstring) for `items` in flat-batch order."""
+    """The host arrays of one step (module docstring) for `items` in flat-batch order.
+
+    The leading decode rows (one token each) are computed with plain integers, the other rows with
+    numpy: a decode step of 32 sequences costs about half the time of numpy for every row."""
     bs = block_size
     ids: list[int] = []
-    pos_parts: list[np.ndarray] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    pos_parts: list[np.ndarray] = []  # the rows after the leading decodes' `positions` / `slots`
     slot_parts: list[np.ndarray] = []
     seq_lens, q_start = [], [0]
     logits_rows: list[int] = []
@@ -60,25 +65,27 @@ def step_inputs(items: Sequence[ScheduledSequence], block_size: int) -> StepInpu
     max_blocks = max(len(it.block_ids) for it in items)
     tables = np.zeros((len(items), max_blocks), dtype=np.int32)
     for row, it in enumerate(items):
-        n, start = it.num_tokens, it.start
-        if n == 1:
-            num_decodes += 1
-        spec = it.spec_token_ids
-        ids.extend(it.seq.all_token_ids[start : start + n - len(spec)])
-        ids.extend(spec)
-        pos = np.arange(start, start + n, dtype=np.int64)
-        blocks = np.asarray(it.block_ids, dtype=np.int64)
-        pos_parts.append(pos)
-        slot_parts.append(blocks[pos // bs] * bs + pos % bs)
+        n, start, spec, blocks = it.num_tokens, it.start, it.spec_token_ids, it.block_ids
         tables[row, : len(blocks)] = blocks
         seq_lens.append(start + n)
         q_start.append(q_start[-1] + n)
+        num_decodes += n == 1
+        if n == 1 and not pos_parts:  # a decode row before any other row: plain integers
+            ids.append(it.seq.all_token_ids[start])
+            positions.append(start)
+            slots.append(blocks[start // bs] * bs + start % bs)
+        else:
+            ids.extend(it.seq.all_token_ids[start : start + n - len(spec)])
+            ids.extend(spec)
+            pos = np.arange(start, start + n, dtype=np.int64)
+            pos_parts.append(pos)
+            slot_parts.append(np.asarray(blocks, dtype=np.int64)[pos // bs] * bs + pos % bs)
         if it.sample:  # the last row; with proposed tokens, every row from the last known token on
             logits_rows.extend(range(q_start[-1] - 1 - len(spec), q_start[-1]))
     return StepInputs(
         input_ids=ids,
-        positions=np.concatenate(pos_parts),
-        slot_mapping=np.concatenate(slot_parts),
+        positions=np.concatenate([np.asarray(positions, dtype=np.int64), *pos_parts]),
+        slot_mapping=np.concatenate([np.asarray(slots, dtype=np.int64), *slot_parts]),
         block_tables=tables,
         seq_lens=seq_lens,
         query_starts=q_start,

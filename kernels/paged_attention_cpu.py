@@ -17,6 +17,7 @@ import ctypes
 import functools
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -118,10 +119,13 @@ class PreparedPagedAttention:
         num_seqs = seq_lens.shape[0]
         check_shape(_OP, "block_tables", block_tables, (num_seqs, None))
         check_shape(_OP, "query_start_loc", query_start_loc, (num_seqs + 1,))
-        idx = torch.tensor(list(seqs), dtype=torch.int32)
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= num_seqs):
+        if block_tables.device.type != "cpu":
+            raise ValueError(f"{_OP}: block tables, lengths and query starts must be CPU tensors")
+        idx_np = np.fromiter(seqs, dtype=np.int32)
+        if idx_np.size and (int(idx_np.min()) < 0 or int(idx_np.max()) >= num_seqs):
             raise ValueError(f"{_OP}: seqs must index the {num_seqs} sequences")
-        _check_runs(block_tables, seq_lens, query_start_loc, idx.long(), num_blocks, block_size)
+        _check_runs(block_tables, seq_lens, query_start_loc, idx_np, num_blocks, block_size)
+        idx = torch.from_numpy(idx_np)
         self._keep = (block_tables, seq_lens, query_start_loc, idx)
         self._fn = kernels[(q_dtype, k_cache.dtype)]
         self.q_dtype, self.cache_dtype, self.shape = q_dtype, k_cache.dtype, tuple(k_cache.shape)
@@ -183,22 +187,23 @@ def paged_attention_cpu(
 
 
 def _check_runs(
-    tables: Tensor, seq_lens: Tensor, qsl: Tensor, idx: Tensor, num_blocks: int, block_size: int
+    tables: Tensor, seq_lens: Tensor, qsl: Tensor, idx: np.ndarray, num_blocks: int, block_size: int
 ) -> None:
     """ValueError unless each listed sequence has 1..seq_len query rows, its length fits its table row,
-    and the blocks it uses are blocks of the cache (the kernel reads them unchecked)."""
-    if not idx.numel():
+    and the blocks it uses are blocks of the cache (the kernel reads them unchecked). Computed on numpy
+    views of the (CPU) tensors: a few microseconds, once per step."""
+    if not idx.size:
         return
-    lens = seq_lens.index_select(0, idx).long()
-    rows = (qsl[1:] - qsl[:-1]).index_select(0, idx).long()
-    if bool((rows < 1).any()) or bool((rows > lens).any()):
+    lens_all, qs = seq_lens.numpy().astype(np.int64), qsl.numpy().astype(np.int64)
+    lens, rows = lens_all[idx], (qs[1:] - qs[:-1])[idx]
+    if (rows < 1).any() or (rows > lens).any():
         raise ValueError(f"{_OP}: each sequence needs 1..seq_len query rows (query_start_loc vs seq_lens)")
-    if bool((qsl[1:] < qsl[:-1]).any()):
+    if (qs[1:] < qs[:-1]).any():
         raise ValueError(f"{_OP}: query_start_loc must not decrease")
     max_blocks = tables.shape[1]
     if int(lens.max()) > max_blocks * block_size:
         raise ValueError(f"{_OP}: a sequence is longer than its block table ({max_blocks} x {block_size})")
-    used = torch.arange(max_blocks)[None, :] < ((lens + block_size - 1) // block_size)[:, None]
-    blocks = tables.index_select(0, idx)[used]
-    if blocks.numel() and (int(blocks.min()) < 0 or int(blocks.max()) >= num_blocks):
+    used = np.arange(max_blocks)[None, :] < ((lens + block_size - 1) // block_size)[:, None]
+    blocks = tables.numpy()[idx][used]
+    if blocks.size and (int(blocks.min()) < 0 or int(blocks.max()) >= num_blocks):
         raise ValueError(f"{_OP}: a block table names a block outside the cache's {num_blocks}")

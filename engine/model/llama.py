@@ -185,8 +185,9 @@ class LlamaForCausalLM(nn.Module):
         return nn.functional.linear(x, head).float()
 
     def pack_cpu_gemms(self) -> bool:
-        """On a CPU in float32, pack every projection's weight and the LM head for oneDNN
-        (`engine/model/cpu_gemm.py`); returns whether it did. Call once, after the weights are loaded."""
+        """On a CPU in float32 (or bfloat16 the CPU computes natively), pack every projection's weight and
+        the LM head for oneDNN (`engine/model/cpu_gemm.py`); returns whether it did. Call once, after the
+        weights are loaded."""
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
         if not can_pack(head.device, head.dtype):
             return False
