@@ -172,13 +172,23 @@ INLINE void attend_pass(elem_t Q, elem_t KV, const args_t *a, int64_t b, int64_t
         m[v] = -INFINITY, l[v] = 0.0f;
     }
     const int64_t row_bytes = a->hkv * d * KV.size, head_off = h * d * KV.size;
+    for (int64_t k0 = 0; k0 < kmax; k0 += bs) { /* ask for every row of this head up front: many misses
+                                                  * in flight instead of one block's at a time */
+        const int64_t base = (int64_t)table[k0 / bs] * bs * row_bytes + head_off;
+        const int64_t rows = bs < kmax - k0 ? bs : kmax - k0;
+        for (int64_t j = 0; j < rows; j++)
+            for (int64_t c = 0; c < d * KV.size; c += 64) {
+                __builtin_prefetch(a->k + base + j * row_bytes + c, 0, 2);
+                __builtin_prefetch(a->v + base + j * row_bytes + c, 0, 2);
+            }
+    }
     for (int64_t k0 = 0; k0 < kmax;) {
         int64_t off = k0 % bs, cnt = bs - off;
         cnt = cnt < KCHUNK ? cnt : KCHUNK;
         cnt = cnt < kmax - k0 ? cnt : kmax - k0;
         int64_t first = ((int64_t)table[k0 / bs] * bs + off) * row_bytes + head_off;
         for (int64_t j = 0; j < cnt; j++) k_rows[j] = a->k + first + j * row_bytes, v_rows[j] = a->v + first + j * row_bytes;
-        if (off + cnt == bs && k0 + cnt < kmax) { /* prefetch the next block's rows of this head */
+        if (off + cnt == bs && k0 + cnt < kmax) { /* the next block's rows of this head, into L1 */
             int64_t next = (int64_t)table[(k0 + cnt) / bs] * bs * row_bytes + head_off;
             int64_t rows = bs < kmax - k0 - cnt ? bs : kmax - k0 - cnt;
             for (int64_t j = 0; j < rows; j++)
