@@ -1,12 +1,15 @@
 """The native CPU paged attention (`kernels.paged_attention_cpu`) as the torch backend's path for decode
-rows and short query runs (speculative verification, small chunks).
+rows, short query runs (speculative verification, small chunks) and prefill.
 
 Once per step (the first layer's call, keyed by the step's metadata object) it decides whether the
-kernel serves this step and prepares it: the sequences with at most `SHORT_RUN_MAX_ROWS` query rows,
-their block tables and lengths checked once, and torch's current thread count (which the thread governor
-may lower between steps). Later layers reuse the plan: one foreign-function call per layer. When the
-library cannot be built, or the dtypes or head size are not supported, the step gets no plan and the
-backend takes its torch path.
+kernel serves this step and prepares it: every sequence when the step has at least one work item (a
+sequence's KV head) per thread, else only the sequences with at most `SHORT_RUN_MAX_ROWS` query rows
+(one long prompt alone has too few items to keep many threads busy; SDPA splits it finer). Their block
+tables and lengths are checked once, with torch's current thread count (which the thread governor may
+lower between steps). The kernel is 2-5x faster than gathering the blocks for SDPA on prefill runs of
+64-4096 rows, float32 and bfloat16 (docs/benchmarks.md). Later layers reuse the plan: one
+foreign-function call per layer. When the library cannot be built, or the dtypes or head size are not
+supported, the step gets no plan and the backend takes its torch path.
 """
 
 from __future__ import annotations
@@ -65,15 +68,19 @@ class NativeAttention:
             self._broken = str(exc)
             log.warning("CPU attention uses the torch path: %s", exc)
             return None
-        qs = meta.query_start_list
+        threads = torch.get_num_threads()
         seqs: list[int] = []
         rest: list[int] = []
-        for b in range(meta.num_seqs):
-            (seqs if b < meta.num_decodes or qs[b + 1] - qs[b] <= SHORT_RUN_MAX_ROWS else rest).append(b)
+        if meta.num_seqs * k_cache.shape[2] >= threads:  # a work item for every thread: all of them
+            seqs = list(range(meta.num_seqs))
+        else:
+            qs = meta.query_start_list
+            for b in range(meta.num_seqs):
+                (seqs if b < meta.num_decodes or qs[b + 1] - qs[b] <= SHORT_RUN_MAX_ROWS else rest).append(b)
         if not seqs:
             return None
         call = PreparedPagedAttention(
             meta.block_tables, meta.seq_lens, meta.query_start_loc, seqs, k_cache, query.dtype,
-            query.shape[1], num_threads=torch.get_num_threads(),
+            query.shape[1], num_threads=threads,
         )  # fmt: skip
         return NativeStep(call, rest)

@@ -13,8 +13,20 @@ from kernels.reference import paged_attention_decode_ref, paged_attention_prefil
 from tests.engine.attention_case import attention_case
 
 
-@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
-def test_short_runs_match_reference(native):
+@pytest.fixture
+def threads(request):
+    """torch's thread count for the test (restored after)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(
+    ("native", "threads"), [(False, 2), (True, 2), (True, 16)], ids=["torch", "native", "native-16-threads"],
+    indirect=["threads"],
+)  # fmt: skip
+def test_short_runs_match_reference(native, threads):
     # two decodes; then runs of 5, 2, a long chunk of 30, 17 (the longest short run) and 3 rows
     q_lens = [1, 1, 5, 2, 30, SHORT_RUN_MAX_ROWS, 3]
     seq_lens = [6, 11, 9, 2, 41, 40, 4]
@@ -23,7 +35,10 @@ def test_short_runs_match_reference(native):
     backend = TorchAttentionBackend(native=native)
     out = backend.attend(q, k_cache, v_cache, meta, 0.25)
     step = backend.native.step(q, k_cache, meta)
-    if native:  # the kernel took the decodes and the short runs, SDPA the 30-row chunk
+    if native and threads == 2:  # 7 sequences x 2 KV heads: work for every thread, the kernel takes all
+        assert step is not None and step.call.num_seqs == 7 and step.rest == [] and backend._short is None
+    elif native:  # 14 work items for 16 threads: the kernel takes the decodes and the short runs, SDPA
+        # the 30-row chunk (it splits one sequence between threads)
         assert step is not None and step.call.num_seqs == 6 and step.rest == [4] and backend._short is None
     else:
         assert step is None and backend._short is not None and backend._short.num_seqs == 4
