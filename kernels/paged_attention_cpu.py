@@ -119,7 +119,7 @@ class PreparedPagedAttention:
         num_seqs = seq_lens.shape[0]
         check_shape(_OP, "block_tables", block_tables, (num_seqs, None))
         check_shape(_OP, "query_start_loc", query_start_loc, (num_seqs + 1,))
-        if block_tables.device.type != "cpu":
+        if any(t.device.type != "cpu" for t in (block_tables, seq_lens, query_start_loc)):
             raise ValueError(f"{_OP}: block tables, lengths and query starts must be CPU tensors")
         idx_np = np.fromiter(seqs, dtype=np.int32)
         if idx_np.size and (int(idx_np.min()) < 0 or int(idx_np.max()) >= num_seqs):
