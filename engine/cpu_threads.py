@@ -11,7 +11,10 @@ thread (docs/benchmarks.md). One thread has no barrier; it just gets its share o
 - `ThreadGovernor`: per step, the process's CPU time over (wall time x threads) is its *CPU share*:
   near 1 while its threads have their cores (time spinning at barriers counts), lower when they are
   descheduled. Below `low` over a window, the engine drops to one thread; while at one thread with a
-  share above `high` (a whole core to itself), it tries its full count again every `retry_s` seconds.
+  share above `high` (a whole core to itself), it tries its full count again after a wait that starts
+  at `retry_s` (1 s) and doubles, up to `max_retry_s` (30 s), each time a retry is met by contention
+  within `confirm_s`: a short burst from a neighbour costs about a second at one thread, a lasting one
+  a failed retry window every 30 s.
 """
 
 from __future__ import annotations
@@ -66,17 +69,21 @@ class ThreadGovernor:
         high: float = 0.9,
         window_s: float = 0.25,
         window_steps: int = 4,
-        retry_s: float = 5.0,
+        retry_s: float = 1.0,
+        max_retry_s: float = 30.0,
+        confirm_s: float = 2.0,
     ) -> None:
         self.max_threads, self.low, self.high = max_threads, low, high
-        self.window_s, self.window_steps, self.retry_s = window_s, window_steps, retry_s
+        self.window_s, self.window_steps = window_s, window_steps
+        self.retry_s, self.max_retry_s, self.confirm_s = retry_s, max_retry_s, confirm_s
         self.threads = torch.get_num_threads()
         self.changes = 0  # how often the count was changed (for stats and tests)
         self.last_share: float | None = None
+        self.wait_s = retry_s  # the wait at one thread before the next retry (module docstring)
         self._wall = self._cpu = 0.0
         self._steps = 0
         self._t0 = self._c0 = 0.0
-        self._dropped_at = -math.inf
+        self._dropped_at = self._raised_at = -math.inf
 
     def begin(self) -> None:
         self._t0, self._c0 = time.perf_counter(), time.process_time()
@@ -96,14 +103,17 @@ class ThreadGovernor:
     def decide(self, share: float, now: float) -> None:
         """Apply the rule in the module docstring to one window's CPU share."""
         if self.threads > 1 and share < self.low:
+            failed_retry = now - self._raised_at <= self.confirm_s
+            self.wait_s = min(2 * self.wait_s, self.max_retry_s) if failed_retry else self.retry_s
             self._set(1)
             self._dropped_at = now
         elif (
             self.threads == 1 < self.max_threads
             and share > self.high
-            and now - self._dropped_at > self.retry_s
+            and now - self._dropped_at > self.wait_s
         ):
             self._set(self.max_threads)
+            self._raised_at = now
 
     def _set(self, n: int) -> None:
         torch.set_num_threads(n)

@@ -38,6 +38,34 @@ def test_governor_drops_to_one_thread_and_retries_later(restore_threads):
     assert torch.get_num_threads() == 1 and gov.changes == 3
 
 
+def test_governor_backs_off_while_retries_fail_and_recovers_fast_after_a_burst(restore_threads):
+    torch.set_num_threads(2)
+    gov = ThreadGovernor(2, retry_s=1.0, max_retry_s=8.0, confirm_s=2.0)
+    gov.decide(0.5, now=0.0)  # a neighbour takes a core: one thread, retry after 1 s
+    assert gov.threads == 1 and gov.wait_s == 1.0
+    t = 0.0
+    waits = []
+    for _ in range(5):  # lasting contention: each retry meets it in its first window
+        t += gov.wait_s + 0.1
+        gov.decide(0.95, now=t)
+        assert gov.threads == 2
+        t += 0.25
+        gov.decide(0.5, now=t)
+        assert gov.threads == 1
+        waits.append(gov.wait_s)
+    assert waits == [2.0, 4.0, 8.0, 8.0, 8.0]  # doubled, capped at max_retry_s
+    gov.decide(0.95, now=t + 0.5)  # quiet again, but the wait is 8 s now: not yet
+    assert gov.threads == 1
+    t += 8.1
+    gov.decide(0.95, now=t)  # the retry holds past confirm_s ...
+    gov.decide(0.95, now=t + 3.0)
+    assert gov.threads == 2
+    gov.decide(0.5, now=t + 10.0)  # ... so the next burst starts again from retry_s
+    assert gov.threads == 1 and gov.wait_s == 1.0
+    gov.decide(0.95, now=t + 11.2)  # back to two threads about a second after the burst
+    assert gov.threads == 2
+
+
 def test_governor_decides_per_window_from_measured_shares(restore_threads):
     torch.set_num_threads(2)
     gov = ThreadGovernor(2, window_s=0.0, window_steps=3)
