@@ -1,13 +1,14 @@
 """The native CPU paged attention (`kernels.paged_attention_cpu`) as the torch backend's path for decode
 rows, short query runs (speculative verification, small chunks) and prefill.
 
-Once per step (the first layer's call, keyed by the step's metadata object) it decides whether the
-kernel serves this step and prepares it: every sequence when the step has at least one work item (a
-sequence's KV head) per thread, else only the sequences with at most `SHORT_RUN_MAX_ROWS` query rows
-(one long prompt alone has too few items to keep many threads busy; SDPA splits it finer). Their block
-tables and lengths are checked once, with torch's current thread count (which the thread governor may
-lower between steps). The kernel is 2-5x faster than gathering the blocks for SDPA on prefill runs of
-64-4096 rows, float32 and bfloat16 (docs/benchmarks.md). Later layers reuse the plan: one
+Once per step (the first layer's call, keyed by the step's metadata object) it decides whether the kernel
+serves this step and prepares it. A work item of the kernel is one sequence's KV head, computed by one
+thread, so the kernel takes the decodes, the runs of at most `SHORT_RUN_MAX_ROWS` query rows, and every
+longer run whose item (rows x keys) is no more than one thread's fair share of the step's work; a run that
+would keep one thread busy while the others wait (one long prompt on many threads) goes to SDPA, which
+splits it finer. Block tables and lengths are checked once, with torch's current thread count (which the
+thread governor may lower between steps). The kernel is 2-5x faster than gathering the blocks for SDPA on
+prefill runs of 64-4096 rows, float32 and bfloat16 (docs/benchmarks.md). Later layers reuse the plan: one
 foreign-function call per layer. When the library cannot be built, or the dtypes or head size are not
 supported, the step gets no plan and the backend takes its torch path.
 """
@@ -69,14 +70,14 @@ class NativeAttention:
             log.warning("CPU attention uses the torch path: %s", exc)
             return None
         threads = torch.get_num_threads()
+        qs, lens = meta.query_start_list, meta.seq_lens_list
+        work = [(qs[b + 1] - qs[b]) * lens[b] for b in range(meta.num_seqs)]  # per item: rows x keys
+        fair = sum(work) * k_cache.shape[2] / threads  # one thread's share of all the items' work
         seqs: list[int] = []
         rest: list[int] = []
-        if meta.num_seqs * k_cache.shape[2] >= threads:  # a work item for every thread: all of them
-            seqs = list(range(meta.num_seqs))
-        else:
-            qs = meta.query_start_list
-            for b in range(meta.num_seqs):
-                (seqs if b < meta.num_decodes or qs[b + 1] - qs[b] <= SHORT_RUN_MAX_ROWS else rest).append(b)
+        for b in range(meta.num_seqs):
+            short = b < meta.num_decodes or qs[b + 1] - qs[b] <= SHORT_RUN_MAX_ROWS
+            (seqs if short or work[b] <= fair else rest).append(b)
         if not seqs:
             return None
         call = PreparedPagedAttention(

@@ -35,10 +35,11 @@ def test_short_runs_match_reference(native, threads):
     backend = TorchAttentionBackend(native=native)
     out = backend.attend(q, k_cache, v_cache, meta, 0.25)
     step = backend.native.step(q, k_cache, meta)
-    if native and threads == 2:  # 7 sequences x 2 KV heads: work for every thread, the kernel takes all
+    # Work (rows x keys) per sequence: 6, 11, 45, 4, 1230, 680, 12; 2 KV heads each.
+    if native and threads == 2:  # a thread's share is 1988 x 2 / 2: every item fits, the kernel takes all
         assert step is not None and step.call.num_seqs == 7 and step.rest == [] and backend._short is None
-    elif native:  # 14 work items for 16 threads: the kernel takes the decodes and the short runs, SDPA
-        # the 30-row chunk (it splits one sequence between threads)
+    elif native:  # a share of 1988 x 2 / 16 = 248: the 30-row chunk (1230) would hold up one of 16
+        # threads, so SDPA takes it; the 17-row run (680) is a short run, the kernel's
         assert step is not None and step.call.num_seqs == 6 and step.rest == [4] and backend._short is None
     else:
         assert step is None and backend._short is not None and backend._short.num_seqs == 4
