@@ -17,8 +17,9 @@ leg the benchmark waits until both engines are idle (`bench/settle.py`): vLLM bu
 second after a batch, and a leg started then would share its cores.
 
 vLLM settings: `VLLM_CPU_KVCACHE_SPACE=2`, `VLLM_CPU_OMP_THREADS_BIND=0-(threads-1)`, the venv's libgomp
-preloaded, `max_loras=N`, `max_lora_rank=r`. Reported: each engine's output tok/s, the ratios,
-each one's LoRA overhead (mixed / base time), start-up time, and whether the greedy tokens agree.
+preloaded, `max_loras=N`, `max_lora_rank=r`. Reported: each engine's output tok/s, the ratios (best
+legs, and per interleaved repeat: median and range), each one's LoRA overhead (mixed / base time),
+start-up time, and whether the greedy tokens agree.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -158,6 +160,8 @@ class PeerResult:
     start_s: dict[str, float] = field(default_factory=dict)  # engine -> start-up seconds
     agree: dict[str, float] = field(default_factory=dict)  # "mixed"/"base" -> fraction of equal requests
     load_avg: list[float] = field(default_factory=list)
+    # comparison -> vLLM seconds / loraplex seconds of each repeat, the two legs run back to back
+    pairs: dict[str, list[float]] = field(default_factory=dict)
 
     def tok_s(self, leg: str) -> float:
         return self.requests * self.new_tokens / self.seconds[leg]
@@ -192,6 +196,14 @@ class PeerResult:
             lines.append(
                 f"- beside {self.hogs} busy processes, loraplex / vLLM: "
                 f"mixed **{mixed:.2f}x**, base **{base:.2f}x**"
+            )
+        if self.pairs:
+            lines.append(
+                "- loraplex / vLLM per interleaved repeat, median (range): "
+                + ", ".join(
+                    f"{k} {statistics.median(v):.2f}x ({min(v):.2f}-{max(v):.2f})"
+                    for k, v in self.pairs.items()
+                )
             )
         if self.start_s:
             lines.append("- start-up: " + ", ".join(f"{k} {v:.1f} s" for k, v in self.start_s.items()))
@@ -268,10 +280,11 @@ def run_peer(
                         settle(vllm)
                         b = timed_run(eng, wl.prompts, params, None, f"b{r}{tag}")
                         record(f"base{tag}", b.total_s, b.token_ids)
-                        for leg in ("mixed", "base"):
+                        for leg, mine in (("mixed", m), ("base", b)):
                             settle(vllm)
                             out = vllm.run(leg)
                             record(f"vllm_{leg}{tag}", out["seconds"], out["tokens"])
+                            result.pairs.setdefault(f"{leg}{tag}", []).append(out["seconds"] / mine.total_s)
                 bar.advance(task)
         finally:
             vllm.close()
@@ -289,6 +302,7 @@ def run_peer(
                     settle(vllm)
                     out = vllm.run("base")
                     record("vllm_base_compiled", out["seconds"], out["tokens"])
+                    result.pairs.setdefault("base vs compiled", []).append(out["seconds"] / b.total_s)
                     bar.advance(task)
             finally:
                 vllm.close()
