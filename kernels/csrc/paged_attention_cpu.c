@@ -221,6 +221,22 @@ INLINE void attend_pass(elem_t Q, elem_t KV, const args_t *a, int64_t b, int64_t
     }
 }
 
+/* Ask for every K and V row item `it` reads (all its keys, its KV head) to be brought towards this core. */
+static inline void prefetch_item(const args_t *a, int64_t it, int64_t kv_size) {
+    const int64_t b = a->seqs[it / a->hkv], h = it % a->hkv, bs = a->bs, len = a->seq_lens[b];
+    const int64_t row_bytes = a->hkv * a->d * kv_size, head_off = h * a->d * kv_size;
+    const int32_t *table = a->tables + b * a->table_stride;
+    for (int64_t k0 = 0; k0 < len; k0 += bs) {
+        const int64_t base = (int64_t)table[k0 / bs] * bs * row_bytes + head_off;
+        const int64_t rows = bs < len - k0 ? bs : len - k0;
+        for (int64_t j = 0; j < rows; j++)
+            for (int64_t c = 0; c < a->d * kv_size; c += 64) {
+                __builtin_prefetch(a->k + base + j * row_bytes + c, 0, 2);
+                __builtin_prefetch(a->v + base + j * row_bytes + c, 0, 2);
+            }
+    }
+}
+
 /* Work item `it` of a call: sequence seqs[it / Hkv], KV head it % Hkv, all its query vectors. */
 INLINE void attend_item(elem_t Q, elem_t KV, const args_t *a, int64_t it) {
     const int64_t group = a->hq / a->hkv, b = a->seqs[it / a->hkv], h = it % a->hkv;
@@ -248,7 +264,11 @@ INLINE void attend_item(elem_t Q, elem_t KV, const args_t *a, int64_t it) {
         const int64_t items = num_seqs * hkv;                                                                 \
         if (num_threads < 1 || items < 2) num_threads = 1;                                                    \
         _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)")        \
-        for (int64_t it = 0; it < items; it++) CAT4(item, QN, KVN, PA_ISA)(&a, it);                           \
+        for (int64_t it = 0; it < items; it++) {                                                              \
+            /* the item this thread most likely takes next: its rows arrive while this one computes */        \
+            if (it + num_threads < items) prefetch_item(&a, it + num_threads, sizeof_##KVN);                  \
+            CAT4(item, QN, KVN, PA_ISA)(&a, it);                                                              \
+        }                                                                                                     \
         return 0;                                                                                             \
     }
 
