@@ -7,7 +7,7 @@
 #define LORAPLEX_VEC8_H
 #include <stdint.h>
 #include <string.h>
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -25,12 +25,17 @@ static inline void v8_store_f32(float *p, v8f v) { memcpy(p, &v, sizeof v); }
 
 /* bfloat16 is the high half of a float32: widen by a shift; narrow by rounding to nearest even. */
 static inline v8f v8_load_bf16(const uint16_t *p) {
+#ifdef __AVX2__ /* one vpmovzxwd: GCC 12 splits the generic form below into two 128-bit halves */
+    __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+    return (v8f)_mm256_castsi256_ps(w);
+#else
     v8u16 h;
     memcpy(&h, p, sizeof h);
     v8u32 w = __builtin_convertvector(h, v8u32) << 16;
     v8f v;
     memcpy(&v, &w, sizeof v);
     return v;
+#endif
 }
 static inline float v1_load_bf16(const uint16_t *p) {
     uint32_t w = (uint32_t)*p << 16;
