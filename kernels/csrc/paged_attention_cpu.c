@@ -37,6 +37,7 @@
 #define VMAX 16   /* query vectors per pass */
 #define KCHUNK 32 /* keys per online-softmax update */
 #define DMAX 256  /* head dim */
+#define PREFETCH_KEYS 256 /* keys of a work item prefetched ahead (64-128 KiB at D = 64) */
 #define INLINE static inline __attribute__((always_inline))
 
 /* Element access by type: 8 elements widened to float32, one element, and their rounding stores. */
@@ -151,6 +152,22 @@ INLINE void chunk_update(elem_t RE, const char *const *k_rows, const char *const
     }
 }
 
+/* Prefetch (into L2) the K and V rows of KV head h for the first min(keys, PREFETCH_KEYS) keys of the
+ * sequence with block table `table`: a bound, so a long context does not flush what is being computed. */
+static inline void prefetch_rows(const args_t *a, const int32_t *table, int64_t h, int64_t keys, int64_t kv_size) {
+    const int64_t bs = a->bs, row_bytes = a->hkv * a->d * kv_size, head_off = h * a->d * kv_size;
+    keys = keys < PREFETCH_KEYS ? keys : PREFETCH_KEYS;
+    for (int64_t k0 = 0; k0 < keys; k0 += bs) {
+        const int64_t base = (int64_t)table[k0 / bs] * bs * row_bytes + head_off;
+        const int64_t rows = bs < keys - k0 ? bs : keys - k0;
+        for (int64_t j = 0; j < rows; j++)
+            for (int64_t c = 0; c < a->d * kv_size; c += 64) {
+                __builtin_prefetch(a->k + base + j * row_bytes + c, 0, 2);
+                __builtin_prefetch(a->v + base + j * row_bytes + c, 0, 2);
+            }
+    }
+}
+
 /* One pass: query vectors v0 .. v0 + nv - 1 of sequence b on KV head h (vector v is row v / group, head
  * h * group + v % group). */
 INLINE void attend_pass(elem_t Q, elem_t KV, const args_t *a, int64_t b, int64_t h, int64_t v0, int64_t nv) {
@@ -172,16 +189,7 @@ INLINE void attend_pass(elem_t Q, elem_t KV, const args_t *a, int64_t b, int64_t
         m[v] = -INFINITY, l[v] = 0.0f;
     }
     const int64_t row_bytes = a->hkv * d * KV.size, head_off = h * d * KV.size;
-    for (int64_t k0 = 0; k0 < kmax; k0 += bs) { /* ask for every row of this head up front: many misses
-                                                  * in flight instead of one block's at a time */
-        const int64_t base = (int64_t)table[k0 / bs] * bs * row_bytes + head_off;
-        const int64_t rows = bs < kmax - k0 ? bs : kmax - k0;
-        for (int64_t j = 0; j < rows; j++)
-            for (int64_t c = 0; c < d * KV.size; c += 64) {
-                __builtin_prefetch(a->k + base + j * row_bytes + c, 0, 2);
-                __builtin_prefetch(a->v + base + j * row_bytes + c, 0, 2);
-            }
-    }
+    prefetch_rows(a, table, h, kmax, KV.size); /* many misses in flight, not one block's at a time */
     for (int64_t k0 = 0; k0 < kmax;) {
         int64_t off = k0 % bs, cnt = bs - off;
         cnt = cnt < KCHUNK ? cnt : KCHUNK;
@@ -221,20 +229,10 @@ INLINE void attend_pass(elem_t Q, elem_t KV, const args_t *a, int64_t b, int64_t
     }
 }
 
-/* Ask for every K and V row item `it` reads (all its keys, its KV head) to be brought towards this core. */
+/* Ask for item `it`'s first K and V rows (its sequence, its KV head) to be brought towards this core. */
 static inline void prefetch_item(const args_t *a, int64_t it, int64_t kv_size) {
-    const int64_t b = a->seqs[it / a->hkv], h = it % a->hkv, bs = a->bs, len = a->seq_lens[b];
-    const int64_t row_bytes = a->hkv * a->d * kv_size, head_off = h * a->d * kv_size;
-    const int32_t *table = a->tables + b * a->table_stride;
-    for (int64_t k0 = 0; k0 < len; k0 += bs) {
-        const int64_t base = (int64_t)table[k0 / bs] * bs * row_bytes + head_off;
-        const int64_t rows = bs < len - k0 ? bs : len - k0;
-        for (int64_t j = 0; j < rows; j++)
-            for (int64_t c = 0; c < a->d * kv_size; c += 64) {
-                __builtin_prefetch(a->k + base + j * row_bytes + c, 0, 2);
-                __builtin_prefetch(a->v + base + j * row_bytes + c, 0, 2);
-            }
-    }
+    const int64_t b = a->seqs[it / a->hkv];
+    prefetch_rows(a, a->tables + b * a->table_stride, it % a->hkv, a->seq_lens[b], kv_size);
 }
 
 /* Work item `it` of a call: sequence seqs[it / Hkv], KV head it % Hkv, all its query vectors. */
