@@ -152,22 +152,6 @@ INLINE void chunk_update(elem_t RE, const char *const *k_rows, const char *const
     }
 }
 
-/* Prefetch (into L2) the K and V rows of KV head h for the first min(keys, PREFETCH_KEYS) keys of the
- * sequence with block table `table`: a bound, so a long context does not flush what is being computed. */
-static inline void prefetch_rows(const args_t *a, const int32_t *table, int64_t h, int64_t keys, int64_t kv_size) {
-    const int64_t bs = a->bs, row_bytes = a->hkv * a->d * kv_size, head_off = h * a->d * kv_size;
-    keys = keys < PREFETCH_KEYS ? keys : PREFETCH_KEYS;
-    for (int64_t k0 = 0; k0 < keys; k0 += bs) {
-        const int64_t base = (int64_t)table[k0 / bs] * bs * row_bytes + head_off;
-        const int64_t rows = bs < keys - k0 ? bs : keys - k0;
-        for (int64_t j = 0; j < rows; j++)
-            for (int64_t c = 0; c < a->d * kv_size; c += 64) {
-                __builtin_prefetch(a->k + base + j * row_bytes + c, 0, 2);
-                __builtin_prefetch(a->v + base + j * row_bytes + c, 0, 2);
-            }
-    }
-}
-
 /* One pass: query vectors v0 .. v0 + nv - 1 of sequence b on KV head h (vector v is row v / group, head
  * h * group + v % group). */
 INLINE void attend_pass(elem_t Q, elem_t KV, const args_t *a, int64_t b, int64_t h, int64_t v0, int64_t nv) {
@@ -189,7 +173,6 @@ INLINE void attend_pass(elem_t Q, elem_t KV, const args_t *a, int64_t b, int64_t
         m[v] = -INFINITY, l[v] = 0.0f;
     }
     const int64_t row_bytes = a->hkv * d * KV.size, head_off = h * d * KV.size;
-    prefetch_rows(a, table, h, kmax, KV.size); /* many misses in flight, not one block's at a time */
     for (int64_t k0 = 0; k0 < kmax;) {
         int64_t off = k0 % bs, cnt = bs - off;
         cnt = cnt < KCHUNK ? cnt : KCHUNK;
@@ -229,6 +212,22 @@ INLINE void attend_pass(elem_t Q, elem_t KV, const args_t *a, int64_t b, int64_t
     }
 }
 
+/* Prefetch (into L2) the K and V rows of KV head h for the first min(keys, PREFETCH_KEYS) keys of the
+ * sequence with block table `table`: a bound, so a long context does not flush what is being computed. */
+static inline void prefetch_rows(const args_t *a, const int32_t *table, int64_t h, int64_t keys, int64_t kv_size) {
+    const int64_t bs = a->bs, row_bytes = a->hkv * a->d * kv_size, head_off = h * a->d * kv_size;
+    keys = keys < PREFETCH_KEYS ? keys : PREFETCH_KEYS;
+    for (int64_t k0 = 0; k0 < keys; k0 += bs) {
+        const int64_t base = (int64_t)table[k0 / bs] * bs * row_bytes + head_off;
+        const int64_t rows = bs < keys - k0 ? bs : keys - k0;
+        for (int64_t j = 0; j < rows; j++)
+            for (int64_t c = 0; c < a->d * kv_size; c += 64) {
+                __builtin_prefetch(a->k + base + j * row_bytes + c, 0, 2);
+                __builtin_prefetch(a->v + base + j * row_bytes + c, 0, 2);
+            }
+    }
+}
+
 /* Ask for item `it`'s first K and V rows (its sequence, its KV head) to be brought towards this core. */
 static inline void prefetch_item(const args_t *a, int64_t it, int64_t kv_size) {
     const int64_t b = a->seqs[it / a->hkv];
@@ -239,6 +238,7 @@ static inline void prefetch_item(const args_t *a, int64_t it, int64_t kv_size) {
 INLINE void attend_item(elem_t Q, elem_t KV, const args_t *a, int64_t it) {
     const int64_t group = a->hq / a->hkv, b = a->seqs[it / a->hkv], h = it % a->hkv;
     const int64_t nvec = (a->query_start[b + 1] - a->query_start[b]) * group;
+    prefetch_item(a, it, KV.size); /* once per item, for all its passes: many misses in flight at once */
     for (int64_t v0 = 0; v0 < nvec; v0 += VMAX) attend_pass(Q, KV, a, b, h, v0, nvec - v0 < VMAX ? nvec - v0 : VMAX);
 }
 
