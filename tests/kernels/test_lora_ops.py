@@ -52,6 +52,20 @@ def _expand_both(
     return v, y0, y, ref
 
 
+def _both_ops_exact_under(hook, case: LoRACase) -> torch.Tensor:
+    """Run shrink and expand with the tuning `hook` installed, assert both equal the reference, and
+    return the shrink output."""
+    previous = set_config_hook(hook)
+    try:
+        out, ref = _shrink_both(case)
+        _, _, y, ref_y = _expand_both(case)
+    finally:
+        set_config_hook(previous)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(y, ref_y, rtol=1e-4, atol=1e-4)
+    return out
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
     ("token_slots", "page_rank"),
@@ -130,14 +144,7 @@ def test_tuned_config_hook_split_k_and_small_blocks(split_k: int) -> None:
         return {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
 
     case = make_case(MIXED_RANKS, PREFILL_SLOTS[:14], H_IN, H_OUTS, 8, torch.float32)
-    previous = set_config_hook(hook)
-    try:
-        out, ref = _shrink_both(case)
-        _, _, y, ref_y = _expand_both(case)
-    finally:
-        set_config_hook(previous)
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(y, ref_y, rtol=1e-4, atol=1e-4)
+    _both_ops_exact_under(hook, case)
     assert [op for op, _ in seen] == ["lora_shrink", "lora_expand"]
     assert seen[0][1]["h_in"] == H_IN and seen[1][1]["max_h_out"] == max(H_OUTS)
 
@@ -154,14 +161,7 @@ def test_grids_smaller_than_a_segment_loop_over_its_rows(split_k: int) -> None:
         assert problem["max_tokens_per_slot"] == 1  # the grid's row count, not the 40 of slot 2
         return {"BLOCK_M": 16, **({"SPLIT_K": split_k} if op == "lora_shrink" else {})}
 
-    previous = set_config_hook(hook)
-    try:
-        out, ref = _shrink_both(case)
-        _, _, y, ref_y = _expand_both(case)
-    finally:
-        set_config_hook(previous)
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(y, ref_y, rtol=1e-4, atol=1e-4)
+    out = _both_ops_exact_under(hook, case)
     assert out[:, 39].abs().sum() > 0  # the last row of the long segment was computed
 
 
