@@ -1,4 +1,4 @@
-/* loraplex admin: behaviour shared by every page (confirmations, copy buttons, table filter). */
+/* loraplex admin: behaviour shared by every page (confirmations, copy buttons, table filter, charts at "now"). */
 "use strict";
 
 (function () {
@@ -59,5 +59,20 @@
     status.addEventListener("change", apply);
   }
 
+  /* A chart wider than its box (on a phone) opens scrolled to its right end, where "now" is, and stays
+     there through live redraws and resizes until the user scrolls back (data-pinned, read by dashboard.js). */
+  function atEnd(box) { return box.scrollLeft + box.clientWidth >= box.scrollWidth - 2; }
+  function pin(box) { if (box.dataset.pinned === "true") box.scrollLeft = box.scrollWidth; }
+  function setupCharts() {
+    const boxes = document.querySelectorAll(".chart-box");
+    boxes.forEach(function (box) {
+      box.dataset.pinned = "true";
+      pin(box);
+      box.addEventListener("scroll", function () { box.dataset.pinned = String(atEnd(box)); }, { passive: true });
+    });
+    window.addEventListener("resize", function () { boxes.forEach(pin); });
+  }
+
   document.addEventListener("DOMContentLoaded", setupFilter);
+  document.addEventListener("DOMContentLoaded", setupCharts);
 })();

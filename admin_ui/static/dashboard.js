@@ -69,7 +69,10 @@
     const tbody = root.querySelector("[data-residency]");
     if (tbody) renderResidency(tbody, data.residency || []);
     const chart = root.querySelector("[data-chart]");
-    if (chart && typeof data.chart_svg === "string") chart.innerHTML = data.chart_svg; /* server-rendered, escaped */
+    if (chart && typeof data.chart_svg === "string") {
+      chart.innerHTML = data.chart_svg; /* server-rendered, escaped */
+      if (chart.dataset.pinned === "true") chart.scrollLeft = chart.scrollWidth; /* still at "now" (admin.js) */
+    }
   }
 
   function start() {

@@ -38,3 +38,32 @@ def screenshot_dir(tmp: Path) -> Path:
         SCREENSHOT_DIR.mkdir(parents=True, exist_ok=True)
         return SCREENSHOT_DIR
     return tmp
+
+
+# Element boxes measured in the page, for the layout checks at phone width.
+PAGE_WIDTH_JS = "document.documentElement.scrollWidth"
+CLIPPED_JS = "els => els.filter(e => e.scrollWidth > e.clientWidth + 1).map(e => e.outerHTML.slice(0, 80))"
+LABEL_BOXES_JS = """form => Array.from(form.querySelectorAll('label[for]')).map(label => {
+    const box = el => { const r = el.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
+    return [label.htmlFor, box(label), box(document.getElementById(label.htmlFor))];
+})"""
+CHART_VIEW_JS = """box => {
+    const view = box.getBoundingClientRect();
+    const latest = [...box.querySelectorAll('circle'),
+                    ...[...box.querySelectorAll('text.axis')].filter(t => t.textContent === 'now')];
+    return {
+        atEnd: box.scrollLeft + box.clientWidth >= box.scrollWidth - 1,
+        latest: latest.length,
+        hidden: latest.filter(el => { const r = el.getBoundingClientRect();
+                                      return r.left < view.left - 1 || r.right > view.right + 1; }).length,
+    };
+}"""
+
+
+def label_sits_with_input(label: list[float], field: list[float], stacked: bool) -> bool:
+    """Whether a label's box (left, top, right, bottom) is just above its input's box, left edges
+    aligned (`stacked`), or, when not `stacked`, either that or just left of it, centred on it."""
+    above = 0 <= field[1] - label[3] <= 12 and abs(field[0] - label[0]) <= 2
+    centred = abs((field[1] + field[3]) / 2 - (label[1] + label[3]) / 2) <= 3
+    beside = 0 <= field[0] - label[2] <= 16 and centred
+    return above or (beside and not stacked)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import zipfile
 from pathlib import Path
@@ -15,6 +16,7 @@ from tests.helpers.tiny_models import build_checkpoint, save_char_tokenizer
 
 PRELOADED = ("all7-r4", "qv-r8-rslora")  # registered and active before the server starts
 UPLOADED = "gud-r12"  # uploaded through the UI
+LONG_MODULE = "q_proj_" + "x" * 240  # no such module: its refusal is one long unbroken word
 
 
 def register(data_dir: Path, model: Path, name: str, path: Path, activate: bool = True) -> None:
@@ -53,14 +55,21 @@ def ui_model(tmp_path_factory) -> tuple[Path, dict[str, Path]]:
 
 @pytest.fixture(scope="session")
 def adapter_zips(ui_model, tmp_path_factory) -> dict[str, Path]:
-    """`good`: a zip of a valid adapter; `refused`: a zip without the weights file."""
+    """`good`: a zip of a valid adapter; `refused`: a zip without the weights file; `long_message`: a
+    zip whose config targets an unknown 247-character module name (a long, unbroken refusal message)."""
     _, adapters = ui_model
     root = tmp_path_factory.mktemp("zips")
     good = zip_dir(adapters[UPLOADED], root / f"{UPLOADED}.zip")
     refused = root / "broken.zip"
     with zipfile.ZipFile(refused, "w") as zf:
         zf.write(adapters[UPLOADED] / "adapter_config.json", "adapter_config.json")
-    return {"good": good, "refused": refused}
+    long_message = root / "long-module.zip"
+    config = json.loads((adapters[UPLOADED] / "adapter_config.json").read_text())
+    config["target_modules"] = [LONG_MODULE]
+    with zipfile.ZipFile(long_message, "w") as zf:
+        zf.writestr("adapter_config.json", json.dumps(config))
+        zf.write(adapters[UPLOADED] / "adapter_model.safetensors", "adapter_model.safetensors")
+    return {"good": good, "refused": refused, "long_message": long_message}
 
 
 def start_ui_server(ui_model, tmp_path_factory) -> LiveServer:

@@ -1,5 +1,7 @@
 """The admin UI in a real headless Chromium: log in, upload (drag-and-drop), refused upload, activate and
-deactivate, playground against two adapters, API keys, log out; screenshots of every page.
+deactivate, playground against two adapters, API keys, log out; screenshots of every page. At phone
+width (390 px): no page scrolls sideways, long refusal messages wrap, charts open at "now", and each form
+label sits with its own input (element boxes).
 
 The steps share one server and one logged-in page and run in file order.
 """
@@ -12,8 +14,18 @@ import re
 import httpx
 import pytest
 
-from tests.admin_ui.browser import CHROMIUM, CHROMIUM_ARGS, require, screenshot_dir
-from tests.admin_ui.conftest import PRELOADED, UPLOADED, start_ui_server
+from tests.admin_ui.browser import (
+    CHART_VIEW_JS,
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    CLIPPED_JS,
+    LABEL_BOXES_JS,
+    PAGE_WIDTH_JS,
+    label_sits_with_input,
+    require,
+    screenshot_dir,
+)
+from tests.admin_ui.conftest import LONG_MODULE, PRELOADED, UPLOADED, start_ui_server
 from tests.helpers.live_server import ADMIN_TOKEN
 
 pytestmark = pytest.mark.slow  # a live server and headless Chromium
@@ -60,6 +72,12 @@ def page(browser, server):
 @pytest.fixture(scope="module")
 def shots(tmp_path_factory):
     return screenshot_dir(tmp_path_factory.mktemp("screenshots"))
+
+
+@pytest.fixture(scope="module")
+def looks(tmp_path_factory):
+    """Screenshots to look at, never committed (the phone-width layout checks)."""
+    return tmp_path_factory.mktemp("looks")
 
 
 def snap(page, shots, name: str) -> None:
@@ -210,9 +228,73 @@ def test_narrow_screen(page, shots):
     try:
         for path, name in (("/admin", "dashboard-narrow"), ("/admin/adapters", "adapters-narrow")):
             page.goto(path)
-            width = page.evaluate("document.documentElement.scrollWidth")
-            assert width <= NARROW["width"] + 1, f"{path} overflows horizontally ({width}px)"
+            width = page.evaluate(PAGE_WIDTH_JS)
+            assert width <= NARROW["width"], f"{path} overflows horizontally ({width}px)"
             snap(page, shots, name)
+        for path in (f"/admin/adapters/{UPLOADED}", "/admin/keys", "/admin/usage", "/admin/playground"):
+            page.goto(path)
+            assert page.evaluate(PAGE_WIDTH_JS) <= NARROW["width"], f"{path} overflows horizontally"
+    finally:
+        page.set_viewport_size(DESKTOP)
+
+
+@pytest.mark.parametrize("viewport", [NARROW, DESKTOP], ids=["phone", "desktop"])
+def test_long_refusal_messages_wrap_inside_their_box(page, adapter_zips, looks, viewport):
+    page.set_viewport_size(viewport)
+    try:
+        page.goto("/admin/adapters")  # the upload's refusal, shown by upload.js
+        page.fill("#up-name", "long-module")
+        page.set_input_files("#up-file", str(adapter_zips["long_message"]))
+        page.click("#upload-form button[type=submit]")
+        errors = page.locator("[data-errors]")
+        errors.wait_for(state="visible")
+        assert LONG_MODULE in errors.inner_text()
+        snap(page, looks, f"long-refusal-{viewport['width']}")
+        assert page.evaluate(PAGE_WIDTH_JS) <= viewport["width"]
+        assert not page.locator("[data-errors], [data-errors] li").evaluate_all(CLIPPED_JS)
+        page.goto("/admin/keys")  # a server-rendered refusal
+        page.fill("#key-name", "k" * 300)
+        page.check("input[name=scope][value=admin]")
+        page.click("#key-form button[type=submit]")
+        assert "k" * 300 in page.inner_text(".form-errors")
+        assert page.evaluate(PAGE_WIDTH_JS) <= viewport["width"]
+        assert not page.locator(".form-errors, .form-errors li").evaluate_all(CLIPPED_JS)
+    finally:
+        page.set_viewport_size(DESKTOP)
+
+
+def test_phone_charts_open_at_now(page, looks):
+    page.set_viewport_size(NARROW)
+    try:
+        page.goto("/admin")
+        snap(page, looks, "dashboard-chart-narrow")
+        chart = page.locator("#dashboard [data-chart]")
+        view = chart.evaluate(CHART_VIEW_JS)
+        assert view["atEnd"] and view["latest"] >= 3 and view["hidden"] == 0, view  # two lines' ends, "now"
+        page.evaluate("document.getElementById('dashboard').removeAttribute('data-updated')")
+        page.wait_for_selector("#dashboard[data-updated]", state="attached")  # a live poll redrew it
+        assert chart.evaluate(CHART_VIEW_JS) == view
+        page.goto("/admin/usage")
+        for box in page.locator("[data-chart]").all():  # by adapter (with traffic), by key
+            view = box.evaluate(CHART_VIEW_JS)
+            assert view["atEnd"] and view["hidden"] == 0, view
+        assert page.locator("[data-chart='adapter']").evaluate(CHART_VIEW_JS)["latest"] >= 2
+    finally:
+        page.set_viewport_size(DESKTOP)
+
+
+@pytest.mark.parametrize("viewport", [NARROW, DESKTOP], ids=["phone", "desktop"])
+def test_each_label_sits_with_its_input(page, looks, viewport):
+    page.set_viewport_size(viewport)
+    try:
+        page.goto(f"/admin/adapters/{PRELOADED[0]}")
+        snap(page, looks, f"limits-{viewport['width']}")
+        for form in ("#limits-form", "form[action$='/delete']"):
+            boxes = page.locator(form).evaluate(LABEL_BOXES_JS)
+            assert len(boxes) == (3 if form == "#limits-form" else 1), form
+            for field, label, control in boxes:  # stacked on a phone, beside or above on a desktop
+                stacked = viewport["width"] < 640
+                assert label_sits_with_input(label, control, stacked), f"{form} {field}: {label} vs {control}"
     finally:
         page.set_viewport_size(DESKTOP)
 
