@@ -134,7 +134,7 @@ class EngineClient:
         proc.start()
         self._proc = proc
         try:
-            ready = await asyncio.wait_for(self._wait_ready(proc), self.startup_timeout)
+            ready = await asyncio.wait_for(self._wait_ready(proc, self._pull), self.startup_timeout)
         except (TimeoutError, EngineDeadError) as exc:
             raise RuntimeError(f"engine process failed to start (exit code {proc.exitcode})") from exc
         self.last_start_seconds = time.monotonic() - t0
@@ -144,10 +144,10 @@ class EngineClient:
         self._tasks = [t for t in self._tasks if not t.done()]
         self._tasks.append(asyncio.create_task(self._reader(self._pull), name=f"engine-reader-{gen}"))
 
-    async def _wait_ready(self, proc) -> Ready:
+    async def _wait_ready(self, proc, pull: zmq.asyncio.Socket) -> Ready:
         while True:
-            if await self._pull.poll(200):
-                msg = decode_from_engine(await self._pull.recv())
+            if await pull.poll(200):
+                msg = decode_from_engine(await pull.recv())
                 if isinstance(msg, Ready):
                     return msg
             elif not proc.is_alive():
@@ -180,7 +180,8 @@ class EngineClient:
             self._died.set()
             self._fail_in_flight()
             for sock in (self._push, self._pull):
-                sock.close(linger=0)
+                if sock is not None:
+                    sock.close(linger=0)
             while not self._closing:
                 try:
                     await self._spawn()
@@ -215,7 +216,8 @@ class EngineClient:
         proc = self._proc
         if proc is not None and proc.is_alive():
             with contextlib.suppress(zmq.ZMQError):
-                await self._push.send(encode(Shutdown()))
+                if self._push is not None:  # bound whenever a process was started
+                    await self._push.send(encode(Shutdown()))
             for _ in range(int(timeout / 0.1)):
                 if not proc.is_alive():
                     break

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
+from typing import cast
 
 from fastapi.responses import StreamingResponse
 
@@ -27,7 +28,7 @@ async def sse_response(
     adapter, engine down) still gets a proper status code; a later error becomes an error event.
     Closing the stream (client gone) closes the generation, which aborts its engine requests.
     """
-    updates = run.updates()
+    updates = cast("AsyncGenerator[ChoiceUpdate, None]", run.updates())  # an async generator: aclose()
     try:
         first: ChoiceUpdate | None = await anext(updates)
     except StopAsyncIteration:

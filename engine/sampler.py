@@ -42,13 +42,14 @@ class Sampler:
             chosen = tokens[rows]
             chosen_lp = logp.gather(1, chosen[:, None]).squeeze(1)
             ranks = (logp > chosen_lp[:, None]).sum(-1) + 1
-            max_k = max(params[i].logprobs for i in logprob_rows)
+            max_k = max(params[i].logprobs or 0 for i in logprob_rows)  # not None in these rows
             top_lp, top_ids = logp.topk(max_k, dim=-1) if max_k else (None, None)
             chosen_l, ranks_l = chosen_lp.tolist(), ranks.tolist()
             for j, i in enumerate(logprob_rows):
                 entry = {token_list[i]: Logprob(chosen_l[j], ranks_l[j])}
                 k = params[i].logprobs
                 if k:
+                    assert top_ids is not None and top_lp is not None  # 0 < k <= max_k: topk ran
                     alts = zip(top_ids[j, :k].tolist(), top_lp[j, :k].tolist(), strict=True)
                     for r, (tid, lp) in enumerate(alts):
                         entry.setdefault(tid, Logprob(lp, r + 1))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from _ctypes import CFuncPtr
 
 import torch
 from torch import Tensor
@@ -65,12 +66,12 @@ def use_isa(isa: str | None) -> None:
     _default_isa = isa
 
 
-def _kernels(isa: str | None = None) -> dict[tuple[torch.dtype, torch.dtype], ctypes._CFuncPtr]:
+def _kernels(isa: str | None = None) -> dict[tuple[torch.dtype, torch.dtype], CFuncPtr]:
     return _kernels_at(isa or _default_isa)
 
 
 @functools.cache
-def _kernels_at(isa: str | None) -> dict[tuple[torch.dtype, torch.dtype], ctypes._CFuncPtr]:
+def _kernels_at(isa: str | None) -> dict[tuple[torch.dtype, torch.dtype], CFuncPtr]:
     """Entry points by (activation dtype, page dtype) at `isa` (default: the best).
 
     Raises NativeBuildError."""

@@ -15,32 +15,41 @@ _PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help
 
 # command -> (module, description)
 BENCHMARKS = {
-    "offline": ("bench.offline", "Offline mixed-adapter throughput vs base, HF PEFT and the GEMM limit."),
-    "scaling": ("bench.scaling", "Throughput and pool hit rate vs number of distinct adapters."),
-    "cold-load": ("bench.cold_load", "Cold adapter load: first-token latency and the running batch's steps."),
-    "serve": ("bench.online", "Online serving: Poisson arrivals, power-law adapter popularity, TTFT/TPOT."),
+    "offline": (
+        "bench.offline.throughput",
+        "Offline mixed-adapter throughput vs base, HF PEFT and the GEMM limit.",
+    ),
+    "scaling": ("bench.offline.scaling", "Throughput and pool hit rate vs number of distinct adapters."),
+    "cold-load": (
+        "bench.offline.cold_load",
+        "Cold adapter load: first-token latency and the running batch's steps.",
+    ),
+    "serve": (
+        "bench.serving.online",
+        "Online serving: Poisson arrivals, power-law adapter popularity, TTFT/TPOT.",
+    ),
     "cluster": (
-        "bench.cluster",
+        "bench.cluster.affinity",
         "Ray Serve replicas: adapter loads and throughput, multiplexed routing vs plain load balancing.",
     ),
     "kernels-cpu": (
-        "bench.kernels_cpu",
+        "bench.kernels.lora_cpu",
         "CPU LoRA: torch path vs native kernel, one decode and one prefill step.",
     ),
     "accounting": (
-        "bench.accounting_overhead",
+        "bench.serving.accounting",
         "Per-request cost of rate limiting (in-process, Redis) and usage recording.",
     ),
     "structured": (
-        "bench.structured_mask",
+        "bench.structured.grammar_mask",
         "Structured output on CPU: per-token grammar mask cost of llguidance, xgrammar, outlines-core.",
     ),
     "peer": (
-        "bench.peer_vllm",
+        "bench.peer.offline",
         "loraplex vs vLLM CPU on the identical workload (needs make bench-peer-venv).",
     ),
     "serve-peer": (
-        "bench.online_peer",
+        "bench.peer.online",
         "Online serving, loraplex vs vLLM CPU's OpenAI server: the same Poisson workload, p99 TTFT bound.",
     ),
 }

@@ -33,7 +33,7 @@ def engine_deployment(settings: ServerSettings, replicas: int, max_ongoing: int 
     from api.cluster.replica import EngineReplica, LoadedAdapter
 
     class EngineDeployment:
-        async def __init__(self) -> None:
+        async def __init__(self) -> None:  # type: ignore[misc]  # Ray Serve awaits an async constructor
             self.replica = EngineReplica(settings, ray_api.replica_id())
             await self.replica.start()
 

@@ -8,7 +8,7 @@ names these wrappers instead: a rename is a change here only. Ray is an optional
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 APP_NAME = "loraplex"
@@ -40,7 +40,7 @@ def init(address: str | None, num_cpus: int | None, object_store_bytes: int = 10
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     for key, value in ROUTER_ENV.items():  # this process routes too (handles created by the driver)
         os.environ.setdefault(key, value)
-    common = dict(
+    common: dict[str, Any] = dict(
         namespace=NAMESPACE,
         ignore_reinit_error=True,
         log_to_driver=False,
@@ -133,7 +133,7 @@ def stream(handle: Any, method: str, model_id: str | None, *args: Any) -> Any:
     return getattr(handle.options(**opts), method).remote(*args)
 
 
-async def iterate(response: Any) -> AsyncIterator[Any]:
+async def iterate(response: Any) -> AsyncGenerator[Any, None]:
     """The items of a streaming call; leaving early cancels it on the replica."""
     done = False
     try:

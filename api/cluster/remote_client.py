@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 from api.cluster import ray_api
 from api.cluster.replica import decode_item
@@ -79,10 +79,11 @@ class RemoteEngineClient:
         ready = [r for r in replicas if r["healthy"] and r["info"] is not None]
         self.replicas = replicas
         if ready and self.info is None:
-            self.info = decode_from_engine(ready[0]["info"])
+            self.info = cast(Ready, decode_from_engine(ready[0]["info"]))  # a replica's info is its Ready
         self.healthy = bool(ready)
         self.restarts = sum(r["restarts"] for r in replicas)
-        self.stats = merge_stats([decode_from_engine(r["stats"]) for r in replicas if r["stats"]])
+        stats = [cast(EngineStatsMsg, decode_from_engine(r["stats"])) for r in replicas if r["stats"]]
+        self.stats = merge_stats(stats)
         return bool(ready)
 
     async def shutdown(self) -> None:
@@ -112,7 +113,7 @@ class RemoteEngineClient:
                                 raise APIError(404, item.refused, param="model", code="model_not_found")
                             if item.delta is not None:
                                 started = True
-                                delta = decode_from_engine(item.delta)
+                                delta = cast(RequestDelta, decode_from_engine(item.delta))
                                 yield delta
                                 if delta.finish_reason is not None:
                                     return

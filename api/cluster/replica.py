@@ -73,17 +73,18 @@ class EngineReplica:
             if adapter is None:
                 loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drop(name)))
 
-        self.follower = RegistryFollower(self.registry.adapters, self.registry.bus, on_change)
-        await asyncio.to_thread(self.follower.start)
-        if self.follower.resyncs == 0:
-            await asyncio.to_thread(self.follower.resync)
-        self._resync = asyncio.create_task(self._resync_forever())
+        self.follower = follower = RegistryFollower(self.registry.adapters, self.registry.bus, on_change)
+        await asyncio.to_thread(follower.start)
+        if follower.resyncs == 0:
+            await asyncio.to_thread(follower.resync)
+        self._resync = asyncio.create_task(self._resync_forever(follower))
 
-    async def _resync_forever(self) -> None:
+    async def _resync_forever(self, follower: RegistryFollower) -> None:
+        """Resync `follower` with the registry every `registry_resync_seconds`, until cancelled."""
         while True:
             await asyncio.sleep(self.settings.registry_resync_seconds)
             try:
-                await asyncio.to_thread(self.follower.resync)
+                await asyncio.to_thread(follower.resync)
             except Exception as exc:
                 log.warning("registry resync failed: %s", exc)
 

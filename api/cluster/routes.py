@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 from fastapi import APIRouter
 
 from api.deps import AdminActor, StateDep
-from api.engine_protocol import decode_from_engine
+from api.engine_protocol import EngineStatsMsg, decode_from_engine
 from api.errors import error_responses
+
+if TYPE_CHECKING:
+    from api.cluster.remote_client import RemoteEngineClient
 
 router = APIRouter(prefix="/admin/api", tags=["admin"], responses=error_responses(401, 403, 503))
 
@@ -16,11 +21,11 @@ async def cluster_status(state: StateDep, _: AdminActor) -> dict:
     """Per replica: id, health, in-flight requests, the active adapters it follows (name → digest), when
     it last saw each name change (unix time), adapters made resident by its multiplexed loader, and its
     adapter pool (loads, residency by tier)."""
-    client = state.client
+    client = cast("RemoteEngineClient", state.client)  # the ingress's client (this router is cluster-only)
     await client.poll()
     out = []
     for r in client.replicas:
-        stats = decode_from_engine(r["stats"]) if r["stats"] else None
+        stats = cast(EngineStatsMsg, decode_from_engine(r["stats"])) if r["stats"] else None
         out.append(
             {
                 "replica": r["replica"],

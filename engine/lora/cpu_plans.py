@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 
@@ -67,7 +68,7 @@ class NativePlan:
 def cached_plan(pool: AdapterPool, kind: str, segments: list[Segment], build: Callable, *args):
     """`build(pool, segments, *args)`, reused while the batch composition and the pool are unchanged."""
     key = (args, *((seg.start, seg.end, seg.adapter.slot) for seg in segments))
-    hit = pool.step_cache.get(kind)
+    hit = cast("tuple[Any, Any] | None", pool.step_cache.get(kind))  # (key, plan) as stored below
     if hit is not None and hit[0] == key:
         return hit[1]
     plan = build(pool, segments, *args)
@@ -135,7 +136,7 @@ def native_plan(
     starts = torch.tensor([seg.start for seg in segments], dtype=torch.int64, device=dev)
     counts = torch.tensor([seg.end - seg.start for seg in segments], dtype=torch.int32, device=dev)
     adapters = [seg.adapter for seg in segments]
-    calls = []
+    calls: list[PreparedBGMV | None] = []
     for m in range(len(pool.a)):
         mp = _module_pairs(pool, adapters, m)
         if mp is None:

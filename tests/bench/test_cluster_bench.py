@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from bench.cluster import PhaseResult, make_adapters, markdown, popularity
+from bench.cluster.affinity import PhaseResult, make_adapters, markdown, popularity
 from engine.lora.adapter_checkpoint import adapter_digest
 
 

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from bench import history
-from bench.cold_load import run_cold_load
-from bench.gpu_e2e import SIZES
-from bench.kernels_cpu import run_kernels_cpu
-from bench.offline import run_offline
-from bench.plots import plot_cold_load, plot_offline, plot_scaling
-from bench.scaling import run_scaling
-from bench.workload import LoRAOptions
+from bench.common import history
+from bench.common.plots import plot_cold_load, plot_offline, plot_scaling
+from bench.common.workload import LoRAOptions
+from bench.gpu.e2e import SIZES
+from bench.kernels.lora_cpu import run_kernels_cpu
+from bench.offline.cold_load import run_cold_load
+from bench.offline.scaling import run_scaling
+from bench.offline.throughput import run_offline
 
 pytestmark = pytest.mark.slow  # benchmark runs
 
@@ -74,7 +74,7 @@ def test_offline_beside_cpu_hogs_in_bfloat16(workdir):
 def test_cpu_hogs_are_busy_and_gone_afterwards():
     import time
 
-    from bench.hog import cpu_hogs
+    from bench.common.hog import cpu_hogs
 
     with cpu_hogs(2) as pids:
         time.sleep(0.5)
@@ -171,15 +171,15 @@ def test_kernels_cpu_tiny():
 
 
 def test_gpu_e2e_script_on_cpu(tmp_path):
-    """`bench.gpu_e2e` (run by bench/gpu_check.sh on a GPU) works end to end at a tiny size on CPU: the
+    """`bench.gpu.e2e` (run by bench/gpu/check.sh on a GPU) works end to end at a tiny size on CPU: the
     parity part agrees with HF + PEFT, and the throughput part times both runs on the same batch."""
-    from bench import gpu_e2e
+    from bench.gpu import e2e
 
     out = tmp_path / "e2e.json"
     sizes = ["--size", "tiny", "--parity-size", "tiny", "--dtype", "float32", "--requests", "4"]
     runs = ["--adapters", "2", "--prompt-len", "8", "--new-tokens", "4", "--repeats", "1"]
     argv = ["--device", "cpu", *sizes, *runs, "--parity-adapters", "2", "--workdir", str(tmp_path)]
-    assert gpu_e2e.main([*argv, "--kv-gib", "0.05", "--json", str(out)]) == 0
+    assert e2e.main([*argv, "--kv-gib", "0.05", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["parity"]["token_match"] == 1.0 and result["parity"]["base_match"] == 1.0
     tp = result["throughput"]
@@ -188,12 +188,12 @@ def test_gpu_e2e_script_on_cpu(tmp_path):
 
 
 def test_decode_profile_script_on_cpu(tmp_path, capsys):
-    """`bench.gpu_profile --device cpu` profiles mixed and base decode steps at a tiny size: both reports,
-    with the matrix products among the ops."""
-    from bench import gpu_profile
+    """`bench.gpu.step_profile --device cpu` profiles mixed and base decode steps at a tiny size: both
+    reports, with the matrix products among the ops."""
+    from bench.gpu import step_profile
 
     argv = ["--device", "cpu", "--size", "tiny", "--dtype", "float32", "--requests", "4", "--adapters", "2"]
-    assert gpu_profile.main([*argv, "--steps", "2", "--prompt-len", "8", "--workdir", str(tmp_path)]) == 0
+    assert step_profile.main([*argv, "--steps", "2", "--prompt-len", "8", "--workdir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "### mixed:" in out and "### base:" in out
     assert "mkldnn::_linear_pointwise" in out or "aten::mm" in out  # packed weights (CPU float32), or dense
@@ -203,12 +203,12 @@ def test_decode_profile_counts_fewer_ops_with_the_fused_cpu_ops(tmp_path, capsys
     """`--no-fused` profiles the torch formulas for the small ops: more op calls per step than fused."""
     import re
 
-    from bench import gpu_profile
+    from bench.gpu import step_profile
 
     argv = ["--device", "cpu", "--size", "tiny", "--requests", "2", "--adapters", "1", "--steps", "2"]
     calls = []
     for extra in ([], ["--no-fused"]):
-        assert gpu_profile.main([*argv, "--prompt-len", "8", "--workdir", str(tmp_path), *extra]) == 0
+        assert step_profile.main([*argv, "--prompt-len", "8", "--workdir", str(tmp_path), *extra]) == 0
         base = capsys.readouterr().out.split("### base:")[1]
         calls.append(int(re.search(r"(\d+) op calls per step", base).group(1)))
     assert calls[0] < calls[1]
@@ -223,8 +223,9 @@ def test_offline_compares_the_unfused_small_ops(workdir):
 
 
 def test_fused_ops_script(capsys):
-    """`bench.fused_cpu`: each way per op group with its ratio; `--steps`: the alternating step A/B."""
-    from bench import fused_cpu
+    """`bench.kernels.fused_cpu`: each way per op group with its ratio; `--steps`: the alternating step
+    A/B."""
+    from bench.kernels import fused_cpu
 
     assert fused_cpu.main(["--tokens", "3", "--repeats", "1", "--calls", "2"]) == 0
     out = capsys.readouterr().out
@@ -234,9 +235,11 @@ def test_fused_ops_script(capsys):
 
 
 def test_cpu_attention_ab_script(tmp_path, capsys):
-    """`bench.cpu_attention` times the native and the torch CPU attention paths at a tiny size, and both
-    paths generate the same greedy tokens; `bench.gpu_profile --cpu-attention torch` runs the torch path."""
-    from bench import cpu_attention, gpu_profile
+    """`bench.kernels.cpu_attention` times the native and the torch CPU attention paths at a tiny size, and
+    both paths generate the same greedy tokens; `bench.gpu.step_profile --cpu-attention torch` runs the
+    torch path."""
+    from bench.gpu import step_profile
+    from bench.kernels import cpu_attention
 
     argv = ["--size", "tiny", "--requests", "4", "--prompt-len", "8", "--steps", "2"]
     argv += ["--workdir", str(tmp_path)]
@@ -244,14 +247,14 @@ def test_cpu_attention_ab_script(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "attention alone" in out and "decode step" in out and "greedy equal 4/4" in out
     argv += ["--device", "cpu", "--dtype", "float32", "--adapters", "2", "--cpu-attention", "torch"]
-    assert gpu_profile.main(argv) == 0
+    assert step_profile.main(argv) == 0
     assert "aten::_scaled_dot_product" in capsys.readouterr().out  # the torch path's SDPA ran
 
 
 def test_peer_workload_is_what_both_engines_read(tmp_path):
     """The vLLM peer benchmark's workload (no vLLM needed): model, PEFT adapters and token-id prompts on
     disk, the runner's spec file, and the environment vLLM CPU is started with."""
-    from bench.peer_vllm import RUNNER, build_workload, vllm_env
+    from bench.peer.offline import RUNNER, build_workload, vllm_env
 
     wl = build_workload(tmp_path, adapters=3, requests=5, rank=8, prompt_len=7, new_tokens=4, spec=TINY)
     assert (Path(wl.model) / "config.json").exists() and len(wl.adapters) == 3

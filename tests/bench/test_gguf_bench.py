@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.offline import run_offline
-from bench.workload import ModelSpec, hf_copy
+from bench.common.workload import ModelSpec, hf_copy
+from bench.offline.throughput import run_offline
 from tests.helpers.gguf_files import build_gguf_pair, hf_gguf_model
 
 pytestmark = pytest.mark.slow  # benchmark runs
@@ -29,7 +29,7 @@ def test_offline_on_a_gguf_model_matches_peft(gguf, tmp_path):
 
 
 def test_peer_workload_gives_vllm_the_dequantized_weights(gguf, tmp_path):
-    from bench.peer_vllm import build_workload
+    from bench.peer.offline import build_workload
 
     wl = build_workload(tmp_path, adapters=2, requests=3, rank=8, prompt_len=5, new_tokens=4, model=gguf)
     assert wl.loraplex_model == str(gguf) and Path(wl.model) == hf_copy(gguf, tmp_path)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.online import OnlineResult, RateResult, pct, popularity, run
+from bench.serving.online import OnlineResult, RateResult, pct, popularity, run
 from tests.helpers.live_server import start_server
 
 pytestmark = pytest.mark.slow  # a live server under load

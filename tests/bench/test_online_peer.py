@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.online_client import PlannedRequest, RateResult, send_planned
-from bench.online_peer import (
+from bench.common.plots import plot_online_peer
+from bench.peer.online import (
     OnlinePeerResult,
     common_rate,
     main,
@@ -20,8 +20,8 @@ from bench.online_peer import (
     ratio,
     sustained,
 )
-from bench.online_peer_servers import vllm_server_cmd, vllm_server_env
-from bench.plots import plot_online_peer
+from bench.peer.servers import vllm_server_cmd, vllm_server_env
+from bench.serving.client import PlannedRequest, RateResult, send_planned
 
 
 def test_plans_are_seeded_within_ranges_and_poisson_ordered():
@@ -151,7 +151,7 @@ def test_plot_and_bad_arguments(tmp_path, capsys):
 def test_loraplex_side_end_to_end(tmp_path):
     """The loraplex half of the benchmark for real: the peer workload's adapters registered under the names
     the plan uses, `loraplex serve` started on a free port, warmed up, sent one rate, stopped."""
-    from bench.online_peer import run_online_peer
+    from bench.peer.online import run_online_peer
 
     res = run_online_peer(
         None,

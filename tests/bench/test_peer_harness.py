@@ -1,4 +1,4 @@
-"""The vLLM peer benchmark's harness (`bench.peer_vllm.run_peer`) end to end, with a stand-in for the vLLM
+"""The vLLM peer benchmark's harness (`bench.peer.offline.run_peer`) end to end, with a stand-in for the vLLM
 runner: the real loraplex engine on a tiny model, legs interleaved, each repeat's pair of legs compared,
 and every leg started only once the stand-in has stopped spinning (like vLLM's post-batch polling)."""
 
@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from bench.gpu_e2e import SIZES
-from bench.peer_vllm import run_peer
+from bench.gpu.e2e import SIZES
+from bench.peer.offline import run_peer
 
-# Answers the runner protocol (`bench/peer_vllm_runner.py`) with fixed times: mixed 0.2 s, base 0.1 s.
+# Answers the runner protocol (`bench/peer/vllm_runner.py`) with fixed times: mixed 0.2 s, base 0.1 s.
 # After each answer it spins for SPIN_S, as vLLM's engine polls after a batch, and records when it stopped.
 SPIN_S = 0.4
 FAKE_RUNNER = textwrap.dedent(
@@ -48,15 +48,15 @@ def test_run_peer_pairs_repeats_and_waits_for_the_peer(tmp_path, monkeypatch):
     python.write_text(f'#!/bin/sh\nexec {sys.executable} {runner} "$@"\n')
     python.chmod(0o755)
     starts: list[float] = []  # wall-clock start of every loraplex leg
-    import bench.workload
+    import bench.common.workload
 
-    real_timed_run = bench.workload.timed_run
+    real_timed_run = bench.common.workload.timed_run
 
     def timed_run(*args, **kwargs):
         starts.append(time.time())
         return real_timed_run(*args, **kwargs)
 
-    monkeypatch.setattr(bench.workload, "timed_run", timed_run)
+    monkeypatch.setattr(bench.common.workload, "timed_run", timed_run)
     res = run_peer(
         python, tmp_path / "w", repeats=2, threads=1, quiet=True,
         adapters=2, requests=3, rank=4, prompt_len=4, new_tokens=3, spec=SIZES["tiny"],

@@ -1,4 +1,4 @@
-"""`bench.settle.wait_quiet`: a peer benchmark's next leg waits while the other engine's process tree
+"""`bench.common.settle.wait_quiet`: a peer benchmark's next leg waits while the other engine's process tree
 (a busy grandchild included) still burns CPU, and not when everything is idle."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from bench.settle import cpu_seconds, process_tree, wait_quiet
+from bench.common.settle import cpu_seconds, process_tree, wait_quiet
 
 # A parent that starts a child spinning for `SPIN_S` seconds, then both sleep: like an engine whose
 # worker process busy-polls for a while after its last batch.

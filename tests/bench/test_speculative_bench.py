@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.offline import main
+from bench.offline.throughput import main
 
 pytestmark = pytest.mark.slow  # two demo engines
 

@@ -1,4 +1,4 @@
-"""bench/kernels_gpu.py imports and answers --help on CPU, and its benchmark loop runs interpreted."""
+"""bench/kernels/triton_gpu.py imports and answers --help on CPU, and its benchmark loop runs interpreted."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "kernels_gpu.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "kernels" / "triton_gpu.py"
 
 
 def test_help_without_gpu() -> None:

@@ -110,7 +110,7 @@ def test_reference_matches_dense_oracle() -> None:
     reason="Triton 3.9 interpreter bug: tl.dot on bf16 multiplies the raw uint16 bits", strict=False
 )
 def test_bfloat16_round_trip() -> None:
-    """bf16 is checked on CUDA by bench/kernels_gpu.py; the interpreter cannot run a bf16 tl.dot."""
+    """bf16 is checked on CUDA by bench/kernels/triton_gpu.py; the interpreter cannot run a bf16 tl.dot."""
     case = make_case(MIXED_RANKS, DECODE_SLOTS, H_IN, H_OUTS, 8, torch.bfloat16)
     out, ref = _shrink_both(case)
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)

@@ -1,0 +1,1 @@
+"""Ray Serve replicas: adapter-affinity (multiplexed) routing vs plain load balancing."""
