@@ -84,6 +84,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":  # its loc is the character offset, not a field
+            return error_response(400, invalid_json_message(first, exc.body))
         loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
         param = ".".join(loc) or None
         msg = first.get("msg", "invalid request")
@@ -99,6 +101,20 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=exc)
         return error_response(500, "internal error")
+
+
+def invalid_json_message(error: dict, doc: object) -> str:
+    """ "invalid JSON in request body: Expecting value at line 1 column 2" for FastAPI's `json_invalid`
+    error (whose loc holds the offset into the body `doc` where the decoder stopped)."""
+    reason = str((error.get("ctx") or {}).get("error") or "cannot be decoded")
+    loc = error.get("loc", ())
+    pos = loc[-1] if loc and isinstance(loc[-1], int) else None
+    if pos is None or not isinstance(doc, str | bytes):
+        return f"invalid JSON in request body: {reason}"
+    text = doc if isinstance(doc, str) else doc.decode("utf-8", "replace")
+    line = text.count("\n", 0, pos) + 1
+    column = pos - text.rfind("\n", 0, pos)
+    return f"invalid JSON in request body: {reason} at line {line} column {column}"
 
 
 def _openapi_without_422(app: FastAPI) -> None:
