@@ -148,6 +148,10 @@ CHAT = {"model": "all7-r4", "messages": [{"role": "user", "content": "hi"}], "ma
             {"stream": True, "stream_options": {"include_usage": 1}},
             "stream_options.include_usage",
         ),
+        ("/v1/completions", {"stop": 1}, "stop"),  # a union: named by the field, not `stop.str`
+        ("/v1/completions", {"prompt": True}, "prompt"),
+        ("/v1/chat/completions", {"tool_choice": 5}, "tool_choice"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
         ("/v1/chat/completions", {"parallel_tool_calls": "false"}, "parallel_tool_calls"),
         ("/v1/chat/completions", {"parallel_tool_calls": 0}, "parallel_tool_calls"),
         ("/v1/chat/completions", {"logprobs": 1}, "logprobs"),
