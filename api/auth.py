@@ -37,20 +37,32 @@ class AdminAuth:
         return hmac.compare_digest(_sha256(presented), self.token_sha256)
 
 
-def ensure_admin_token(data_dir: Path, configured: str | None) -> tuple[AdminAuth, str | None]:
-    """The admin check, and the token in clear text if it was generated just now (to print once)."""
+def ensure_admin_token(
+    data_dir: Path, configured: str | None, *, store: bool = True
+) -> tuple[AdminAuth, str | None]:
+    """The admin check, and the token in clear text if it was generated just now (to print once).
+
+    With `store=False` a generated token is not written yet: `loraplex serve` stores it (and prints it)
+    with `store_admin_token` only once the server is serving, so a start that fails leaves none behind."""
     if configured:
         return AdminAuth(_sha256(configured)), None
     path = data_dir / TOKEN_FILE
     if path.is_file():
         return AdminAuth(path.read_text().strip()), None
     token = secrets.token_urlsafe(32)
+    if store:
+        store_admin_token(data_dir, token)
+    return AdminAuth(_sha256(token)), token
+
+
+def store_admin_token(data_dir: Path, token: str) -> None:
+    """Keep `token`'s sha256 as the admin token of `data_dir` (written atomically, mode 0600)."""
+    path = data_dir / TOKEN_FILE
     data_dir.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(_sha256(token))
     tmp.chmod(0o600)
     tmp.replace(path)
-    return AdminAuth(_sha256(token)), token
 
 
 def bearer(request: Request) -> str | None:

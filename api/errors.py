@@ -84,7 +84,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
+        if first.get("type") == "json_invalid":  # its loc is the character offset, not a field
+            return error_response(400, invalid_json_message(first, exc.body))
+        loc = [
+            str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path") and not _union_tag(p)
+        ]
         param = ".".join(loc) or None
         msg = first.get("msg", "invalid request")
         return error_response(400, f"{param}: {msg}" if param else msg, param)
@@ -99,6 +103,32 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=exc)
         return error_response(500, "internal error")
+
+
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "bytes"})
+
+
+def _union_tag(part: object) -> bool:
+    """Whether a validation error's loc entry names a member of a union (`str`, `list[str]`,
+    `constrained-str`, `function-after[...]`, a model's class name) rather than a field: such entries
+    are left out of `param`, so `stop: 1` names `stop`, not `stop.str`."""
+    if not isinstance(part, str):
+        return False  # a list index
+    return part in _TYPE_NAMES or not part.isidentifier() or part[:1].isupper()
+
+
+def invalid_json_message(error: dict, doc: object) -> str:
+    """ "invalid JSON in request body: Expecting value at line 1 column 2" for FastAPI's `json_invalid`
+    error (whose loc holds the offset into the body `doc` where the decoder stopped)."""
+    reason = str((error.get("ctx") or {}).get("error") or "cannot be decoded")
+    loc = error.get("loc", ())
+    pos = loc[-1] if loc and isinstance(loc[-1], int) else None
+    if pos is None or not isinstance(doc, str | bytes):
+        return f"invalid JSON in request body: {reason}"
+    text = doc if isinstance(doc, str) else doc.decode("utf-8", "replace")
+    line = text.count("\n", 0, pos) + 1
+    column = pos - text.rfind("\n", 0, pos)
+    return f"invalid JSON in request body: {reason} at line {line} column {column}"
 
 
 def _openapi_without_422(app: FastAPI) -> None:

@@ -47,7 +47,15 @@ Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
 Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
 
 
-class StreamOptions(BaseModel):
+class RequestBody(BaseModel):
+    """Base of every request body: JSON types are taken strictly, so `true` is not 1, `"10"` is not 10,
+    `1` is not `true` and `2.0` is not the integer 2 (400 naming the field). An integer where a float is
+    expected stays valid (`"temperature": 1` is how JSON writes 1.0)."""
+
+    model_config = ConfigDict(strict=True)
+
+
+class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
@@ -57,7 +65,7 @@ MAX_TOOLS = 128
 ToolName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")]
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(RequestBody):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
     name: ToolName
@@ -66,7 +74,7 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None  # accepted; the schema is always enforced
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(RequestBody):
     """`text` (no constraint), `json_object` (any JSON object) or `json_schema` (matching `json_schema`)."""
 
     model_config = ConfigDict(extra="ignore")
@@ -75,7 +83,7 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = None
 
 
-class FunctionDef(BaseModel):
+class FunctionDef(RequestBody):
     model_config = ConfigDict(extra="ignore")
 
     name: ToolName
@@ -84,34 +92,34 @@ class FunctionDef(BaseModel):
     strict: bool | None = None
 
 
-class ToolDef(BaseModel):
+class ToolDef(RequestBody):
     model_config = ConfigDict(extra="ignore")
 
     type: Literal["function"]
     function: FunctionDef
 
 
-class FunctionName(BaseModel):
+class FunctionName(RequestBody):
     name: ToolName
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(RequestBody):
     type: Literal["function"]
     function: FunctionName
 
 
-class FunctionCall(BaseModel):
+class FunctionCall(RequestBody):
     name: ToolName
     arguments: Text  # JSON text
 
 
-class ToolCall(BaseModel):
+class ToolCall(RequestBody):
     id: Name
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(RequestBody):
     """The fields both generation endpoints share."""
 
     model_config = ConfigDict(extra="ignore")
@@ -190,7 +198,7 @@ class CompletionRequest(SamplingFields):
         return list(p)  # type: ignore[arg-type]
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(RequestBody):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
@@ -221,12 +229,12 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
 
-class LoadLoRARequest(BaseModel):
+class LoadLoRARequest(RequestBody):
     lora_name: Name
     lora_path: Annotated[str, Field(max_length=4096)]
 
 
-class UnloadLoRARequest(BaseModel):
+class UnloadLoRARequest(RequestBody):
     lora_name: Name
 
 

@@ -4,6 +4,7 @@ to `SamplingParams`, run under the client's fair share, and map engine failures 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from api.admission import client_id
-from api.auth import authenticate, authorize
+from api.auth import authenticate, authorize, may_use
 from api.engine_client import EngineDeadError, EngineUnavailableError, ServerShuttingDownError
 from api.errors import APIError
 from api.generation import ChoiceUpdate, Generation
@@ -25,6 +26,8 @@ from engine.sampling_params import SamplingParams, SamplingParamsError
 from kernels.intmath import cdiv
 from lora_registry.errors import RegistryUnavailable
 from lora_registry.usage import UsageEntry
+
+log = logging.getLogger("loraplex.requests")
 
 
 @dataclass(slots=True)
@@ -48,20 +51,33 @@ def is_base_model(state, name: str) -> bool:
 
 async def resolve_target(request: Request, model: str | None, forced_adapter: str | None = None) -> Target:
     """The base model or an active adapter named by the request: 401 without a valid API key (when keys
-    are required), 404 for an unknown or inactive adapter, 403 when the key's scope excludes it."""
+    are required), 403 when the key may not use the base model, 404 for an adapter that is unknown,
+    inactive or outside the key's scope (the same answer for all three, so a scoped key cannot probe which
+    adapter names exist; the scope is checked first, so neither does the time to answer tell)."""
     state = request.app.state.loraplex
     key = await authenticate(request)
     name = forced_adapter or model or state.settings.served_model_name
     if forced_adapter is None and is_base_model(state, name):
         authorize(key, None)
         return Target(state.settings.served_model_name, None, key)
-    target = await adapter_target(state, name)
-    authorize(key, name)
+    if not may_use(key, name):
+        raise model_not_found(name, key)
+    target = await adapter_target(state, name, key)
     target.key = key
     return target
 
 
-async def adapter_target(state, name: str) -> Target:
+def model_not_found(name: str, key: Any = None) -> APIError:
+    """The 404 for an adapter `name` that does not exist, is not active, or (for a key scoped to named
+    adapters) is not in the key's scope: one body for all of them."""
+    scoped = key is not None and key != "admin" and not key.is_admin
+    why = "does not exist or is not active"
+    if scoped:
+        why = "does not exist, is not active, or this API key may not use it"
+    return APIError(404, f"The model '{name}' {why}", param="model", code="model_not_found")
+
+
+async def adapter_target(state, name: str, key: Any = None) -> Target:
     """The active adapter `name` with its PEFT directory; 404 when it is unknown or inactive.
 
     Hot path: an adapter in the in-memory active set (kept current by the registry's events) whose
@@ -75,12 +91,7 @@ async def adapter_target(state, name: str) -> Target:
         if active is None:
             active = await state.lookups.run(registry.active_adapter, name)
         if active is None:
-            raise APIError(
-                404,
-                f"The model '{name}' does not exist or is not active",
-                param="model",
-                code="model_not_found",
-            )
+            raise model_not_found(name, key)
         path = registry.materialized_path(active.digest)
         if path is None:
             path = await state.lookups.run(registry.adapter_path, active.digest)
@@ -196,6 +207,7 @@ class RequestRun:
         self.t0 = time.monotonic()
         self.first_token: float | None = None
         self.num_prompt_tokens = num_prompt_tokens
+        self.client_gone = False  # set when the client disconnected before a non-streamed answer
 
     async def updates(self) -> AsyncIterator[ChoiceUpdate]:
         status = "error"
@@ -283,11 +295,22 @@ class RequestRun:
         )
 
     async def collect(self) -> None:
-        """Run to completion, aborting the engine requests if the client disconnects meanwhile."""
-        watcher = asyncio.create_task(self._watch_disconnect(asyncio.current_task()))
+        """Run to completion, aborting the engine requests if the client disconnects meanwhile: then one
+        INFO line is logged and `ClientDisconnected` raised (its answer goes nowhere), not a traceback."""
+        task = asyncio.current_task()
+        watcher = asyncio.create_task(self._watch_disconnect(task))
         try:
             async for _ in self.updates():
                 pass
+        except asyncio.CancelledError:
+            if not self.client_gone or task is None:
+                raise  # cancelled by someone else (e.g. the server shutting down)
+            task.uncancel()  # the cancellation was ours, to stop the engine requests; it is done
+            log.info(
+                "client disconnected before the answer to %s was ready; its engine request was aborted",
+                self.gen.id,
+            )
+            raise ClientDisconnected() from None
         finally:
             watcher.cancel()
 
@@ -296,8 +319,19 @@ class RequestRun:
             await asyncio.sleep(0.25)
             if await self.request.is_disconnected():
                 if task is not None:
+                    self.client_gone = True
                     task.cancel()
                 return
+
+
+class ClientDisconnected(APIError):
+    """The client hung up before its non-streamed answer was ready (answered as nginx's 499, which
+    nobody receives: uvicorn drops what is sent on a closed connection)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            499, "the client closed the connection before the answer", code="client_disconnected"
+        )
 
 
 def _choice_error(target: Target, status: int, error: str) -> APIError:

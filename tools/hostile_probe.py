@@ -11,6 +11,7 @@ generators, so the probe itself never holds a large body in memory. Loopback onl
 from __future__ import annotations
 
 import argparse
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -94,10 +95,82 @@ def attacks(url: str) -> list[tuple[str, Callable[[httpx.Client], httpx.Response
     ]
 
 
-def innocent(url: str, adapter: str, out: dict) -> None:
+# ---- issue 25, items 6-8: unreadable lora_path, strict types, probing adapter names ----------------------
+# Kept apart from the list above (other items of issue 25 add theirs there). The admin routes need
+# `--admin-token`; item 8 also needs a server started with `--require-api-key` (the probe creates a key
+# scoped to an adapter that does not exist, so it may use no adapter: another key's active adapter and a
+# missing name must then get the same 404).
+
+
+def issue25_api_attacks(
+    url: str, admin_token: str | None, adapter: str
+) -> list[tuple[str, Callable[[httpx.Client], httpx.Response]]]:
+    """Items 6-8 of issue 25; each expects a 4xx (6, 7: 400; 8: the same 404 for both names)."""
+    admin = {"authorization": f"Bearer {admin_token}"} if admin_token else {}
+    comp = f"{url}/v1/completions"
+    chat = f"{url}/v1/chat/completions"
+    base = {"model": adapter, "prompt": "a", "max_tokens": 1}
+    msgs = {"model": adapter, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    key: dict[str, str] = {}
+    run = int(time.time() * 1000) % 10**9  # names of this run's keys
+
+    def scoped_key(c: httpx.Client) -> dict[str, str]:
+        """A key of this probe run, scoped to an adapter name that does not exist (created once)."""
+        if "secret" not in key:
+            name = f"probe25-{run}"
+            r = c.post(
+                f"{url}/admin/api/keys", json={"name": name, "adapters": ["probe25-none"]}, headers=admin
+            )
+            r.raise_for_status()
+            key.update(name=name, secret=r.json()["secret"])
+        return {"authorization": f"Bearer {key['secret']}"}
+
+    def post(path: str, body: dict, headers: dict | None = None) -> Callable[[httpx.Client], httpx.Response]:
+        return lambda c: c.post(path, json=body, headers=admin if headers is None else headers)
+
+    def key_limits(body: dict) -> Callable[[httpx.Client], httpx.Response]:
+        # On the probe's own key (never the innocent adapter: an unfixed server would set the limit).
+        def send(c: httpx.Client) -> httpx.Response:
+            scoped_key(c)
+            return c.patch(f"{url}/admin/api/keys/{key['name']}/limits", json=body, headers=admin)
+
+        return send
+
+    def as_scoped(model: str) -> Callable[[httpx.Client], httpx.Response]:
+        return lambda c: c.post(comp, json=base | {"model": model}, headers=scoped_key(c))
+
+    load = f"{url}/v1/load_lora_adapter"
+    return [
+        (
+            "25.6 lora_path component of 300 chars",
+            post(load, {"lora_name": "p25", "lora_path": "/tmp/" + "a" * 300}),
+        ),
+        ("25.6 lora_path with a NUL byte", post(load, {"lora_name": "p25", "lora_path": "/tmp/a\0b"})),
+        ("25.7 limits PATCH rpm=true", key_limits({"requests_per_minute": True})),
+        ('25.7 limits PATCH max_concurrent="2"', key_limits({"max_concurrent": "2"})),
+        ("25.7 echo=1", post(comp, base | {"echo": 1})),
+        ('25.7 echo="yes"', post(comp, base | {"echo": "yes"})),
+        ('25.7 max_tokens="1"', post(comp, base | {"max_tokens": "1"})),
+        ("25.7 n=true", post(comp, base | {"n": True})),
+        ('25.7 stream="false"', post(comp, base | {"stream": "false"})),
+        ('25.7 parallel_tool_calls="false"', post(chat, msgs | {"parallel_tool_calls": "false"})),
+        (
+            '25.7 key admin="true"',
+            post(f"{url}/admin/api/keys", {"name": f"probe25-admin-{run}", "admin": "true"}),
+        ),
+        ("25.8 scoped key: another's adapter", as_scoped(adapter)),
+        ("25.8 scoped key: unknown adapter", as_scoped("probe25-missing")),
+    ]
+
+
+# ---- end of issue 25 items 6-8 ----------------------------------------------------------------------------
+
+
+def innocent(url: str, adapter: str, out: dict, token: str | None = None) -> None:
     body = {"model": adapter, "prompt": "hello world=", "max_tokens": 16, "temperature": 0, "stop": ["\n"]}
+    headers = {"authorization": f"Bearer {token}"} if token else {}  # a server that requires keys
     try:
-        r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+        r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=300)
         out["text"] = r.json()["choices"][0]["text"] if r.status_code == 200 else f"HTTP {r.status_code}"
     except Exception as exc:  # reported, not raised: the probe measures
         out["text"] = f"error: {exc!r}"
@@ -124,17 +197,23 @@ def main() -> None:
     ap.add_argument("--expected", default="HELLO WORLD")
     ap.add_argument("--timeout", type=float, default=180.0)
     ap.add_argument("--only", default="", help="comma-separated attack numbers to run (1-based)")
+    ap.add_argument("--admin-token", default=os.environ.get("LORAPLEX_ADMIN_TOKEN"), help="for admin routes")
     args = ap.parse_args()
     print(f"{'attack':40} {'status':>6} {'secs':>7}  innocent ok  worst /health s  restarts")
     chosen = {int(i) for i in args.only.split(",") if i}
-    for i, (name, send) in enumerate(attacks(args.url), start=1):
+    chosen_attacks = attacks(args.url) + issue25_api_attacks(
+        args.url, args.admin_token, args.innocent_adapter
+    )
+    for i, (name, send) in enumerate(chosen_attacks, start=1):
         if chosen and i not in chosen:
             continue
         result: dict = {}
         health: dict = {}
         stop = threading.Event()
         watcher = threading.Thread(target=health_watch, args=(args.url, stop, health))
-        bystander = threading.Thread(target=innocent, args=(args.url, args.innocent_adapter, result))
+        bystander = threading.Thread(
+            target=innocent, args=(args.url, args.innocent_adapter, result, args.admin_token)
+        )
         watcher.start()
         bystander.start()
         t0 = time.monotonic()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -88,7 +89,8 @@ def serve(
     """Start the server: one resident base model, every active adapter of the registry.
 
     Engine options left out take `EngineConfig`'s defaults (the one place they are written)."""
-    from api.auth import ensure_admin_token
+    from api.auth import ensure_admin_token, store_admin_token
+    from api.server import PortUnavailable, bind_socket
     from api.server import serve as run
     from api.settings import ServerSettings
 
@@ -133,26 +135,47 @@ def serve(
             f"least {MIN_ADMIN_TOKEN_CHARS} (make one: python -c 'import secrets; "
             "print(secrets.token_urlsafe(32))'), or unset it to have one generated"
         )
-    _, generated = ensure_admin_token(settings.registry.data_dir, settings.admin_token)
+    try:  # before anything loads: a port in use fails now, not after the model has loaded
+        sock = bind_socket(host, port)
+    except PortUnavailable as exc:
+        fail(str(exc))
+    if replicas is not None:
+        sock.close()  # Ray Serve's proxy listens itself: this was only the check
+    data_dir = settings.registry.data_dir
+    # A token generated now is served from memory and stored (and shown) only once the server is serving.
+    _, generated = ensure_admin_token(data_dir, settings.admin_token, store=False)
+    if generated:
+        settings.admin_token = generated
     err = stderr()
+
+    def on_serving() -> None:
+        if generated:
+            store_admin_token(data_dir, generated)
+            err.print(f"  Admin token  [bold yellow]{generated}[/]  (shown once; stored hashed)")
+
+    def on_stopped() -> None:
+        err.print("loraplex stopped")
+
     base = f"http://{host}:{port}"
     err.print(f"[bold]loraplex[/] serving [cyan]{settings.served_model_name}[/] from {model}")
     err.print(f"  OpenAI API   {base}/v1   (per adapter: {base}/v1/adapters/<name>)")
     err.print(f"  Admin UI     {base}/admin")
     err.print(f"  Metrics      {base}/metrics")
     if generated:
-        err.print(f"  Admin token  [bold yellow]{generated}[/]  (shown once; stored hashed)")
+        err.print("  Admin token  generated; shown here once the server is serving")
     elif settings.admin_token is None:
         err.print("  Admin token  set earlier (stored hashed); set LORAPLEX_ADMIN_TOKEN to choose one")
     if replicas is not None:
-        _serve_replicas(settings, replicas, ray_address, ray_num_cpus)
+        _serve_replicas(settings, replicas, ray_address, ray_num_cpus, on_serving)
     else:
         # A server that ran exits inside `run` (after `on_stopped`), without interpreter teardown.
-        run(settings, log_level=log_level, on_stopped=lambda: err.print("loraplex stopped"))
+        run(settings, log_level=log_level, on_stopped=on_stopped, sock=sock, on_serving=on_serving)
     err.print("loraplex stopped")
 
 
-def _serve_replicas(settings, replicas: int, ray_address: str | None, num_cpus: int | None) -> None:
+def _serve_replicas(
+    settings, replicas: int, ray_address: str | None, num_cpus: int | None, on_serving: Callable[[], None]
+) -> None:
     from api.cluster.ray_api import RayMissing, require_ray
     from api.cluster.run import ClusterOptions, serve_cluster
 
@@ -162,7 +185,7 @@ def _serve_replicas(settings, replicas: int, ray_address: str | None, num_cpus: 
         fail(str(exc))
     where = ray_address or "a local Ray cluster"
     stderr().print(f"  Replicas     {replicas} engine replicas on {where} (Ray Serve, adapter affinity)")
-    serve_cluster(settings, ClusterOptions(replicas, ray_address, num_cpus))
+    serve_cluster(settings, ClusterOptions(replicas, ray_address, num_cpus), on_serving)
 
 
 def engine_options(**given: object) -> dict[str, object]:

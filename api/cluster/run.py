@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from api.cluster import ray_api
@@ -34,11 +35,16 @@ def start_cluster(settings: ServerSettings, options: ClusterOptions) -> None:
     ray_api.run(build_application(settings, options.replicas))
 
 
-def serve_cluster(settings: ServerSettings, options: ClusterOptions) -> None:
-    """Serve until SIGINT/SIGTERM, then tear the application (and a local Ray cluster) down."""
+def serve_cluster(
+    settings: ServerSettings, options: ClusterOptions, on_serving: Callable[[], None] | None = None
+) -> None:
+    """Serve until SIGINT/SIGTERM, then tear the application (and a local Ray cluster) down;
+    `on_serving()` runs once every deployment is up."""
     stop = threading.Event()
     try:
         start_cluster(settings, options)
+        if on_serving is not None:
+            on_serving()
         for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs handlers of its own
             signal.signal(sig, lambda *_: stop.set())
         stop.wait()

@@ -7,6 +7,7 @@ so the OpenAPI schema documents them and FastAPI serializes them (datetimes as I
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -16,12 +17,12 @@ from typing import Annotated
 
 import msgspec
 from fastapi import APIRouter, File, Form, Query, Response, UploadFile
-from pydantic import BaseModel, Field
+from pydantic import Field
 from starlette.datastructures import UploadFile as UploadedFile  # what forms hold (FastAPI's is a subclass)
 
 from api.deps import AdminActor, StateDep
 from api.errors import APIError, error_responses
-from api.openai_protocol import LoadLoRARequest, UnloadLoRARequest
+from api.openai_protocol import LoadLoRARequest, RequestBody, UnloadLoRARequest
 from api.state import AppState
 from lora_registry.errors import RegistryError
 from lora_registry.schemas import (
@@ -183,7 +184,7 @@ async def deactivate_adapter(name: str, state: StateDep, actor: AdminActor) -> A
     return await call_registry(state, state.registry.adapters.deactivate, name, actor=actor)
 
 
-class RollbackBody(BaseModel):
+class RollbackBody(RequestBody):
     version: int = Field(ge=1)
 
 
@@ -222,7 +223,7 @@ async def audit_log(
     return AuditList(await read_registry(state, state.registry.adapters.audit_log, limit))
 
 
-class KeyBody(BaseModel):
+class KeyBody(RequestBody):
     name: str
     admin: bool = False
     adapters: list[str] = Field(default_factory=list)
@@ -247,18 +248,41 @@ async def revoke_key(name: str, state: StateDep, actor: AdminActor) -> ApiKeyInf
 
 @compat.post("/v1/load_lora_adapter")
 async def load_lora_adapter(body: LoadLoRARequest, state: StateDep, actor: AdminActor) -> dict:
-    """vLLM-compatible: register the adapter at a server-local path under `lora_name` and activate it."""
-    if not Path(body.lora_path).exists():
+    """vLLM-compatible: register the adapter at a server-local path under `lora_name` and activate it.
+
+    A path the server cannot even check (a name too long for the file system, a NUL byte) or an adapter
+    under it that cannot be read is a 400 naming `lora_path`, never a 500."""
+    source = Path(body.lora_path)
+    try:
+        exists = source.exists()
+    except (OSError, ValueError) as exc:
+        raise _unreadable_path(body.lora_path, exc) from exc
+    if not exists:
         raise APIError(400, f"lora_path {body.lora_path!r} does not exist on the server", param="lora_path")
-    result = await call_registry(
-        state,
-        state.registry.adapters.register,
-        body.lora_name,
-        Path(body.lora_path),
-        activate=True,
-        actor=actor,
-    )
+    try:
+        result = await call_registry(
+            state, state.registry.adapters.register, body.lora_name, source, activate=True, actor=actor
+        )
+    except OSError as exc:
+        if not _is_under(exc.filename, source):
+            raise  # the server's own files (data dir, blob store): a real server error
+        raise _unreadable_path(body.lora_path, exc) from exc
     return {"loaded": body.lora_name, "version": result.version.version, "digest": result.version.digest}
+
+
+def _unreadable_path(given: str, exc: OSError | ValueError) -> APIError:
+    """The 400 for a `lora_path` the server cannot read: the OS's reason, without echoing a huge path."""
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    shown = given if len(given) <= 200 else f"{given[:100]}...{given[-40:]}"
+    return APIError(400, f"lora_path {shown!r} cannot be read on the server: {reason}", param="lora_path")
+
+
+def _is_under(filename: object, root: Path) -> bool:
+    """Whether the file an OSError names is `root` or lies below it."""
+    if not isinstance(filename, str | bytes | Path):
+        return False
+    name, top = Path(os.path.abspath(os.fsdecode(filename))), Path(os.path.abspath(root))
+    return name == top or top in name.parents
 
 
 @compat.post("/v1/unload_lora_adapter")

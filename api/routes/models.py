@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from api.auth import authenticate, authorize, may_use
+from api.auth import authenticate, may_use
 from api.deps import StateDep
-from api.errors import APIError, error_responses
+from api.errors import error_responses
 from api.openai_protocol import AdapterName, ModelList
+from api.serving import model_not_found
 
 router = APIRouter(tags=["openai"])
 
@@ -35,10 +36,11 @@ async def list_models(request: Request, state: StateDep) -> dict:
     return {"object": "list", "data": data}
 
 
-@router.get("/v1/adapters/{name}/models", response_model=ModelList, responses=error_responses(401, 403, 404))
+@router.get("/v1/adapters/{name}/models", response_model=ModelList, responses=error_responses(401, 404))
 async def adapter_models(name: AdapterName, request: Request, state: StateDep) -> dict:
-    """The adapter `name` as a one-model list (404 when it is not active)."""
-    authorize(await authenticate(request), name)
-    if name not in state.follower.snapshot():
-        raise APIError(404, f"The model '{name}' does not exist or is not active", code="model_not_found")
+    """The adapter `name` as a one-model list (404 when it is not active or, for a scoped API key, not in
+    the key's scope: the same answer, as for the generation routes)."""
+    key = await authenticate(request)
+    if not may_use(key, name) or name not in state.follower.snapshot():
+        raise model_not_found(name, key)
     return {"object": "list", "data": [_model(name, int(state.started_at), state.settings.served_model_name)]}

@@ -17,10 +17,11 @@ from datetime import UTC, datetime, timedelta
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from api.deps import AdminActor, StateDep
 from api.errors import APIError
+from api.openai_protocol import RequestBody
 from api.routes.admin_api import ADMIN_ERRORS, call_registry, read_registry
 from api.state import AppState
 from lora_registry.limits import MAX_LIMIT, LimitInfo
@@ -36,7 +37,7 @@ class LimitList:
     data: list[LimitInfo]
 
 
-class LimitsBody(BaseModel):
+class LimitsBody(RequestBody):
     """Limits to change; a field left out is unchanged, 0 removes that limit."""
 
     requests_per_minute: int | None = Field(default=None, ge=0, le=MAX_LIMIT)

@@ -195,6 +195,6 @@ def test_serve_per_client_share(tmp_path: Path, assets, monkeypatch, option, lim
     started = []
     monkeypatch.setattr("api.server.serve", lambda settings, **_: started.append(settings))
     env = {"LORAPLEX_DATA_DIR": str(tmp_path / "data"), "LORAPLEX_MODEL": str(assets["base"])}
-    result = CliRunner().invoke(app, ["serve", "--port", "1", *option], env=env)
+    result = CliRunner().invoke(app, ["serve", "--port", "0", *option], env=env)
     assert result.exit_code == 0, result.output
     assert [s.client_seq_limit() for s in started] == [limit]

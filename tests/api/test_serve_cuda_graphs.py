@@ -17,6 +17,6 @@ def test_serve_passes_the_cuda_graphs_choice_to_the_engine(tmp_path, monkeypatch
     started = []
     monkeypatch.setattr("api.server.serve", lambda settings, **_: started.append(settings))
     env = {"LORAPLEX_DATA_DIR": str(tmp_path / "data"), "LORAPLEX_MODEL": str(DEMO / "base")}
-    result = CliRunner().invoke(app, ["serve", "--port", "1", *flags], env=env)
+    result = CliRunner().invoke(app, ["serve", "--port", "0", *flags], env=env)
     assert result.exit_code == 0, result.output
     assert [s.engine.cuda_graphs for s in started] == [want]

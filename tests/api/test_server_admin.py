@@ -187,7 +187,9 @@ def test_api_keys_scope_adapters(server, text_model):
         )
         assert ok.status_code == 200
         other = httpx.post(f"{server.url}/v1/adapters/other/completions", json=body, headers=hdr)
-        assert other.status_code == 403 and "other" in other.json()["error"]["message"]
+        # Another key's adapter is answered as if it did not exist (no probing of names).
+        assert other.status_code == 404 and "other" in other.json()["error"]["message"]
+        assert other.json()["error"]["code"] == "model_not_found"
         base = httpx.post(f"{server.url}/v1/completions", json=body, headers=hdr)
         assert base.status_code == 403
         assert admin.delete("/admin/api/keys/support-team").status_code == 200

@@ -95,7 +95,7 @@ def test_serve_passes_speculative_options_to_the_engine(tmp_path, monkeypatch):
     started = []
     monkeypatch.setattr("api.server.serve", lambda settings, **_: started.append(settings))
     env = {"LORAPLEX_DATA_DIR": str(tmp_path / "data"), "LORAPLEX_MODEL": str(DEMO / "base")}
-    args = ["serve", "--port", "1", "--speculative", "ngram", "--num-speculative-tokens", "3"]
+    args = ["serve", "--port", "0", "--speculative", "ngram", "--num-speculative-tokens", "3"]
     result = CliRunner().invoke(app, args, env=env)
     assert result.exit_code == 0, result.output
     assert [(s.engine.speculative, s.engine.num_speculative_tokens) for s in started] == [("ngram", 3)]

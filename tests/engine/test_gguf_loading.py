@@ -230,7 +230,7 @@ def test_serve_starts_on_a_gguf_file(gguf_file, tmp_path, monkeypatch):
     started = []
     monkeypatch.setattr("api.server.serve", lambda settings, **_: started.append(settings))
     env = {"LORAPLEX_DATA_DIR": str(tmp_path / "data"), "LORAPLEX_MODEL": str(gguf)}
-    result = CliRunner().invoke(app, ["serve", "--port", "1"], env=env)
+    result = CliRunner().invoke(app, ["serve", "--port", "0"], env=env)
     assert result.exit_code == 0, result.output
     assert [s.engine.model for s in started] == [str(gguf)]
 
