@@ -19,6 +19,8 @@ FAMILY_MODULES = {
     "MistralForCausalLM": "engine.model.llama",
     "Qwen2ForCausalLM": "engine.model.llama",
     "Qwen3ForCausalLM": "engine.model.llama",
+    "GraniteForCausalLM": "engine.model.granite",
+    "Phi3ForCausalLM": "engine.model.phi3",
 }
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILY_MODULES)
