@@ -6,7 +6,7 @@
   (tables narrower than half a head) only each head's leading `2 * table width` values turn;
 - `silu_mul`: SwiGLU's ``silu(gate) * up`` from the packed gate|up projection output.
 
-Each matches the unfused torch formula of `engine/model/llama.py` and `engine/model/rope.py` (float32
+Each matches the unfused torch formula of `engine/model/decoder.py` and `engine/model/rope.py` (float32
 math, rounded to the element type where torch rounds; see the C source). Tensors are float32, bfloat16
 or float16 on the CPU. The library holds the kernels at several instruction-set levels (x86-64:
 generic, AVX2, AVX-512), bit-identical to each other; the best one this CPU runs is used unless `isa=`

@@ -11,7 +11,7 @@
  *                  silu(g) = g / (1 + exp(-g))
  *
  * Everything is computed in float32; `round` is the rounding to the element type (float32, bfloat16
- * or float16; to nearest even), done where the unfused torch formula rounds (engine/model/llama.py,
+ * or float16; to nearest even), done where the unfused torch formula rounds (engine/model/decoder.py,
  * engine/model/rope.py; HF's RMSNorm: float32 norm, cast, then the weight multiply in the element type).
  * Products and sums are separate operations (built with -ffp-contract=off, no FMA), so RoPE and the
  * residual add are bit-identical to torch; RMSNorm differs only in the order of the sum of squares, and

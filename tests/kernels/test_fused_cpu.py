@@ -1,8 +1,9 @@
 """The fused native CPU ops (kernels/fused_cpu.py) vs the unfused torch formulas of the model, at every
 instruction-set level this CPU runs and in every dtype.
 
-The oracle is the torch path of `engine/model/llama.py` (RMSNorm, SiLU * up) and `engine/model/rope.py`
-(`apply_rope` with the llama3-scaled tables), itself checked against HF transformers by the parity tests.
+The oracle is the torch path of `engine/model/layers.py` and `decoder.py` (RMSNorm, SiLU * up) and
+`engine/model/rope.py` (`apply_rope` with the llama3-scaled tables), itself checked against HF
+transformers by the parity tests.
 RoPE and the residual add must be bit-identical; RMSNorm may differ by the order of the sum of squares
 (float32: a few ulp; a half-precision result rounded once, at most one ulp), SiLU by its exp.
 """
