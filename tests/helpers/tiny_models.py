@@ -8,6 +8,9 @@ from pathlib import Path
 import torch
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+# Families on the model seam beyond Llama's (tests/engine/test_granite_phi3.py)
+MORE_ARCHS = ("granite", "phi3", "phi3-longrope")
+LONGROPE_ORIGINAL = 32  # phi3-longrope's original_max_position_embeddings (of 256)
 
 _BASE = dict(
     vocab_size=96,
@@ -27,7 +30,9 @@ def build_checkpoint(out_dir: Path, arch: str, seed: int = 0, dtype=torch.float3
 
     Variations by family: llama uses llama3 RoPE scaling; qwen2 has q/k/v bias and tied embeddings;
     qwen3 has q/k norms and a head_dim different from hidden/heads; mistral has a sliding window
-    larger than the context.
+    larger than the context; granite has all four multipliers away from 1; phi3 has fused qkv/gate_up
+    weights and partial rotary (half of each head); phi3-longrope has LongRoPE with short/long factors
+    (original length `LONGROPE_ORIGINAL`) on full heads.
     """
     import transformers as tf
 
@@ -50,6 +55,24 @@ def build_checkpoint(out_dir: Path, arch: str, seed: int = 0, dtype=torch.float3
     elif arch == "qwen3":
         kw["head_dim"] = 24
         cfg_cls, model_cls = tf.Qwen3Config, tf.Qwen3ForCausalLM
+    elif arch == "granite":
+        kw |= dict(embedding_multiplier=6.0, attention_multiplier=0.09, residual_multiplier=0.4)
+        kw["logits_scaling"] = 3.0
+        cfg_cls, model_cls = tf.GraniteConfig, tf.GraniteForCausalLM
+    elif arch == "phi3":
+        kw |= dict(partial_rotary_factor=0.5, original_max_position_embeddings=256, pad_token_id=0)
+        cfg_cls, model_cls = tf.Phi3Config, tf.Phi3ForCausalLM
+    elif arch == "phi3-longrope":
+        gen = torch.Generator().manual_seed(seed + 7)
+        half = kw["hidden_size"] // kw["num_attention_heads"] // 2
+        short, long = (1 + 3 * torch.rand(half, generator=gen) for _ in range(2))
+        kw |= dict(original_max_position_embeddings=LONGROPE_ORIGINAL, pad_token_id=0)
+        kw["rope_scaling"] = {
+            "rope_type": "longrope",
+            "short_factor": [round(float(x), 4) for x in short],
+            "long_factor": [round(float(x), 4) * 4 for x in long],
+        }
+        cfg_cls, model_cls = tf.Phi3Config, tf.Phi3ForCausalLM
     else:
         raise ValueError(arch)
     kw.update(overrides)
@@ -66,8 +89,9 @@ def build_checkpoint(out_dir: Path, arch: str, seed: int = 0, dtype=torch.float3
     return out_dir
 
 
-def save_char_tokenizer(out_dir: Path) -> None:
-    """A character-level fast tokenizer over printable ASCII (ids 3..), with <unk>=0, <s>=1, </s>=2."""
+def save_char_tokenizer(out_dir: Path, chat_template: str | None = None) -> None:
+    """A character-level fast tokenizer over printable ASCII (ids 3..), with <unk>=0, <s>=1, </s>=2,
+    and `chat_template` if given."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -77,6 +101,8 @@ def save_char_tokenizer(out_dir: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    if chat_template is not None:
+        fast.chat_template = chat_template
     fast.save_pretrained(out_dir)
 
 
@@ -95,6 +121,19 @@ class HFGreedyOracle:
             logits = self.model(torch.tensor([ids])).logits[0, -1]
             ids.append(int(logits.argmax()))
         return ids[len(prompt) :]
+
+    @torch.no_grad()
+    def greedy_cached(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        """Greedy continuation the way `generate` runs it: the prompt in one forward pass, then one token
+        per pass over the KV cache (what LongRoPE's length rule depends on)."""
+        out = self.model(torch.tensor([prompt]), use_cache=True)
+        tokens = [int(out.logits[0, -1].argmax())]
+        while len(tokens) < max_new_tokens:
+            out = self.model(
+                torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True
+            )
+            tokens.append(int(out.logits[0, -1].argmax()))
+        return tokens
 
     @torch.no_grad()
     def logprobs(self, ids: list[int]) -> torch.Tensor:
