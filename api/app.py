@@ -114,7 +114,11 @@ async def _start(settings: ServerSettings, client_factory: Callable[[Any], Any])
         loop.call_soon_threadsafe(lambda: asyncio.ensure_future(_sync_engine(state, name, sync_locks)))
 
     follower = RegistryFollower(registry.adapters, registry.bus, on_change)
-    admission = ClientAdmission(settings.client_seq_limit(), capacity=settings.engine.max_num_seqs)
+    admission = ClientAdmission(
+        settings.client_seq_limit(),
+        capacity=settings.engine.max_num_seqs,
+        wait_seconds=settings.client_wait_seconds,
+    )
     lookups = RegistryLane("lookup", threads=8, timeout=reg_settings.db_connect_timeout + 1.0)
     key_cache = KeyCache(registry.keys, registry.bus)
     state = AppState(
