@@ -104,8 +104,9 @@ class ClientAdmission:
         except TimeoutError:
             if waiter.granted.done():  # granted in the same instant: keep it
                 return
+            refusal = self._refusal(waiter, time.monotonic() - arrived)
             self._leave(waiter)
-            raise self._refusal(share, need, time.monotonic() - arrived) from None
+            raise refusal from None
         except BaseException:  # the client went away (cancelled) while waiting
             if waiter.granted.done():
                 self._release(share, need)
@@ -113,17 +114,26 @@ class ClientAdmission:
                 self._leave(waiter)
             raise
 
-    def _refusal(self, share: _Share, need: int, waited: float) -> APIError:
-        """The 429 of a request refused now: what its client runs and what the engine holds, truly."""
-        return APIError(
-            429,
-            f"this client already runs {share.used} sequences (guaranteed {self.limit}) and needs "
-            f"{need} more; all {self._total} of the {self.capacity - self.headroom} sequences that may be "
-            f"lent are in use ({self.headroom} stay free for other clients), and none came free in "
-            f"{waited:.1f} s since the request arrived (the wait is {self.wait_seconds:g} s); retry later",
-            code="too_many_requests",
-            headers={"Retry-After": "1"},
+    def _refusal(self, waiter: _Waiter, waited: float) -> APIError:
+        """The 429 of `waiter`, refused now: what its client runs, what the engine holds and who waits
+        ahead of it, as they are at this moment."""
+        ahead = 0
+        for w in self._borrowers:
+            if w is waiter:
+                break
+            ahead += not w.gone
+        message = (
+            f"this client already runs {waiter.share.used} sequences (guaranteed {self.limit}) and needs "
+            f"{waiter.need} more; the engine runs {self._total} and lends beyond a guarantee only up to "
+            f"{self.capacity - self.headroom} ({self.headroom} stay free for other clients)"
         )
+        if ahead:
+            message += f"; {ahead} earlier requests still wait ahead of this one"
+        message += (
+            f"; nothing it may take came free within {self.wait_seconds:g} s of its arrival "
+            f"({waited:.1f} s ago); retry later"
+        )
+        return APIError(429, message, code="too_many_requests", headers={"Retry-After": "1"})
 
     def _fits_guarantee(self, share: _Share, need: int) -> bool:
         return share.used + need <= self.limit

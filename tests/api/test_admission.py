@@ -145,7 +145,8 @@ def test_a_refusal_tells_the_truth_and_the_wait_counts_from_arrival():
             assert 0.05 < waited < 0.3, waited  # the rest of its 0.5 s, not 0.5 s more
             msg = exc.value.message
             assert exc.value.status == 429 and "already runs 3 sequences (guaranteed 2)" in msg, msg
-            assert "all 3 of the 3 sequences that may be lent are in use" in msg, msg
+            assert "the engine runs 3 and lends beyond a guarantee only up to 3" in msg, msg
+            assert "ahead" not in msg and "within 0.5 s of its arrival" in msg, msg
             # Arriving past its wait, a request is still served when a slot is free for it at once.
             async with adm.hold("other", 1, arrived=t0 - 60):
                 assert adm.in_use("other") == 1
