@@ -19,13 +19,17 @@ on the others, within the resync interval without Redis.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from datetime import UTC, datetime
 
 from lora_registry import events as ev
+from lora_registry.errors import RegistryUnavailable
 from lora_registry.events import EventBus, RegistryEvent, Subscription
 from lora_registry.keys import KeyRecord, KeyService, public_prefix
 from lora_registry.schemas import ApiKeyInfo
+
+log = logging.getLogger(__name__)
 
 
 class KeyCache:
@@ -78,7 +82,11 @@ class KeyCache:
             return
         if event.type == ev.KEY_REVOKED:
             self.revoke(event.name)
-        record = self.keys.record(name=event.name)
+        try:
+            record = self.keys.record(name=event.name)
+        except RegistryUnavailable as exc:  # a revocation is applied already; a new key is fetched on use
+            log.warning("API keys: cannot re-read key %r after %s: %s", event.name, event.type, exc)
+            return
         if record is not None:
             self._put(record)
 
