@@ -30,6 +30,7 @@ from api.usage.service import UsageLimits
 from engine.tokenizer import load_tokenizer
 from lora_registry import open_registry
 from lora_registry.follower import RegistryFollower
+from lora_registry.key_cache import KeyCache
 from lora_registry.schemas import ActiveAdapter
 
 log = logging.getLogger("loraplex.server")
@@ -43,12 +44,15 @@ def create_app(settings: ServerSettings, client_factory: Callable[[Any], Any] | 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = await _start(settings, client_factory or EngineClient)
         app.state.loraplex = state
-        resync = asyncio.create_task(_resync_forever(state.follower, settings.registry_resync_seconds))
+        resync = asyncio.create_task(
+            _resync_forever((state.follower, state.key_cache), settings.registry_resync_seconds)
+        )
         try:
             yield
         finally:
             resync.cancel()
             state.follower.close()
+            state.key_cache.close()
             await state.client.shutdown()
             if state.usage is not None:  # after the in-flight requests: writes their usage records
                 await state.usage.close()
@@ -110,34 +114,47 @@ async def _start(settings: ServerSettings, client_factory: Callable[[Any], Any])
         loop.call_soon_threadsafe(lambda: asyncio.ensure_future(_sync_engine(state, name, sync_locks)))
 
     follower = RegistryFollower(registry.adapters, registry.bus, on_change)
-    admission = ClientAdmission(settings.client_seq_limit(), capacity=settings.engine.max_num_seqs)
+    admission = ClientAdmission(
+        settings.client_seq_limit(),
+        capacity=settings.engine.max_num_seqs,
+        wait_seconds=settings.client_wait_seconds,
+    )
     lookups = RegistryLane("lookup", threads=8, timeout=reg_settings.db_connect_timeout + 1.0)
-    state = AppState(settings, client, tokenizer, registry, follower, admin_auth, admission, lookups)
+    key_cache = KeyCache(registry.keys, registry.bus)
+    state = AppState(
+        settings, client, tokenizer, registry, follower, admin_auth, admission, key_cache, lookups
+    )
     await asyncio.to_thread(follower.start)
+    await asyncio.to_thread(key_cache.start)
     registry.start_outbox_relay()  # events written while the bus was down are delivered when it is back
     if follower.resyncs == 0:
         await asyncio.to_thread(follower.resync)
+    if key_cache.resyncs == 0:
+        await asyncio.to_thread(key_cache.resync)
     try:
         state.usage = await UsageLimits.start(
             registry, settings.usage, state.metrics.registry, reg_settings.redis_url
         )
     except BaseException:
         follower.close()
+        key_cache.close()
         await client.shutdown()
         registry.close()
         raise
     return state
 
 
-async def _resync_forever(follower: RegistryFollower, every: float) -> None:
-    """Re-read the active adapters now and then, so changes made by another process on the same database
-    without a shared event bus (e.g. the local CLI next to a server on SQLite) are picked up too."""
+async def _resync_forever(followers: tuple[RegistryFollower | KeyCache, ...], every: float) -> None:
+    """Re-read the active adapters and the API keys now and then, so changes made by another process on
+    the same database without a shared event bus (e.g. the local CLI next to a server on SQLite) are
+    picked up too."""
     while True:
         await asyncio.sleep(every)
-        try:
-            await asyncio.to_thread(follower.resync)
-        except Exception as exc:  # the database may be briefly unavailable; try again next time
-            log.warning("registry resync failed: %s", exc)
+        for follower in followers:
+            try:
+                await asyncio.to_thread(follower.resync)
+            except Exception as exc:  # the database may be briefly unavailable; try again next time
+                log.warning("registry resync failed: %s", exc)
 
 
 async def _sync_engine(state: AppState, name: str, locks: dict[str, asyncio.Lock]) -> None:

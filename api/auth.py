@@ -117,14 +117,23 @@ async def authenticate(request: Request):
 
 
 async def verify_key(state, secret: str):
-    """The API key `secret` is (None if invalid), looked up on the registry lookup lane; 503 when the
-    registry cannot be reached to check it."""
+    """The API key `secret` is (None if invalid).
+
+    Hot path: a key the in-memory `KeyCache` knows (every key, kept current by the registry's events and
+    resync) is checked there, with no database call, so keyed requests keep working through a database
+    outage. Only a prefix the cache has never seen is looked up in the database on the registry lookup
+    lane (the key may have been created a moment ago elsewhere); 503 when the registry cannot be
+    reached to check it, since the cache cannot tell a brand-new key from a wrong one."""
+    known, key = state.key_cache.lookup(secret)
+    if known:
+        return key
     try:
-        return await state.lookups.run(state.registry.keys.verify, secret)
+        return await state.lookups.run(state.key_cache.fetch, secret)
     except RegistryUnavailable as exc:
         raise APIError(
             503,
-            "the registry is unreachable, so the API key cannot be checked; retry shortly",
+            "the registry is unreachable, so this API key (unknown to this server) cannot be checked; "
+            "retry shortly",
             code="registry_unavailable",
             headers={"Retry-After": "2"},
         ) from exc

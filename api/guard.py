@@ -15,9 +15,11 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from starlette.types import Message, Receive, Scope, Send
 
+from api.admission import ARRIVED
 from api.auth import check_admin_token, verify_key
 from api.errors import APIError, error_response
 from api.http_middleware import HTTPMiddleware
@@ -34,6 +36,7 @@ DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 
 class RequestGuard(HTTPMiddleware):
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope.setdefault("state", {})[ARRIVED] = time.monotonic()  # fair-share waits count from here
         started = False
 
         async def tracked_send(message: Message) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from api.admission import client_id
+from api.admission import ARRIVED, client_id
 from api.auth import authenticate, authorize, may_use
 from api.engine_client import EngineDeadError, EngineUnavailableError, ServerShuttingDownError
 from api.errors import APIError
@@ -215,7 +215,8 @@ class RequestRun:
         grant: Grant | None = None
         try:
             grant = await self._admit()
-            async with self.state.admission.hold(client, len(self.gen.choices)):
+            arrived = getattr(self.request.state, ARRIVED, None)
+            async with self.state.admission.hold(client, len(self.gen.choices), arrived):
                 async for up in self.gen.stream():
                     if up.choice.error:
                         raise _choice_error(self.target, up.choice.error_status, up.choice.error)

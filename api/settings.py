@@ -48,6 +48,9 @@ class ServerSettings:
     max_prompt_chars: int | None = None  # None: 64 characters per token of the model's context
     max_choices_per_request: int = 64  # prompts × n of one request
     max_seqs_per_client: int | None = None  # engine sequences one API key (or client) runs; None: half
+    # How long after its arrival a request may wait for its client's share before a 429
+    # (LORAPLEX_CLIENT_WAIT_SECONDS).
+    client_wait_seconds: float = 30.0
     # Who may read /metrics and /docs + /openapi.json: "public", "api_key" or "admin" ("auto": public
     # when API keys are not required, admin-only when they are). LORAPLEX_METRICS_ACCESS / _DOCS_ACCESS.
     metrics_access: str = "auto"
@@ -88,6 +91,7 @@ class ServerSettings:
                 raise ValueError(f"{name} must be one of {', '.join(ACCESS_LEVELS)}, got {value!r}")
             overrides[name] = value
         overrides["shutdown_grace_seconds"] = _grace(overrides.get("shutdown_grace_seconds"), env)
+        overrides["client_wait_seconds"] = _client_wait(overrides.get("client_wait_seconds"), env)
         served = overrides.pop("served_model_name", None) or path.name
         overrides.setdefault("forwarded_allow_ips", env.get("LORAPLEX_FORWARDED_ALLOW_IPS") or None)
         return cls(
@@ -133,4 +137,17 @@ def _grace(given: float | None, env: Mapping[str, str]) -> float:
         raise ValueError(f"shutdown grace must be a number of seconds, got {raw!r}") from None
     if not 0 <= value <= MAX_SHUTDOWN_GRACE:
         raise ValueError(f"shutdown grace must be in [0, {MAX_SHUTDOWN_GRACE:g}] seconds, got {value:g}")
+    return value
+
+
+def _client_wait(given: float | None, env: Mapping[str, str]) -> float:
+    """How long a request may wait for its client's share: `given`, else LORAPLEX_CLIENT_WAIT_SECONDS,
+    else 30; ValueError outside (0, 3600]."""
+    raw: object = given if given is not None else env.get("LORAPLEX_CLIENT_WAIT_SECONDS") or 30.0
+    try:
+        value = float(raw)  # type: ignore[arg-type]
+    except ValueError:
+        raise ValueError(f"client wait must be a number of seconds, got {raw!r}") from None
+    if not 0 < value <= 3600:
+        raise ValueError(f"client wait must be in (0, 3600] seconds, got {value:g}")
     return value

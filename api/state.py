@@ -17,6 +17,7 @@ from api.registry_lane import RegistryLane
 from api.settings import ServerSettings
 from api.traffic import TrafficLog
 from lora_registry.follower import RegistryFollower
+from lora_registry.key_cache import KeyCache
 from lora_registry.registry import Registry
 
 if TYPE_CHECKING:  # api.auth imports `app_state` from this module
@@ -33,6 +34,7 @@ class AppState:
     follower: RegistryFollower
     admin_auth: AdminAuth
     admission: ClientAdmission
+    key_cache: KeyCache  # API keys checked from memory (kept current like the follower's active set)
     # Blocking registry calls: request-path lookups (bounded wait, own threads) and admin changes.
     lookups: RegistryLane = field(default_factory=lambda: RegistryLane("lookup", threads=8, timeout=6.0))
     admin_calls: RegistryLane = field(default_factory=lambda: RegistryLane("admin", threads=4, timeout=None))

@@ -6,6 +6,11 @@ Every change publishes a `RegistryEvent` after its transaction commits. `EventBu
 
 A subscriber may pass `on_resync`: it is called whenever the subscription (re)connects, because events
 published while it was not connected are lost; the subscriber then re-reads the registry's state.
+
+A change committed by this process is also handed to this process's subscribers at once, by
+`deliver_local` (the outbox calls it right after the commit), whatever the bus does: a server applies
+its own changes even while Redis is down. Each subscription remembers the ids delivered that way and
+drops the same event when it comes back over the network, so it sees each event once.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import json
 import logging
 import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -68,21 +74,58 @@ class EventBus(Protocol):
         """Deliver every later event to `handler`; call `on_resync` on every (re)connect."""
         ...
 
+    def deliver_local(self, event: RegistryEvent) -> None:
+        """Hand `event` (a change this process just committed) to this process's subscribers now."""
+        ...
+
     def close(self) -> None: ...
 
 
-def call_safely(fn: Callable[..., None], *args: Any) -> None:
-    """Run a subscriber callback; a failing subscriber is logged and never breaks the publisher."""
+def call_safely(fn: Callable[..., None], *args: Any) -> bool:
+    """Run a subscriber callback; a failing subscriber is logged and never breaks the publisher.
+    Returns whether it succeeded."""
     try:
         fn(*args)
     except Exception:
         log.exception("event subscriber %r failed", fn)
+        return False
+    return True
+
+
+class RecentIds:
+    """The ids of the last `size` events delivered locally (thread-safe): `seen(id)` is True once for
+    each id `add`ed, so the bus's own copy of a locally delivered event is dropped exactly once."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self.size = size
+        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, event_id: str) -> None:
+        with self._lock:
+            self._ids[event_id] = None
+            while len(self._ids) > self.size:
+                self._ids.popitem(last=False)
+
+    def seen(self, event_id: str) -> bool:
+        """Whether `event_id` was delivered locally (and forget it: a later copy is delivered again)."""
+        with self._lock:
+            return self._ids.pop(event_id, 0) is None
+
+
+def deliver_local_to(subs: list[Any], event: RegistryEvent) -> None:
+    """Call every subscription's handler with `event`, and have each one that succeeded drop the bus's
+    later copy (`sub.recent`); a failed one gets a second chance from that copy."""
+    for sub in subs:
+        if call_safely(sub.handler, event):
+            sub.recent.add(event.id)
 
 
 @dataclass(slots=True)
 class _LocalSubscription:
     bus: InProcessBus
     handler: Handler
+    recent: RecentIds = field(default_factory=lambda: RecentIds(256))
 
     def close(self) -> None:
         self.bus._remove(self)
@@ -99,7 +142,13 @@ class InProcessBus:
         with self._lock:
             subs = list(self._subs)
         for sub in subs:
-            call_safely(sub.handler, event)
+            if not sub.recent.seen(event.id):  # else delivered already, right after its commit
+                call_safely(sub.handler, event)
+
+    def deliver_local(self, event: RegistryEvent) -> None:
+        with self._lock:
+            subs = list(self._subs)
+        deliver_local_to(subs, event)
 
     def subscribe(self, handler: Handler, on_resync: Callable[[], None] | None = None) -> Subscription:
         sub = _LocalSubscription(self, handler)

@@ -6,10 +6,12 @@ whole key's sha256 is compared to the stored hash in constant time.
 
 from __future__ import annotations
 
+import builtins  # `list` is also a method name in this module's classes
 import hashlib
 import hmac
 import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from sqlalchemy import select
@@ -31,6 +33,26 @@ SCOPE_ADMIN = "admin"
 
 def hash_key(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def public_prefix(secret: str) -> str | None:
+    """The public part `lpx_<id>` of a key shaped `lpx_<id>_<secret>`, or None for any other string."""
+    if not secret.startswith(KEY_PREFIX) or secret.count("_") < 2:
+        return None
+    return "_".join(secret.split("_", 2)[:2])
+
+
+@dataclass(slots=True, frozen=True)
+class KeyRecord:
+    """What checking a key needs: its stored hash and its info (scopes, revocation)."""
+
+    key_hash: str
+    info: ApiKeyInfo
+
+    def check(self, secret: str) -> ApiKeyInfo | None:
+        """The key's info if `secret` hashes to this record (constant-time) and it is not revoked."""
+        ok = hmac.compare_digest(hash_key(secret), self.key_hash)
+        return self.info if ok and self.info.revoked_at is None else None
 
 
 class KeyService:
@@ -84,13 +106,23 @@ class KeyService:
 
     def verify(self, secret: str) -> ApiKeyInfo | None:
         """The key's info if `secret` is a valid, unrevoked key, else None (constant-time hash compare)."""
-        if not secret.startswith(KEY_PREFIX) or secret.count("_") < 2:
+        public = public_prefix(secret)
+        record = self.record(prefix=public) if public is not None else None
+        if record is None:
+            hmac.compare_digest(hash_key(secret), hash_key(""))  # same work for unknown keys
             return None
-        public = "_".join(secret.split("_", 2)[:2])
+        return record.check(secret)
+
+    def records(self) -> builtins.list[KeyRecord]:
+        """Every key's hash and info (revoked ones included): what a server keeps in memory."""
         with transaction(self.sessions) as s:
-            row = s.scalars(select(ApiKey).where(ApiKey.prefix == public)).first()
-            expected = row.key_hash if row is not None else hash_key("")
-            ok = hmac.compare_digest(hash_key(secret), expected)
-            if row is None or not ok or row.revoked_at is not None:
-                return None
-            return key_info(row)
+            return [KeyRecord(k.key_hash, key_info(k)) for k in s.scalars(select(ApiKey))]
+
+    def record(self, *, prefix: str | None = None, name: str | None = None) -> KeyRecord | None:
+        """The key with public prefix `prefix` (or named `name`), or None (one indexed lookup)."""
+        q = select(ApiKey).where(ApiKey.prefix == prefix) if prefix is not None else None
+        if q is None:
+            q = select(ApiKey).where(ApiKey.name == name)
+        with transaction(self.sessions) as s:
+            row = s.scalars(q).first()
+            return KeyRecord(row.key_hash, key_info(row)) if row is not None else None

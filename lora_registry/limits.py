@@ -3,8 +3,10 @@
 A subject ("key" NAME or "adapter" NAME) has up to three limits: requests per minute, tokens per minute
 and concurrent requests; a missing (NULL) limit is no limit. `LimitStore.set` changes only the limits
 it is given (`0` removes one); a subject left with no limit loses its row. Every change is audited and
-published as a `limits.changed` event, so every server re-reads the limits at once (they also re-read
-them every few seconds). The server enforces them (`api.limits`); the registry only stores them.
+published as a `limits.changed` event through the outbox, so every server re-reads the limits at once
+(this one right after the commit, the others when Redis delivers it; all also re-read them every few
+seconds), and a change made while Redis is down still succeeds. The server enforces them
+(`api.limits`); the registry only stores them.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from lora_registry.errors import NotFound, RegistryError
 from lora_registry.events import EventBus, RegistryEvent
 from lora_registry.models import LIMIT_KINDS, Adapter, ApiKey, RateLimit
 from lora_registry.names import validate_name
+from lora_registry.outbox import Outbox
 from lora_registry.schemas import _Json
 
 LIMITS_CHANGED = "limits.changed"
@@ -65,9 +68,10 @@ def _info(row: RateLimit) -> LimitInfo:
 
 
 class LimitStore:
-    def __init__(self, sessions: sessionmaker[Session], bus: EventBus) -> None:
+    def __init__(self, sessions: sessionmaker[Session], bus: EventBus, outbox: Outbox | None = None) -> None:
         self.sessions = sessions
         self.bus = bus
+        self.outbox = outbox or Outbox(sessions, bus)
 
     def set(
         self,
@@ -109,7 +113,8 @@ class LimitStore:
             info = _info(row)
             if info.is_empty:
                 s.delete(row)
-        self.bus.publish(RegistryEvent(type=LIMITS_CHANGED, name=f"{kind}:{name}"))
+            self.outbox.add(s, RegistryEvent(type=LIMITS_CHANGED, name=f"{kind}:{name}"))
+        self.outbox.flush()  # Redis down: this server has applied it already; the relay tells the others
         return info
 
     def get(self, kind: str, name: str) -> LimitInfo:

@@ -10,6 +10,10 @@ waits in the table, and the first relay to run once Redis is back delivers it: r
 Delivery is at least once and in row order per process; subscribers treat events as triggers to
 re-read the registry, so a duplicate is harmless. On PostgreSQL, relays of different replicas skip
 each other's rows (`FOR UPDATE SKIP LOCKED`).
+
+The process that made a change does not wait for the bus to hear of it: once the change commits, its
+events go straight to this process's own subscribers (`EventBus.deliver_local`), so a server applies
+its own committed changes at once, even while Redis is down (the bus's later copy is dropped).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from datetime import UTC, datetime
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from lora_registry.dbsession import transaction
+from lora_registry.dbsession import after_commit, transaction
 from lora_registry.errors import RegistryError
 from lora_registry.events import EventBus, RegistryEvent
 from lora_registry.models import OutboxEvent
@@ -38,10 +42,11 @@ class Outbox:
         self._lock = threading.Lock()  # one flush at a time in this process: events leave in order
         self._failing = False
 
-    @staticmethod
-    def add(session: Session, event: RegistryEvent) -> None:
-        """Queue `event` in `session`'s transaction (committed, or rolled back, with the change)."""
+    def add(self, session: Session, event: RegistryEvent) -> None:
+        """Queue `event` in `session`'s transaction (committed, or rolled back, with the change); once
+        it commits, this process's subscribers get it at once."""
         session.add(OutboxEvent(payload=event.to_json()))
+        after_commit(session, lambda: self.bus.deliver_local(event))
 
     def flush(self, limit: int = 200) -> int:
         """Publish pending events oldest first; return how many are still pending afterwards.

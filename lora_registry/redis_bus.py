@@ -16,7 +16,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from lora_registry.errors import RegistryUnavailable
-from lora_registry.events import Handler, RegistryEvent, call_safely
+from lora_registry.events import Handler, RecentIds, RegistryEvent, call_safely, deliver_local_to
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,10 @@ class RedisEventBus:
         except redis.RedisError as exc:
             raise RegistryUnavailable(f"event bus: cannot publish to Redis at {self.url} ({exc})") from exc
 
+    def deliver_local(self, event: RegistryEvent) -> None:
+        """Hand `event` to this process's subscribers now, Redis or not (a change committed here)."""
+        deliver_local_to(list(self._subs), event)
+
     def subscribe(self, handler: Handler, on_resync: Callable[[], None] | None = None) -> RedisSubscription:
         sub = RedisSubscription(self, handler, on_resync)
         self._subs.append(sub)
@@ -67,6 +71,7 @@ class RedisSubscription:
         self.handler = handler
         self.on_resync = on_resync
         self.connected = threading.Event()
+        self.recent = RecentIds()  # events delivered locally, whose Redis copy is dropped
         self.reconnects = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="loraplex-redis-events", daemon=True)
@@ -118,6 +123,8 @@ class RedisSubscription:
         except (ValueError, TypeError):
             log.warning("event bus: ignoring malformed message %r", data[:200])
             return
+        if self.recent.seen(event.id):
+            return  # this process committed it and delivered it already
         call_safely(self.handler, event)
 
     def close(self) -> None:

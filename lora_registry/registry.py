@@ -111,7 +111,7 @@ def open_registry(
         RegistryService(sessions, blobs, bus, settings, outbox),
         KeyService(sessions, bus, outbox),
         UsageStore(sessions),
-        LimitStore(sessions, bus),
+        LimitStore(sessions, bus, outbox),
         outbox,
         AdminSessionStore(sessions),
     )

@@ -106,6 +106,17 @@ class RegistryService:
         target = self.settings.data_dir / "adapters" / digest
         return target if (target / "adapter_model.safetensors").is_file() else None
 
+    def blob_digests(self, digests: Iterable[str]) -> dict[str, tuple[str, str]]:
+        """digest -> (config blob, weights blob) of the versions with those content digests."""
+        wanted = set(digests)
+        if not wanted:
+            return {}
+        q = select(AdapterVersion.digest, AdapterVersion.config_blob, AdapterVersion.weights_blob).where(
+            AdapterVersion.digest.in_(wanted)
+        )
+        with transaction(self.sessions) as s:
+            return {d: (c, w) for d, c, w in s.execute(q)}
+
     def audit_log(self, limit: int = 100) -> builtins.list[AuditRecord]:
         """The newest `limit` audit entries, newest first."""
         with transaction(self.sessions) as s:

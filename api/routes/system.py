@@ -8,7 +8,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from api.deps import EngineClientDep, StateDep
 from api.errors import error_responses
-from api.readiness import Readiness, RegistryProbe, events_state
+from api.readiness import BlobCheck, Readiness, RegistryProbe, events_state
 
 router = APIRouter(tags=["system"])
 
@@ -22,14 +22,21 @@ async def health(client: EngineClientDep) -> JSONResponse:
 
 @router.get("/ready", responses=error_responses(503))
 async def ready(request: Request, state: StateDep) -> JSONResponse:
-    """Readiness: 200 when the engine is up and the registry database answers (within 2 s), else 503;
-    the body names the part that is down: `{"status", "engine", "registry", "events"}`."""
-    probe = getattr(request.app.state, "registry_probe", None)
+    """Readiness: 200 when the engine is up, the registry database answers (within 2 s) and this replica
+    can read every active adapter's weights, else 503; the body names the part that is down:
+    `{"status", "engine", "registry", "events", "blobs"}`."""
+    app = request.app.state
+    probe = getattr(app, "registry_probe", None)
     if probe is None:
-        probe = request.app.state.registry_probe = RegistryProbe(state.registry.ping)
+        probe = app.registry_probe = RegistryProbe(state.registry.ping)
+        app.blob_probe = RegistryProbe(BlobCheck(state.registry, state.follower.snapshot).check)
     client = state.client
     engine = "ok" if client.healthy else ("restarting" if client.restarts else "down")
-    result = Readiness(engine, await probe.check(), events_state(state.registry.bus))
+    registry = await probe.check()
+    blobs = await app.blob_probe.check() if registry == "ok" else "unchecked"
+    if blobs == "unreachable":
+        blobs = "unchecked"
+    result = Readiness(engine, registry, events_state(state.registry.bus), blobs)
     return JSONResponse(result.body(), status_code=200 if result.ready else 503)
 
 

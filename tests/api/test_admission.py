@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import pytest
 
@@ -98,3 +99,80 @@ def test_borrowers_queue_first_come_first_served():
 
     events = asyncio.run(run())
     assert events.index("start b-borrow") < events.index("start a-late")
+
+
+def test_a_lone_clients_burst_is_served_in_order_without_a_herd():
+    """3,000 requests of one client at once on a small engine (4 guaranteed, 7 lendable): each is
+    handed its slot as one frees, so the whole burst drains in well under its wait; before, every
+    release woke every waiter (O(n²)) and the tail timed out while slots stood free."""
+
+    async def run() -> tuple[list[int], float, list[str]]:
+        adm = ClientAdmission(limit=4, capacity=8, headroom=1, wait_seconds=20)
+        order: list[int] = []
+        refusals: list[str] = []
+
+        async def request(i: int) -> None:
+            try:
+                async with adm.hold("lone", 1):
+                    order.append(i)
+                    assert adm.total_in_use() <= 7
+                    await asyncio.sleep(0)
+            except APIError as exc:
+                refusals.append(exc.message)
+
+        t0 = time.monotonic()
+        await asyncio.gather(*(request(i) for i in range(3000)))
+        assert adm.total_in_use() == 0 and adm.clients() == 0
+        return order, time.monotonic() - t0, refusals
+
+    order, took, refusals = asyncio.run(run())
+    assert refusals == [] and sorted(order) == list(range(3000))
+    assert order == list(range(3000))  # first come, first served
+    assert took < 10, took
+
+
+def test_a_refusal_tells_the_truth_and_the_wait_counts_from_arrival():
+    async def run() -> None:
+        adm = ClientAdmission(limit=2, capacity=4, headroom=1, wait_seconds=0.5)
+        async with contextlib.AsyncExitStack() as stack:
+            for _ in range(3):  # 2 guaranteed + 1 borrowed: all that may be lent
+                await stack.enter_async_context(adm.hold("c", 1))
+            t0 = time.monotonic()
+            with pytest.raises(APIError) as exc:
+                async with adm.hold("c", 1, arrived=t0 - 0.4):  # read + tokenized for 0.4 s already
+                    pass
+            waited = time.monotonic() - t0
+            assert 0.05 < waited < 0.3, waited  # the rest of its 0.5 s, not 0.5 s more
+            msg = exc.value.message
+            assert exc.value.status == 429 and "already runs 3 sequences (guaranteed 2)" in msg, msg
+            assert "the engine runs 3 and lends beyond a guarantee only up to 3" in msg, msg
+            assert "ahead" not in msg and "within 0.5 s of its arrival" in msg, msg
+            # Arriving past its wait, a request is still served when a slot is free for it at once.
+            async with adm.hold("other", 1, arrived=t0 - 60):
+                assert adm.in_use("other") == 1
+        assert adm.clients() == 0
+
+    asyncio.run(run())
+
+
+def test_a_waiter_that_goes_away_leaves_the_line_and_frees_nothing_twice():
+    async def run() -> None:
+        adm = ClientAdmission(limit=1, capacity=2, headroom=1, wait_seconds=5)
+        first = adm.hold("c", 1)
+        await first.__aenter__()
+        gone = asyncio.create_task(_enter(adm, "c"))
+        behind = asyncio.create_task(_enter(adm, "c"))
+        await asyncio.sleep(0.01)
+        gone.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await gone
+        await first.__aexit__(None, None, None)
+        await asyncio.wait_for(behind, 1)  # the next in line got the slot
+        assert adm.total_in_use() == 0 and adm.clients() == 0
+
+    asyncio.run(run())
+
+
+async def _enter(adm: ClientAdmission, client: str) -> None:
+    async with adm.hold(client, 1):
+        await asyncio.sleep(0)

@@ -1,6 +1,7 @@
 """Redis down during admin changes, on a live server: the admin API answers what really happened (the
-change committed: 200/201, never 503), and once Redis is back the outbox relay delivers the events, so
-another replica — following Redis directly, without periodic re-reads — converges.
+change committed: 200/201, never 503), the server that made a change applies it at once (no waiting for
+Redis or the periodic resync), and once Redis is back the outbox relay delivers the events, so another
+replica — following Redis directly, without periodic re-reads — converges.
 
 The server reaches Redis only through a `FaultProxy`; the second replica is a `RegistryFollower` in
 this process on the same registry database and the real Redis.
@@ -35,7 +36,12 @@ def cluster(text_model, tmp_path_factory):
     data = tmp_path_factory.mktemp("events")
     register(data, base, "bot", adapters["all7-r4"], activate=False)
     with FaultProxy("127.0.0.1", 6379) as proxy:
-        srv = start_server(base, data, env={"LORAPLEX_REDIS_URL": f"redis://127.0.0.1:{proxy.port}/0"})
+        srv = start_server(
+            base,
+            data,
+            env={"LORAPLEX_REDIS_URL": f"redis://127.0.0.1:{proxy.port}/0"},
+            settings_overrides={"registry_resync_seconds": 120},  # only events (and reconnects) count
+        )
         bus = RedisEventBus(REDIS_URL)
         replica_registry = open_registry(RegistrySettings.from_env({"LORAPLEX_DATA_DIR": str(data)}), bus=bus)
         replica = RegistryFollower(replica_registry.adapters, bus, lambda *_: None).start()
@@ -87,3 +93,54 @@ def test_admin_changes_with_redis_down_answer_success_and_replicas_converge(clus
     assert wait_until(lambda: "bot" not in replica.snapshot(), timeout=10)
     # This server's own set caught up too (its subscription resynced on reconnecting).
     assert wait_until(lambda: srv.state.follower.snapshot().get("fresh") == replica.snapshot()["fresh"])
+
+
+def _status(srv, name: str) -> int:
+    return httpx.post(f"{srv.url}/v1/completions", json=BODY | {"model": name}, timeout=60).status_code
+
+
+def test_this_server_applies_its_own_changes_at_once_while_redis_is_down(cluster, text_model):
+    srv, proxy, replica = cluster
+    admin, adapters = srv.admin(), text_model[1]
+    proxy.refuse()
+    try:
+        # vLLM's load/unload routes.
+        r = admin.post(
+            "/v1/load_lora_adapter", json={"lora_name": "side", "lora_path": str(adapters["all7-r4"])}
+        )
+        assert r.status_code == 200, r.text
+        first = r.json()["digest"]
+        assert _status(srv, "side") == 200
+        assert admin.post("/v1/unload_lora_adapter", json={"lora_name": "side"}).status_code == 200
+        assert "side" not in srv.state.follower.snapshot() and _status(srv, "side") == 404
+        # Activate / deactivate / rollback through the admin API.
+        assert admin.post("/admin/api/adapters/side/activate").status_code == 200
+        assert _status(srv, "side") == 200
+        assert admin.post("/admin/api/adapters/side/deactivate").status_code == 200
+        assert _status(srv, "side") == 404
+        r = admin.post(
+            "/v1/load_lora_adapter", json={"lora_name": "side", "lora_path": str(adapters["gud-r12"])}
+        )
+        assert r.status_code == 200 and srv.state.follower.get("side").digest == r.json()["digest"] != first
+        assert admin.post("/admin/api/adapters/side/rollback", json={"version": 1}).status_code == 200
+        assert srv.state.follower.get("side").digest == first
+        # Limits: committed (200, not an error for the event that could not be sent) and enforced here.
+        r = admin.patch("/admin/api/adapters/side/limits", json={"tokens_per_minute": 1})
+        assert r.status_code == 200, r.text
+        assert _status(srv, "side") == 429
+        assert (
+            admin.patch("/admin/api/adapters/side/limits", json={"tokens_per_minute": 0}).status_code == 200
+        )
+        assert _status(srv, "side") == 200
+        # Keys: a revoked key is refused by this server's key cache at once.
+        secret = admin.post("/admin/api/keys", json={"name": "redis-down", "admin": True}).json()["secret"]
+        assert srv.state.key_cache.lookup(secret)[1] is not None
+        assert admin.delete("/admin/api/keys/redis-down").status_code == 200
+        assert srv.state.key_cache.lookup(secret) == (True, None)
+        # Delete.
+        assert admin.delete("/admin/api/adapters/side").status_code == 200
+        assert "side" not in srv.state.follower.snapshot() and _status(srv, "side") == 404
+    finally:
+        proxy.restore()
+    assert wait_until(lambda: srv.state.registry.outbox.pending() == 0, timeout=20)
+    assert wait_until(lambda: "side" not in replica.snapshot(), timeout=10)

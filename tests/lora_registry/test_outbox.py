@@ -118,3 +118,48 @@ def test_a_change_that_fails_leaves_no_event(behind_proxy: Registry, received) -
         behind_proxy.adapters.activate("nobody")
     assert behind_proxy.outbox.pending() == 0
     assert _drain(received, 1, timeout=0.5) == []
+
+
+def test_this_process_applies_its_own_changes_at_once_while_redis_is_refused(
+    behind_proxy: Registry, redis_proxy: FaultProxy, adapter_dirs
+) -> None:
+    """The server that made a change must not wait for Redis: its own subscribers (the follower, the
+    limits, the key cache) get the committed change right away, and exactly once when Redis is back."""
+    from lora_registry.follower import RegistryFollower
+    from lora_registry.limits import LIMITS_CHANGED
+
+    reg = behind_proxy
+    reg.adapters.register("bot", adapter_dirs["a"], activate=True)
+    follower = RegistryFollower(reg.adapters, reg.bus, lambda *_: None).start()
+    seen: list[RegistryEvent] = []
+    reg.bus.subscribe(seen.append)
+    try:
+        assert all(s.wait_connected(10) for s in reg.bus._subs)
+        follower.resync()
+        assert "bot" in follower.snapshot()
+        redis_proxy.refuse()
+        reg.adapters.deactivate("bot")
+        assert "bot" not in follower.snapshot()  # at once: no resync, no Redis
+        reg.adapters.activate("bot")
+        assert "bot" in follower.snapshot()
+        reg.keys.create("team", adapters=["bot"])
+        limits = reg.limits.set("adapter", "bot", requests_per_minute=5)  # committed, no exception
+        assert limits.requests_per_minute == 5 and reg.limits.get("adapter", "bot").requests_per_minute == 5
+        reg.adapters.delete("bot")
+        assert follower.snapshot() == {}
+        local = [(e.type, e.name) for e in seen]
+        assert local == [
+            (ev.ADAPTER_DEACTIVATED, "bot"),
+            (ev.ADAPTER_ACTIVATED, "bot"),
+            (ev.KEY_CREATED, "team"),
+            (LIMITS_CHANGED, "adapter:bot"),
+            (ev.ADAPTER_DELETED, "bot"),
+        ]
+        assert reg.outbox.pending() == 5
+        redis_proxy.restore()
+        assert all(s.wait_connected(10) for s in reg.bus._subs)
+        assert reg.outbox.flush() == 0
+        time.sleep(1.0)  # the Redis copies arrive, and are dropped as already delivered
+        assert [(e.type, e.name) for e in seen] == local
+    finally:
+        follower.close()
