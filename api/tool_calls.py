@@ -60,6 +60,7 @@ def tool_mode(body: ChatCompletionRequest, extra: SchemaJob | None = None) -> To
         if t.function.parameters is not None:
             param = f"tools[{i}].function.parameters"
             jobs.append(SchemaJob(schema_spec(t.function.parameters, param), param, False))
+            check_total(jobs + ([extra] if extra is not None else []))  # stop at the first one over
     check_total(jobs + ([extra] if extra is not None else []))
     choice = body.tool_choice or ("auto" if tools else "none")
     if choice == "none":
