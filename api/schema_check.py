@@ -16,6 +16,7 @@ checks and rate limits, so the compile is paid for by the caller's own limits.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -82,7 +83,7 @@ class SchemaChecker:
             self.compiles += 1
             self._pending[key] = fut
             loop = asyncio.get_running_loop()
-            fut.add_done_callback(lambda f: loop.call_soon_threadsafe(self._store, key, f))
+            fut.add_done_callback(lambda f: _call_soon(loop, self._store, key, f))
         try:
             waiting = asyncio.shield(asyncio.wrap_future(fut))
             return await asyncio.wait_for(waiting, deadline - time.monotonic())
@@ -118,6 +119,12 @@ class SchemaChecker:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
+    """`fn(*args)` on `loop` from a worker thread (dropped if the loop has closed meanwhile)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(fn, *args)
 
 
 def schema_checker(state: Any) -> SchemaChecker:

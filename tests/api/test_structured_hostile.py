@@ -263,3 +263,38 @@ def test_tool_parameters_with_defs_and_refs_can_be_forced(served):
         assert want is None or call.function.name in want
         schema = params if call.function.name == "draw" else other
         jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+# ---- the hoisting itself, without a server -------------------------------------------------------------
+
+
+def test_hoisted_call_schema_means_what_the_parameters_meant():
+    from api.openai_protocol import FunctionDef
+    from api.tool_calls import forced_schema
+
+    tree = {  # refers to its own root and to a legacy `definitions` entry
+        "type": "object",
+        "properties": {
+            "value": {"$ref": "#/definitions/V"},
+            "children": {"type": "array", "items": {"$ref": "#"}},
+        },
+        "required": ["value", "children"],
+        "definitions": {"V": {"type": "integer", "const": 3}},
+    }
+    schema = forced_schema(
+        [
+            FunctionDef(name="tree", parameters=tree),
+            FunctionDef(name="seg", parameters=Segment.model_json_schema()),
+        ]
+    )
+    check_spec(StructuredSpec.json_schema(schema))
+    good = {"value": 3, "children": [{"value": 3, "children": []}]}
+    jsonschema.validate({"name": "tree", "arguments": good}, schema)
+    jsonschema.validate(good, tree)
+    bad = {"value": 3, "children": [{"value": 4, "children": []}]}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "tree", "arguments": bad}, schema)
+    seg = {"start": {"x": 1, "y": 2}, "end": {"x": 3, "y": 4}}
+    jsonschema.validate({"name": "seg", "arguments": seg}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "seg", "arguments": seg | {"end": {"x": 1}}}, schema)
