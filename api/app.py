@@ -59,6 +59,8 @@ def create_app(settings: ServerSettings, client_factory: Callable[[Any], Any] | 
             state.registry.close()
             state.lookups.close()
             state.admin_calls.close()
+            if state.schemas is not None:
+                state.schemas.close()
 
     app = FastAPI(title="loraplex", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)

@@ -2,6 +2,8 @@
 
 Loop: drain incoming messages (without waiting while there is work), `engine.step()`, send each
 request's new tokens as a `RequestDelta`, and every `stats_interval` seconds an `EngineStatsMsg`.
+A request whose grammar is not compiled yet waits in `compiling` while a worker thread compiles it, and
+is queued on the loop's first turn after that (a hard grammar never stalls the other requests' steps).
 Detokenization and stop strings are the API process's job; the engine returns token ids.
 """
 
@@ -14,6 +16,7 @@ import os
 import select
 import signal
 import time
+from concurrent.futures import Future
 from typing import Any
 
 import zmq
@@ -35,8 +38,10 @@ from engine import LLMEngine, LoRARequest
 from engine.engine_config import EngineConfig
 from engine.lora.held_files import AdapterFilesGone
 from engine.outputs import RequestOutput
+from engine.structured import StructuredSpecError
 
 log = logging.getLogger("loraplex.engine_core")
+COMPILE_POLL_MS = 5  # how often an otherwise idle loop looks for finished grammar compiles
 
 
 def run_engine_core(
@@ -119,6 +124,7 @@ class _EngineLoop:
         self.sent: dict[str, int] = {}  # request id -> tokens already sent
         self.running = True
         self.watch = watch
+        self.compiling: dict[str, tuple[Future[None], AddRequest]] = {}  # waiting for their grammar
 
     def run(self) -> None:
         next_stats = 0.0
@@ -126,12 +132,14 @@ class _EngineLoop:
             if not self.watch.alive():  # orphaned: the API process is gone
                 return
             busy = self.engine.has_unfinished_requests()
-            timeout = 0 if busy else 20
+            timeout = 0 if busy else (COMPILE_POLL_MS if self.compiling else 20)
             while self.pull.poll(timeout):
                 self._receive(self.pull.recv())
                 timeout = 0
             if not self.running:
                 break
+            if self.compiling:
+                self._queue_compiled()
             if self.engine.has_unfinished_requests():
                 self._step()
             now = time.monotonic()
@@ -174,12 +182,37 @@ class _EngineLoop:
             self.engine.abort_request(msg.request_ids)
             for rid in msg.request_ids:
                 self.sent.pop(rid, None)
+                self.compiling.pop(rid, None)
         elif isinstance(msg, AdapterCall):
             self._adapter_call(msg)
         elif isinstance(msg, Shutdown):
             self.running = False
 
     def _add(self, msg: AddRequest) -> None:
+        """Queue `msg`'s request, or, when its grammar needs compiling, start that in a worker thread
+        and queue it later (`_queue_compiled`)."""
+        if msg.request_id not in self.compiling:
+            pending = self.engine.structured.compile_later(msg.params)
+            if pending is not None:
+                self.compiling[msg.request_id] = (pending, msg)
+                return
+        self._add_now(msg)
+
+    def _queue_compiled(self) -> None:
+        """Queue the requests whose grammar finished compiling; refuse (400) those it failed for."""
+        done = [rid for rid, (fut, _) in self.compiling.items() if fut.done()]
+        for rid in done:
+            fut, msg = self.compiling.pop(rid)
+            exc = fut.exception()
+            if isinstance(exc, StructuredSpecError):
+                self._refuse(rid, str(exc), status=400)
+            elif exc is not None:
+                log.error("grammar compile failed for %s: %r", rid, exc)
+                self._refuse(rid, f"request failed in the engine: {exc!r}")
+            else:
+                self._add_now(msg)
+
+    def _add_now(self, msg: AddRequest) -> None:
         try:
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.lora, msg.priority)
             self.sent[msg.request_id] = 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -208,13 +208,35 @@ class RequestRun:
         self.first_token: float | None = None
         self.num_prompt_tokens = num_prompt_tokens
         self.client_gone = False  # set when the client disconnected before a non-streamed answer
+        self.grant: Grant | None = None
+        self.finished = False
+
+    async def admit(self) -> None:
+        """Charge the caller's limits now, before costly preparation (compiling schemas): a 429 (or a
+        503 from the limiter) is recorded and raised. Without this, `updates` admits the request."""
+        if self.grant is not None:
+            return
+        try:
+            self.grant = await self._admit()
+        except APIError as exc:
+            self._finish("rate_limited" if exc.status == 429 else "error")
+            raise
+
+    async def prepare(self, work: Awaitable[None]) -> None:
+        """Await `work` (e.g. compiling the schemas) as part of this request: its time counts in the
+        request's latency, and if it fails the request is recorded as an error and its grant released."""
+        try:
+            await work
+        except BaseException as exc:
+            self._finish("aborted" if isinstance(exc, asyncio.CancelledError) else "error")
+            raise
 
     async def updates(self) -> AsyncIterator[ChoiceUpdate]:
         status = "error"
         client = client_id(self.target.key, self.request)
-        grant: Grant | None = None
         try:
-            grant = await self._admit()
+            if self.grant is None:
+                self.grant = await self._admit()
             arrived = getattr(self.request.state, ARRIVED, None)
             async with self.state.admission.hold(client, len(self.gen.choices), arrived):
                 async for up in self.gen.stream():
@@ -243,9 +265,16 @@ class RequestRun:
             status = "aborted"
             raise
         finally:
-            if grant is not None:
-                grant.release(self.num_prompt_tokens + sum(len(c.token_ids) for c in self.gen.choices))
-            self._record(status)
+            self._finish(status)
+
+    def _finish(self, status: str) -> None:
+        """Release the grant (refunding unused tokens) and record the request, once."""
+        if self.finished:
+            return
+        self.finished = True
+        if self.grant is not None:
+            self.grant.release(self.num_prompt_tokens + sum(len(c.token_ids) for c in self.gen.choices))
+        self._record(status)
 
     async def _admit(self) -> Grant:
         """Admit this request under its key's and adapter's limits, charging its most tokens: the

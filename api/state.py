@@ -22,6 +22,7 @@ from lora_registry.registry import Registry
 
 if TYPE_CHECKING:  # api.auth imports `app_state` from this module
     from api.auth import AdminAuth
+    from api.schema_check import SchemaChecker
     from api.usage.service import UsageLimits
 
 
@@ -43,6 +44,7 @@ class AppState:
     traffic: TrafficLog = field(default_factory=TrafficLog)
     started_at: float = field(default_factory=time.time)
     usage: UsageLimits | None = None  # usage accounting + rate limits (set by the lifespan)
+    schemas: SchemaChecker | None = None  # compiles requests' schemas (made on first use)
 
     def engine_info(self) -> Ready:
         assert self.client.info is not None

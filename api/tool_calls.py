@@ -23,8 +23,9 @@ from typing import Any
 
 from api.errors import APIError
 from api.openai_protocol import ChatCompletionRequest, ChatMessage, FunctionDef
-from api.structured import check, dumps, schema_spec
-from engine.structured import StructuredSpec
+from api.schema_refs import hoist
+from api.structured import SchemaJob, check_total, dumps, schema_spec
+from engine.structured import StructuredSpec, StructuredSpecError
 
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 _CALL_PREFIX = re.compile(r'\{"name": "([a-zA-Z0-9_-]+)", "arguments": ')
@@ -39,29 +40,36 @@ class ToolMode:
     forced: bool = False
     detect: bool = False
     spec: StructuredSpec | None = None
+    jobs: list[SchemaJob] = field(default_factory=list)  # to compile before the request runs
 
     @property
     def active(self) -> bool:
         return self.forced or self.detect
 
 
-def tool_mode(body: ChatCompletionRequest) -> ToolMode:
-    """The request's tool handling; 400 naming the field for duplicate or unknown names, a forced choice
-    without tools, or a `parameters` schema that does not compile."""
+def tool_mode(body: ChatCompletionRequest, extra: SchemaJob | None = None) -> ToolMode:
+    """The request's tool handling, cheaply: 400 naming the field for duplicate or unknown names, a
+    forced choice without tools, a `parameters` schema that is too big or refers to itself, or schemas
+    (with `extra`, the response format's) over the request's total. Compiling is left to `jobs`."""
     tools: dict[str, FunctionDef] = {}
+    jobs: list[SchemaJob] = []
     for i, t in enumerate(body.tools or []):
         if t.function.name in tools:
             raise APIError(400, f"tools[{i}]: duplicate function name {t.function.name!r}", param="tools")
         tools[t.function.name] = t.function
         if t.function.parameters is not None:
-            schema_spec(t.function.parameters, f"tools[{i}].function.parameters")
+            param = f"tools[{i}].function.parameters"
+            jobs.append(SchemaJob(schema_spec(t.function.parameters, param), param, False))
+            check_total(jobs + ([extra] if extra is not None else []))  # stop at the first one over
+    check_total(jobs + ([extra] if extra is not None else []))
     choice = body.tool_choice or ("auto" if tools else "none")
     if choice == "none":
-        return ToolMode(tools)
+        return ToolMode(tools, jobs=jobs)
     if not tools:
         raise APIError(400, "tool_choice needs tools", param="tool_choice")
     if choice == "auto":
-        return ToolMode(tools, detect=body.response_format is None or body.response_format.type == "text")
+        detect = body.response_format is None or body.response_format.type == "text"
+        return ToolMode(tools, detect=detect, jobs=jobs)
     if choice == "required":
         chosen = list(tools.values())
     else:
@@ -69,17 +77,37 @@ def tool_mode(body: ChatCompletionRequest) -> ToolMode:
         if name not in tools:
             raise APIError(400, f"tool_choice names {name!r}, which is not in tools", param="tool_choice")
         chosen = [tools[name]]
-    schemas = [call_schema(f) for f in chosen]
-    spec = StructuredSpec.json_schema(schemas[0] if len(schemas) == 1 else {"anyOf": schemas})
-    check(spec, "tools")
-    return ToolMode(tools, forced=True, spec=spec)
+    try:
+        spec = StructuredSpec.json_schema(forced_schema(chosen))
+    except (StructuredSpecError, RecursionError) as exc:  # the combined schema is over the size limit
+        raise APIError(
+            400, f"tools: the schema of the forced call is too large: {exc}", param="tools"
+        ) from exc
+    jobs.append(SchemaJob(spec, "tools", True))
+    return ToolMode(tools, forced=True, spec=spec, jobs=jobs)
 
 
-def call_schema(fn: FunctionDef) -> dict[str, Any]:
-    """JSON schema of a call of `fn`: its name (constant) then its arguments."""
+def forced_schema(chosen: list[FunctionDef]) -> dict[str, Any]:
+    """JSON schema of a call of any of `chosen`, with each one's definitions hoisted to the top-level
+    `$defs` (as `NAME.DEF`) so their `$ref`s still resolve once nested."""
+    calls: list[dict[str, Any]] = []
+    defs: dict[str, Any] = {}
+    for fn in chosen:
+        args, own = hoist(fn.parameters, fn.name) if fn.parameters is not None else (NO_ARGUMENTS, {})
+        calls.append(call_schema(fn, args))
+        defs.update(own)
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return schema | {"$defs": defs} if defs else schema
+
+
+def call_schema(fn: FunctionDef, arguments: dict[str, Any] | None = None) -> dict[str, Any]:
+    """JSON schema of a call of `fn`: its name (constant) then its arguments (`arguments`, default its
+    `parameters`)."""
+    if arguments is None:
+        arguments = fn.parameters or NO_ARGUMENTS
     return {
         "type": "object",
-        "properties": {"name": {"const": fn.name}, "arguments": fn.parameters or NO_ARGUMENTS},
+        "properties": {"name": {"const": fn.name}, "arguments": arguments},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }

@@ -1,4 +1,4 @@
-"""Send issue 14's hostile requests to a running loraplex server and time how each is answered.
+"""Send the hostile requests of issues 14 and 25 to a running loraplex server, timing each answer.
 
     .venv/bin/python tools/hostile_probe.py --url http://127.0.0.1:8000 [--innocent-adapter upper]
 
@@ -166,6 +166,68 @@ def issue25_api_attacks(
 # ---- end of issue 25 items 6-8 ----------------------------------------------------------------------------
 
 
+# ---- issue 25, items 1-5: structured output (schemas, tools) -------------------------------------------
+
+
+def _props(tag: str, n: int, required: bool) -> dict:
+    """An object schema of `n` properties named `tag0`... (~60 KiB at n=2,500)."""
+    names = [f"{tag}{i}" for i in range(n)]
+    schema: dict = {"type": "object", "properties": {k: {"type": "string"} for k in names}}
+    return schema | {"required": names} if required else schema
+
+
+def structured_attacks(url: str) -> list[tuple[str, Callable[[httpx.Client], httpx.Response]]]:
+    """Schemas that were compiled on the event loop, before the limits (1), a forced call over 64 KiB
+    (2), schemas llguidance refuses only while decoding (3), pydantic `$defs` (4), a self-`$ref` (5)."""
+    comp = f"{url}/v1/completions"
+    chat = f"{url}/v1/chat/completions"
+    msgs = [{"role": "user", "content": "hi"}]
+
+    def tools(n: int, size: int = 1700) -> list[dict]:
+        fn = [{"name": f"f{i}", "parameters": _props(f"a{i}_", size, True)} for i in range(n)]
+        return [{"type": "function", "function": f} for f in fn]
+
+    def fmt(schema: dict) -> dict:
+        return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+    def post(path: str, body: dict) -> Callable[[httpx.Client], httpx.Response]:
+        return lambda c: c.post(path, json=body)
+
+    segment = {
+        "$defs": {"P": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}},
+        "type": "object",
+        "properties": {"start": {"$ref": "#/$defs/P"}, "end": {"$ref": "#/$defs/P"}},
+        "required": ["start", "end"],
+    }
+    draw = [{"type": "function", "function": {"name": "draw", "parameters": segment}}]
+    by_name = {"type": "function", "function": {"name": "draw"}}
+    x60000 = {"type": "string", "pattern": "^x{60000}$"}
+    return [
+        ("8 tools x ~60 KiB schemas (chat)", post(chat, {"messages": msgs, "tools": tools(8)})),
+        ("128 tools x ~60 KiB (7.5 MB body)", post(chat, {"messages": msgs, "tools": tools(128)})),
+        (
+            "forced call, combined schema > 64 KiB",
+            post(chat, {"messages": msgs, "tools": tools(2, 1300), "tool_choice": "required"}),
+        ),
+        (
+            "response_format 2,500 optional properties",
+            post(comp, {"prompt": "a", "max_tokens": 4, "response_format": fmt(_props("p", 2500, False))}),
+        ),
+        (
+            'response_format pattern "^x{60000}$"',
+            post(comp, {"prompt": "a", "max_tokens": 4, "response_format": fmt(x60000)}),
+        ),
+        (
+            "forced tool with pydantic $defs/$ref (200)",
+            post(chat, {"messages": msgs, "max_tokens": 64, "tools": draw, "tool_choice": by_name}),
+        ),
+        (
+            'response_format {"$ref": "#"}',
+            post(comp, {"prompt": "a", "max_tokens": 4, "response_format": fmt({"$ref": "#"})}),
+        ),
+    ]
+
+
 def innocent(url: str, adapter: str, out: dict, token: str | None = None) -> None:
     body = {"model": adapter, "prompt": "hello world=", "max_tokens": 16, "temperature": 0, "stop": ["\n"]}
     headers = {"authorization": f"Bearer {token}"} if token else {}  # a server that requires keys
@@ -201,9 +263,11 @@ def main() -> None:
     args = ap.parse_args()
     print(f"{'attack':40} {'status':>6} {'secs':>7}  innocent ok  worst /health s  restarts")
     chosen = {int(i) for i in args.only.split(",") if i}
-    chosen_attacks = attacks(args.url) + issue25_api_attacks(
-        args.url, args.admin_token, args.innocent_adapter
-    )
+    chosen_attacks = [
+        *attacks(args.url),
+        *issue25_api_attacks(args.url, args.admin_token, args.innocent_adapter),
+        *structured_attacks(args.url),
+    ]
     for i, (name, send) in enumerate(chosen_attacks, start=1):
         if chosen and i not in chosen:
             continue

@@ -13,6 +13,7 @@ from api.chat_template import render_chat
 from api.errors import APIError, error_responses
 from api.generation import ChoiceUpdate, Generation, TokenInfo, TokenLogprob
 from api.openai_protocol import AdapterName, ChatCompletionRequest, ChatCompletionResponse
+from api.schema_check import schema_checker
 from api.serving import (
     RequestRun,
     check_choices,
@@ -23,7 +24,7 @@ from api.serving import (
     usage,
 )
 from api.sse import sse_response
-from api.structured import response_format_spec
+from api.structured import response_format_job
 from api.tool_calls import (
     CallStream,
     ToolMode,
@@ -65,8 +66,10 @@ async def _chat(body: ChatCompletionRequest, request: Request, adapter: str | No
             param="messages",
         )
     check_choices(state, 1, body.n)
-    mode = tool_mode(body)
-    spec = mode.spec or response_format_spec(body.response_format)
+    fmt = response_format_job(body.response_format)
+    mode = tool_mode(body, fmt)
+    jobs = mode.jobs if mode.spec is not None or fmt is None else [*mode.jobs, fmt]
+    spec = mode.spec or (fmt.spec if fmt is not None else None)
     messages = template_messages(body.messages)
     tools = template_tools(body)
     check_prompt_chars(state, [prompt_text(messages, tools)], param="messages")
@@ -79,6 +82,9 @@ async def _chat(body: ChatCompletionRequest, request: Request, adapter: str | No
         params = msgspec.structs.replace(params, structured=spec)
     gen = Generation(state.client, state.tokenizer, [ids], params, target.lora, body.priority)
     run = RequestRun(request, target, gen, len(ids))
+    if jobs:  # compiled once the request is within its limits, off the event loop
+        await run.admit()
+        await run.prepare(schema_checker(state).check(jobs))
     head = {"id": f"chatcmpl-{gen.id}", "created": int(time.time()), "model": target.model_name}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from api.errors import error_responses
 from api.generation import Choice, ChoiceUpdate, Generation, TokenLogprob
 from api.openai_protocol import AdapterName, CompletionRequest, CompletionResponse
+from api.schema_check import schema_checker
 from api.serving import (
     RequestRun,
     check_choices,
@@ -21,7 +22,7 @@ from api.serving import (
     usage,
 )
 from api.sse import sse_response
-from api.structured import response_format_spec
+from api.structured import response_format_job
 
 router = APIRouter(tags=["openai"])
 ERRORS = error_responses(400, 401, 403, 404, 413, 429, 500, 503) | {
@@ -49,14 +50,17 @@ async def _complete(body: CompletionRequest, request: Request, adapter: str | No
     target = await resolve_target(request, body.model, adapter)
     raw_prompts = body.prompts()
     check_choices(state, len(raw_prompts), body.n)
-    spec = response_format_spec(body.response_format)
+    fmt = response_format_job(body.response_format)
     prompts = await tokenize_prompts(state, raw_prompts)
     params = sampling_params(state, body, prompts, body.max_tokens, body.logprobs)
-    if spec is not None:
-        params = msgspec.structs.replace(params, structured=spec)
+    if fmt is not None:
+        params = msgspec.structs.replace(params, structured=fmt.spec)
     gen = Generation(state.client, state.tokenizer, prompts, params, target.lora, body.priority)
     n_prompt = sum(len(p) for p in prompts)
     run = RequestRun(request, target, gen, n_prompt)
+    if fmt is not None:  # compiled once the request is within its limits, off the event loop
+        await run.admit()
+        await run.prepare(schema_checker(state).check([fmt]))
     created = int(time.time())
     head = {
         "id": f"cmpl-{gen.id}",

@@ -2,7 +2,9 @@
 
 Lifecycle of a constrained sequence (`seq.structured` holds its llguidance matcher):
 1. `add_request` -> `check` compiles the spec (cached), so a bad one is refused before anything is
-   queued; `attach` gives each of the request's `n` sequences its own matcher.
+   queued; `attach` gives each of the request's `n` sequences its own matcher. A server's step loop
+   first calls `compile_later`, which compiles an uncached spec in a worker thread, and queues the
+   request once that is done, so a hard grammar never stalls the step loop (`api.engine_core`).
 2. Each step, `begin_step(plan)` starts computing the allowed-token bitmasks of the constrained
    sequences that sample this step, in a worker thread while the model runs (llguidance releases the
    GIL); `masks(reqs)` (called by `MaskingSampler` before sampling) waits for them. EOS is allowed only
@@ -27,7 +29,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler.output import SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.structured.compiler import GrammarCompiler
-from engine.structured.spec import StructuredSpecError
+from engine.structured.spec import StructuredSpec, StructuredSpecError
 
 Masks = tuple[list[int], np.ndarray]
 
@@ -40,6 +42,7 @@ class StructuredOutput:
         self._executor: llguidance.LLExecutor | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._pending: Future[dict[str, np.ndarray]] | None = None
+        self._compile_pool: ThreadPoolExecutor | None = None
 
     # ---- requests -----------------------------------------------------------------------------------
     def check(self, params: SamplingParams) -> None:
@@ -49,6 +52,16 @@ class StructuredOutput:
         if self.compiler is None:
             raise StructuredSpecError("structured output needs the model's tokenizer, and it has none")
         self.compiler.matcher(params.structured)
+
+    def compile_later(self, params: SamplingParams) -> Future[None] | None:
+        """Start compiling `params.structured` in a worker thread; None when there is nothing to compile
+        (no spec, no tokenizer, or already cached). The future's exception is the spec's error."""
+        spec = params.structured
+        if spec is None or self.compiler is None or self.compiler.is_compiled(spec):
+            return None
+        if self._compile_pool is None:
+            self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="loraplex-grammar-compile")
+        return self._compile_pool.submit(_warm, self.compiler, spec)
 
     def attach(self, seq: Sequence) -> None:
         """Give `seq` its own matcher at the start of its output (the spec was `check`ed)."""
@@ -110,3 +123,11 @@ class StructuredOutput:
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None
+        if self._compile_pool is not None:
+            self._compile_pool.shutdown(wait=False, cancel_futures=True)
+            self._compile_pool = None
+
+
+def _warm(compiler: GrammarCompiler, spec: StructuredSpec) -> None:
+    """Compile `spec` into `compiler`'s cache (a worker thread's job)."""
+    compiler.matcher(spec)
