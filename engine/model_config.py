@@ -62,13 +62,9 @@ class ModelConfig:
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence (prompt + output) the engine will accept for this model.
-
-        A model with a sliding window is capped at the window: the engine attends to the full context,
-        which equals the windowed attention only while the context fits inside the window.
-        """
-        if self.sliding_window:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """Longest sequence (prompt + output) the engine will accept for this model: its positions. A
+        sliding window does not cap it (the attention paths mask each windowed layer's rows to their
+        window, `engine.attention.backend`)."""
         return self.max_position_embeddings
 
     @property

@@ -71,6 +71,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rope = rope
         self.scale = cfg.head_dim**-0.5
+        self.window = cfg.sliding_window or 0  # Mistral: every layer attends to its last `window` positions
 
     def forward(self, x, rope_tables, kv: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, backend):
         """`rope_tables`: the per-step (cos2, sin2) of the torch path, or the step's fused CPU ops."""
@@ -93,7 +94,7 @@ class Attention(nn.Module):
                 qk = apply_rope(qkv[:, : q_size + kv_size].view(t, nh + nkv, d), rope_tables)
                 q, k = qk[:, :nh], qk[:, nh:]
         backend.write_kv(k, v, kv[0], kv[1], batch.attn)
-        o = backend.attend(q, kv[0], kv[1], batch.attn, self.scale)
+        o = backend.attend(q, kv[0], kv[1], batch.attn, self.scale, self.window)
         return self.o_proj(o.reshape(t, q_size), batch.lora)
 
 
