@@ -33,7 +33,8 @@ import torch
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.lora.pool import AdapterPool
 from engine.lora.step_context import TritonLoRAContext
-from engine.model.llama import ForwardBatch, LlamaForCausalLM
+from engine.model.decoder import DecoderForCausalLM
+from engine.model.layers import ForwardBatch
 from engine.step_inputs import StepInputs
 from kernels.intmath import cdiv
 from kernels.lora_meta import LoRABatchMeta
@@ -96,7 +97,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: DecoderForCausalLM,
         kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
         backend: AttentionBackend,
         block_size: int,

@@ -10,13 +10,9 @@ from typing import Any
 import torch
 
 from engine.cpu_features import native_bfloat16
+from engine.model.registry import SUPPORTED_ARCHITECTURES, model_family
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
+__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "ModelConfigError"]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -98,6 +94,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], path: Path | None = None) -> ModelConfig:
+        """The generic parse of `config.json`'s fields, then the family's adjustments (`configure` of
+        `engine/model/family.py`); `ModelConfigError` for what the engine cannot run."""
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -125,9 +123,13 @@ class ModelConfig:
         theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         rope_scaling: dict[str, Any] | None = None
+        family = model_family(arch)
         if rope_type not in (None, "default"):
-            if rope_type != "llama3":
-                raise ModelConfigError(f"rope scaling {rope_type!r} is not supported (supported: llama3)")
+            if rope_type not in family.rope_types:
+                raise ModelConfigError(
+                    f"rope scaling {rope_type!r} is not supported for {arch} "
+                    f"(supported: {', '.join(family.rope_types)})"
+                )
             rope_scaling = {k: v for k, v in rope.items() if k != "type"} | {"rope_type": rope_type}
 
         dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
@@ -136,10 +138,8 @@ class ModelConfig:
 
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        use_sw = raw.get("use_sliding_window", arch == "MistralForCausalLM")
-        sliding = raw.get("sliding_window") if use_sw else None
-        default_bias = arch == "Qwen2ForCausalLM"
-        return cls(
+        sliding = raw.get("sliding_window") if raw.get("use_sliding_window", False) else None
+        fields: dict[str, Any] = dict(
             path=path or Path("."),
             architecture=arch,
             model_type=str(raw.get("model_type", "")),
@@ -155,14 +155,17 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=bool(raw.get("attention_bias", default_bias)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qkv_bias=bool(raw.get("attention_bias", False)),
+            qk_norm=False,
             checkpoint_dtype=_DTYPES[dtype_name],
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
             sliding_window=int(sliding) if sliding else None,
             extra={"hidden_act": raw.get("hidden_act", "silu")},
         )
+        overrides = family.configure(arch, raw)
+        extra = fields["extra"] | overrides.pop("extra", {})
+        return cls(**(fields | overrides | {"extra": extra}))
 
 
 def check_dtype_name(what: str, value: str | torch.dtype) -> None:

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from engine.attention import select_backend
 from engine.decode_graphs import BUCKETS, DecodeGraphs, GraphCapture
 from engine.lora.pool import AdapterPool
+from engine.model.decoder import DecoderForCausalLM
 from engine.model.linear import LoRAStepContext
-from engine.model.llama import LlamaForCausalLM
 from engine.model_config import ModelConfig
 from engine.sampler import Sampler
 from engine.scheduler.output import RunnerOutput, SampledToken, ScheduledSequence, SchedulerOutput
@@ -34,7 +35,7 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: DecoderForCausalLM,
         cfg: ModelConfig,
         num_blocks: int,
         block_size: int,
@@ -75,6 +76,12 @@ class ModelRunner:
         )
         items = [plan.scheduled[i] for i in order]
         inp = step_inputs(items, self.block_size)
+        rope = self.model.rope
+        if rope.long_from is not None:  # LongRoPE: each token's row of the short or long tables
+            prompt_lens = np.repeat(
+                [it.seq.num_prompt_tokens for it in items], [it.num_tokens for it in items]
+            )
+            inp.positions = rope.long_rope_positions(inp.positions, prompt_lens)
         self.last_batch = (inp.num_tokens, inp.num_decodes)
         lora = self.lora_context(items) if self.lora_context is not None else None
         if self.graphs is not None and self.graphs.handles(inp, lora):

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.model.layers import ForwardBatch
 from engine.model.linear import LoRAStepContext
-from engine.model.llama import ForwardBatch
 from engine.scheduler.output import ScheduledSequence
 
 

@@ -1,7 +1,12 @@
 """Read and validate a PEFT LoRA adapter directory against a base model.
 
-Shared by the registry (validation on registration) and the engine (loading). The only engine import
-allowed here is `engine.model_config`: the registry imports this module without pulling in the engine.
+Shared by the registry (validation on registration) and the engine (loading). The only engine imports
+allowed here are `engine.model_config` and `engine.model.registry` (the family's LoRA target names): the
+registry imports this module without needing the engine's step machinery.
+
+Tensor names are those of the base model's family (`engine/model/family.py`, `lora_targets`): Llama's
+`q_proj` … `down_proj`, or Phi-3's fused `qkv_proj` / `gate_up_proj`, whose lora_B rows are split into
+the engine's slices (q|k|v, gate|up) here: `(x @ A.T) @ B_s.T` is the rows of slice s of the fused delta.
 
 An adapter directory holds `adapter_config.json` + `adapter_model.safetensors`. Its identity is
 
@@ -18,6 +23,7 @@ import json
 import math
 import re
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,19 +32,21 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
+from engine.model.family import LoRATarget
+from engine.model.registry import model_family
 from engine.model_config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth", "pytorch_model.bin")
+# The engine's LoRA slices (the adapter pool's modules), whatever names the family's adapters use
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_PARENT = {p: "self_attn" for p in PROJECTIONS[:4]} | {p: "mlp" for p in PROJECTIONS[4:]}
 _EMBEDDING_NAMES = ("embed_tokens", "lm_head", "wte", "embed_in", "embed_out")
 _FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 # base_model.model.<module path>.lora_A[.<adapter name>].weight
 _TENSOR_RE = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+?)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
-_MODULE_RE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<parent>self_attn|mlp)\.(?P<proj>\w+)$")
+_MODULE_RE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<parent>\w+)\.(?P<proj>\w+)$")
 
 
 class AdapterError(ValueError):
@@ -47,7 +55,7 @@ class AdapterError(ValueError):
 
 @dataclass(slots=True, frozen=True)
 class LoRAModuleWeights:
-    """One adapted projection: `delta_y = scaling * (x @ lora_a.T) @ lora_b.T`."""
+    """One adapted engine slice (`PROJECTIONS`): `delta_y = scaling * (x @ lora_a.T) @ lora_b.T`."""
 
     layer: int
     module: str
@@ -65,7 +73,7 @@ class AdapterCheckpoint:
     digest: str
     rank: int
     alpha: float
-    target_modules: tuple[str, ...]
+    target_modules: tuple[str, ...]  # the family's module names the adapter has weights for
     use_rslora: bool
     size_bytes: int
     base_model_name: str | None
@@ -73,7 +81,7 @@ class AdapterCheckpoint:
 
 
 def module_features(model: ModelConfig, module: str) -> tuple[int, int]:
-    """(in_features, out_features) of projection `module` in `model`."""
+    """(in_features, out_features) of the engine's LoRA slice `module` (`PROJECTIONS`) in `model`."""
     hidden, inter = model.hidden_size, model.intermediate_size
     q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
     return {
@@ -85,6 +93,13 @@ def module_features(model: ModelConfig, module: str) -> tuple[int, int]:
         "up_proj": (hidden, inter),
         "down_proj": (inter, hidden),
     }[module]
+
+
+def target_features(model: ModelConfig, target: LoRATarget) -> tuple[int, int]:
+    """(in_features, out_features) of a family's LoRA target: its slices' input, their summed outputs."""
+    return module_features(model, target.slices[0])[0], sum(
+        module_features(model, s)[1] for s in target.slices
+    )
 
 
 def canonical_config_bytes(config: dict[str, Any]) -> bytes:
@@ -160,13 +175,14 @@ def inspect_adapter(
     raw_config, data = contents
     config = parse_adapter_config(raw_config)
     rules = _check_config(config)
-    targeted = _target_set(config, model)
+    targets = model_family(model.architecture).lora_targets
+    targeted = _target_set(config, model, targets)
     header = _parse_safetensors_header(data)
     digest = hashlib.sha256(canonical_config_bytes(config) + data).hexdigest()
 
     pairs: dict[tuple[int, str], dict[str, str]] = {}
     for name in header:
-        layer, module, ab = _parse_tensor_name(name, model)
+        layer, module, ab = _parse_tensor_name(name, model, targets)
         if targeted is not None and (layer, module) not in targeted:
             raise AdapterError(
                 f"tensor {name!r}: module not selected by target_modules/layers_to_transform/exclude_modules"
@@ -180,21 +196,21 @@ def inspect_adapter(
 
     tensors = _load_tensors(data) if load_weights else {}
     modules: list[LoRAModuleWeights] = []
-    for (layer, module), slot in sorted(
-        pairs.items(), key=lambda kv: (kv[0][0], PROJECTIONS.index(kv[0][1]))
-    ):
+    order = list(targets)
+    for (layer, module), slot in sorted(pairs.items(), key=lambda kv: (kv[0][0], order.index(kv[0][1]))):
         for ab in "AB":
             if ab not in slot:
                 other = next(iter(slot.values()))
                 raise AdapterError(f"tensor {other!r}: its lora_{ab} partner is missing")
-        key = f"model.layers.{layer}.{_PARENT[module]}.{module}"
+        target = targets[module]
+        key = f"model.layers.{layer}.{target.parent}.{module}"
         rank, r_field = rules.rank_for(key)
         alpha = rules.alpha_for(key)
         if rank > max_lora_rank:
             raise AdapterError(
                 f"{r_field}: rank {rank} of layer {layer} {module} exceeds max_lora_rank {max_lora_rank}"
             )
-        in_f, out_f = module_features(model, module)
+        in_f, out_f = target_features(model, target)
         _check_shape(slot["A"], header[slot["A"]], (rank, in_f), module)
         _check_shape(slot["B"], header[slot["B"]], (out_f, rank), module)
         a = b = None
@@ -204,14 +220,19 @@ def inspect_adapter(
                 if not torch.isfinite(t).all():
                     raise AdapterError(f"tensor {name!r}: contains NaN or Inf values")
         scaling = alpha / math.sqrt(rank) if rules.use_rslora else alpha / rank
-        modules.append(LoRAModuleWeights(layer, module, rank, alpha, scaling, a, b))
+        row = 0
+        for piece in target.slices:  # a fused target's B rows: one block per engine slice, in order
+            width = module_features(model, piece)[1]
+            b_rows = None if b is None else b[row : row + width]
+            modules.append(LoRAModuleWeights(layer, piece, rank, alpha, scaling, a, b_rows))
+            row += width
 
-    present = {m.module for m in modules}
+    present = {module for _, module in pairs}
     return AdapterCheckpoint(
         digest=digest,
         rank=max(m.rank for m in modules),
         alpha=rules.alpha,
-        target_modules=tuple(p for p in PROJECTIONS if p in present),
+        target_modules=tuple(p for p in targets if p in present),
         use_rslora=rules.use_rslora,
         size_bytes=len(raw_config) + len(data),
         base_model_name=config.get("base_model_name_or_path"),
@@ -292,7 +313,9 @@ def _check_config(config: dict[str, Any]) -> _Rules:
     return _Rules(r, float(alpha), use_rslora, patterns[0], patterns[1])
 
 
-def _target_set(config: dict[str, Any], model: ModelConfig) -> set[tuple[int, str]] | None:
+def _target_set(
+    config: dict[str, Any], model: ModelConfig, modules: Mapping[str, LoRATarget]
+) -> set[tuple[int, str]] | None:
     """The (layer, projection) pairs the config targets, or None when it names no targets.
 
     `target_modules`: a list (a module is targeted when its full name equals an entry or ends with
@@ -301,7 +324,9 @@ def _target_set(config: dict[str, Any], model: ModelConfig) -> set[tuple[int, st
     no projection of the model are refused.
     """
     keys = {
-        f"model.layers.{i}.{_PARENT[p]}.{p}": (i, p) for i in range(model.num_layers) for p in PROJECTIONS
+        f"model.layers.{i}.{t.parent}.{p}": (i, p)
+        for i in range(model.num_layers)
+        for p, t in modules.items()
     }
     other = ["model.embed_tokens", "lm_head"]
     targets = config.get("target_modules")
@@ -331,7 +356,7 @@ def _target_set(config: dict[str, Any], model: ModelConfig) -> set[tuple[int, st
             hits = {k for k in keys if k == t or k.endswith("." + t)}
             if not hits:
                 raise AdapterError(
-                    f"target_modules: unknown module name {t!r} (supported: {', '.join(PROJECTIONS)})"
+                    f"target_modules: unknown module name {t!r} (supported: {', '.join(modules)})"
                 )
             chosen |= hits
         layers = config.get("layers_to_transform")
@@ -413,8 +438,10 @@ def _load_tensors(data: bytes) -> dict[str, torch.Tensor]:
         raise AdapterError(f"{WEIGHTS_FILE}: corrupt ({exc})") from exc
 
 
-def _parse_tensor_name(name: str, model: ModelConfig) -> tuple[int, str, str]:
-    """(layer, projection, "A"|"B") of a LoRA tensor name, or `AdapterError` for anything else."""
+def _parse_tensor_name(
+    name: str, model: ModelConfig, targets: Mapping[str, LoRATarget]
+) -> tuple[int, str, str]:
+    """(layer, target module, "A"|"B") of a LoRA tensor name, or `AdapterError` for anything else."""
     if "lora_magnitude_vector" in name:
         raise AdapterError(f"tensor {name!r}: DoRA is not supported yet")
     if "lora_embedding_" in name or any(f"{e}." in name for e in _EMBEDDING_NAMES):
@@ -423,7 +450,7 @@ def _parse_tensor_name(name: str, model: ModelConfig) -> tuple[int, str, str]:
     if m is None:
         raise AdapterError(f"tensor {name!r}: not a LoRA A/B weight (unexpected tensor)")
     mm = _MODULE_RE.match(m["module"])
-    if mm is None or mm["proj"] not in PROJECTIONS or _PARENT[mm["proj"]] != mm["parent"]:
+    if mm is None or mm["proj"] not in targets or targets[mm["proj"]].parent != mm["parent"]:
         raise AdapterError(f"tensor {name!r}: unknown module {m['module']!r}")
     layer = int(mm["layer"])
     if layer >= model.num_layers:

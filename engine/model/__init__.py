@@ -1,1 +1,1 @@
-"""Llama-family decoder models over a flat token batch, and their weight loader."""
+"""Decoder models over a flat token batch, one file per family (`registry.py`), and their weight loader."""

@@ -16,6 +16,7 @@ import torch
 
 from engine.model.gguf_file import GGUFError, dequantize_tensor, open_reader
 from engine.model.loader import CheckpointError
+from engine.model.registry import model_family
 from engine.model_config import ModelConfig
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -38,7 +39,6 @@ _GLOBAL = {
 }
 # read into the config (rope_freqs) or derived from other weights by llama.cpp itself
 _IGNORED = re.compile(r"^(rope_freqs\.weight|blk\.\d+\.attn_rot_embd\.weight)$")
-_PERMUTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM")
 
 
 def hf_key(gguf_name: str) -> str | None:
@@ -74,7 +74,7 @@ def gguf_tensors(cfg: ModelConfig) -> Iterator[tuple[str, str, torch.Tensor]]:
 
 
 def _iterate(reader: Any, cfg: ModelConfig) -> Iterator[tuple[str, str, torch.Tensor]]:
-    permuted = cfg.architecture in _PERMUTED_ARCHS
+    permuted = cfg.architecture in model_family(cfg.architecture).gguf_permuted
     for t in reader.tensors:
         key = hf_key(t.name)
         if key is None:

@@ -1,211 +1,40 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flat token batch with a paged KV cache.
+"""The Llama family: Llama, Mistral, Qwen2 and Qwen3, on the shared decoder (`engine/model/decoder.py`).
 
-Differences between the families are configuration, not code paths: Qwen2 adds q/k/v bias, Qwen3 adds
-RMSNorm on each head of q and k before RoPE, Qwen2 may tie the LM head to the embeddings, Llama 3 scales
-RoPE frequencies.
-
-On the CPU (`engine/model/cpu_fused.py`) the small ops between the projections are fused native calls
-(`kernels/fused_cpu.py`): the residual add with the next RMSNorm, RoPE (with Qwen3's q/k norm) in place on
-the packed qkv output, and SiLU(gate) * up. Elsewhere (CUDA) they are the torch formulas below.
+Their differences are configuration: Qwen2 adds q/k/v bias (and may tie the LM head to the embeddings),
+Qwen3 adds RMSNorm on each head of q and k before RoPE, Llama 3 scales RoPE frequencies, Mistral has a
+sliding window. Checkpoint names and LoRA targets are the Llama ones (`engine/model/family.py`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Any
 
-import torch
-from torch import nn
+from engine.model.decoder import DecoderForCausalLM
+from engine.model.family import ModelFamily
+from engine.model.layers import ForwardBatch, RMSNorm
 
-from engine.attention import AttentionBackend, AttentionMetadata
-from engine.model.cpu_fused import use_fused
-from engine.model.cpu_gemm import can_pack, pack, packed_linear
-from engine.model.linear import LoRAStepContext, ProjectionLinear
-from engine.model.rope import RotaryEmbedding, apply_rope
-from engine.model_config import ModelConfig
-from kernels.fused_cpu import FusedStep
+__all__ = ["FAMILY", "ForwardBatch", "LlamaForCausalLM", "RMSNorm"]
 
 
-@dataclass(slots=True)
-class ForwardBatch:
-    """Everything one forward pass reads besides the weights."""
-
-    input_ids: torch.Tensor  # [T] int64, all sequences' new tokens concatenated
-    positions: torch.Tensor  # [T] int64
-    attn: AttentionMetadata
-    logits_indices: torch.Tensor  # [S] int64: rows of the flat batch whose next-token logits are needed
-    lora: LoRAStepContext | None = None  # None when no request in the step uses an adapter
+class LlamaForCausalLM(DecoderForCausalLM):
+    """The shared decoder as is."""
 
 
-class RMSNorm(nn.Module):
-    """y = w * x / sqrt(mean(x^2) + eps), computed in float32 and cast back (as HF does)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
-
-    def fused(self, step: FusedStep, residual: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
-        """CPU: ``residual += delta`` in place (if given), then return ``forward(residual)``, in one pass."""
-        return step.add_rms_norm(residual, delta, self.weight, self.eps)
+def configure(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2's q/k/v bias by default, Qwen3's q/k norm, Mistral's sliding window on by default."""
+    out: dict[str, Any] = {}
+    if arch == "Qwen2ForCausalLM":
+        out["qkv_bias"] = bool(raw.get("attention_bias", True))
+    if arch == "Qwen3ForCausalLM":
+        out["qk_norm"] = True
+    if arch == "MistralForCausalLM" and raw.get("use_sliding_window", True) and raw.get("sliding_window"):
+        out["sliding_window"] = int(raw["sliding_window"])
+    return out
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding):
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv_proj = ProjectionLinear(
-            cfg.hidden_size,
-            ("q_proj", "k_proj", "v_proj"),
-            (cfg.q_size, cfg.kv_size, cfg.kv_size),
-            layer,
-            bias=cfg.qkv_bias,
-        )
-        self.o_proj = ProjectionLinear(cfg.q_size, ("o_proj",), (cfg.hidden_size,), layer)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rope = rope
-        self.scale = cfg.head_dim**-0.5
-        self.window = cfg.sliding_window or 0  # Mistral: every layer attends to its last `window` positions
-
-    def forward(self, x, rope_tables, kv: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, backend):
-        """`rope_tables`: the per-step (cos2, sin2) of the torch path, or the step's fused CPU ops."""
-        t = x.shape[0]
-        qkv = self.qkv_proj(x, batch.lora)
-        nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q_size, kv_size = nh * d, nkv * d
-        if isinstance(rope_tables, FusedStep):  # q and k normed (Qwen3) and rotated in place in qkv
-            qk_norm = None
-            if self.q_norm is not None and self.k_norm is not None:
-                qk_norm = (self.q_norm.weight, self.k_norm.weight, nh, self.q_norm.eps)
-            rope_tables.rope_(qkv, nh + nkv, qk_norm)
-            q, k, v = qkv.view(t, nh + 2 * nkv, d).split((nh, nkv, nkv), dim=1)  # views: one call
-        else:
-            v = qkv[:, q_size + kv_size :].view(t, nkv, d)
-            if self.q_norm is not None and self.k_norm is not None:
-                q = apply_rope(self.q_norm(qkv[:, :q_size].view(t, nh, d)), rope_tables)
-                k = apply_rope(self.k_norm(qkv[:, q_size : q_size + kv_size].view(t, nkv, d)), rope_tables)
-            else:  # q and k are adjacent columns: rotate both heads' blocks in one pass
-                qk = apply_rope(qkv[:, : q_size + kv_size].view(t, nh + nkv, d), rope_tables)
-                q, k = qk[:, :nh], qk[:, nh:]
-        backend.write_kv(k, v, kv[0], kv[1], batch.attn)
-        o = backend.attend(q, kv[0], kv[1], batch.attn, self.scale, self.window)
-        return self.o_proj(o.reshape(t, q_size), batch.lora)
-
-
-class MLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate|up packed in one projection."""
-
-    def __init__(self, cfg: ModelConfig, layer: int):
-        super().__init__()
-        inter = cfg.intermediate_size
-        self.gate_up_proj = ProjectionLinear(cfg.hidden_size, ("gate_proj", "up_proj"), (inter, inter), layer)
-        self.down_proj = ProjectionLinear(inter, ("down_proj",), (cfg.hidden_size,), layer)
-        self.inter = inter
-
-    def forward(self, x: torch.Tensor, lora: LoRAStepContext | None, fused: FusedStep | None = None):
-        gu = self.gate_up_proj(x, lora)
-        if fused is not None:  # the CPU's native SiLU(gate) * up
-            h = fused.silu_mul(gu)
-        else:
-            h = nn.functional.silu(gu[:, : self.inter]) * gu[:, self.inter :]
-        return self.down_proj(h, lora)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer, rope)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, layer)
-
-    def forward(self, x, rope_tables, kv, batch: ForwardBatch, backend):
-        x = x + self.self_attn(self.input_layernorm(x), rope_tables, kv, batch, backend)
-        return x + self.mlp(self.post_attention_layernorm(x), batch.lora)
-
-    def forward_fused(self, step: FusedStep, residual, h, kv, batch: ForwardBatch, backend, next_norm):
-        """CPU: `h` is this layer's normed input; adds both branches into `residual` in place and returns
-        the next layer's normed input (`next_norm` of the updated residual), or None without `next_norm`.
-        """
-        attn = self.self_attn(h, step, kv, batch, backend)
-        h = self.post_attention_layernorm.fused(step, residual, attn)
-        out = self.mlp(h, batch.lora, step)
-        if next_norm is None:
-            residual.add_(out)
-            return None
-        return next_norm.fused(step, residual, out)
-
-
-class LlamaForCausalLM(nn.Module):
-    """Decoder stack + LM head; `forward` returns float32 logits for `batch.logits_indices` only."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        if cfg.extra.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {cfg.extra['hidden_act']!r} is not supported (only silu)")
-        self.config = cfg
-        # `_weight` skips the random init (and with it, on the meta device, an import of torch._dynamo
-        # that costs over a second of engine start-up); the loader fills every weight.
-        embed = torch.empty(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=embed)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rope) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
-        self.fused_cpu_ops = True  # False: the torch formulas on the CPU too (benchmarks compare both)
-        self.packed_head: torch.Tensor | None = None  # the LM head in oneDNN's layout (`pack_cpu_gemms`)
-
-    def forward(
-        self,
-        batch: ForwardBatch,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        x = self.embed_tokens(batch.input_ids)
-        if use_fused(x, self.fused_cpu_ops):
-            step = FusedStep(x.dtype, batch.positions, self.rope.cos, self.rope.sin)
-            x = self._layers_fused(step, x, batch, kv_caches, backend)
-            x = self.norm.fused(step, x[batch.logits_indices], None)
-        else:
-            rope_tables = self.rope.tables(batch.positions)  # gathered once, shared by every layer
-            for layer, kv in zip(self.layers, kv_caches, strict=True):
-                x = layer(x, rope_tables, kv, batch, backend)
-            x = self.norm(x[batch.logits_indices])
-        if self.packed_head is not None:
-            return packed_linear(x, self.packed_head, None).float()
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
-        return nn.functional.linear(x, head).float()
-
-    def pack_cpu_gemms(self) -> bool:
-        """On a CPU in float32 (or bfloat16 the CPU computes natively), pack every projection's weight and
-        the LM head for oneDNN (`engine/model/cpu_gemm.py`); returns whether it did. Call once, after the
-        weights are loaded."""
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
-        if not can_pack(head.device, head.dtype):
-            return False
-        for module in self.modules():
-            if isinstance(module, ProjectionLinear):
-                module.pack_weight()
-        self.packed_head = pack(head)
-        if self.lm_head is not None:  # untied: the dense head is read by nothing else
-            self.lm_head = nn.Parameter(self.packed_head, requires_grad=False)
-        return True
-
-    def _layers_fused(self, step: FusedStep, x: torch.Tensor, batch: ForwardBatch, kv_caches, backend):
-        """The decoder stack on the fused CPU path: `x` (the embeddings) is the residual stream, updated in
-        place; returns it after the last layer (before the final norm)."""
-        layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
-        h = layers[0].input_layernorm.fused(step, x, None)
-        for i, (layer, kv) in enumerate(zip(layers, kv_caches, strict=True)):
-            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
-            h = layer.forward_fused(step, x, h, kv, batch, backend, nxt)
-        return x
+FAMILY = ModelFamily(
+    architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"),
+    build=LlamaForCausalLM,
+    configure=configure,
+    gguf_permuted=("LlamaForCausalLM", "MistralForCausalLM"),
+)

@@ -10,29 +10,25 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.model.llama import LlamaForCausalLM
+from engine.model.decoder import DecoderForCausalLM
+from engine.model.family import LLAMA_CHECKPOINT_MODULES
+from engine.model.registry import model_family
 from engine.model_config import ModelConfig
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-# HF module name -> (our packed module, slice index)
-_PACKED = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
-}
 
 
 class CheckpointError(ValueError):
     """Weights are missing, extra or of the wrong shape for the config."""
 
 
-def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """Build the model on `device` in `dtype` and fill every parameter from the checkpoint's tensors.
+def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> DecoderForCausalLM:
+    """Build the architecture's model (its family, `engine/model/registry.py`) on `device` in `dtype`
+    and fill every parameter from the checkpoint's tensors.
 
     The module tree is created on the meta device and materialized once, so no memory is spent on
-    random initialization. Packed projections (q|k|v, gate|up) are filled slice by slice. A GGUF
+    random initialization. Packed projections (q|k|v, gate|up) are filled slice by slice, or whole
+    where the checkpoint stores them fused (the family's `checkpoint_modules`). A GGUF
     checkpoint (`cfg.path` is the file) is dequantized tensor by tensor (`gguf_loader`).
     """
     if Path(cfg.path).is_file():
@@ -41,15 +37,16 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> Ll
         tensors: Iterator[tuple[str, str, torch.Tensor]] = gguf_tensors(cfg)
     else:
         tensors = _safetensors(Path(cfg.path))
+    family = model_family(cfg.architecture)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = family.build(cfg)
     model = model.to(dtype).to_empty(device=device)
     model.rope.reset_tables(device)
     params = dict(model.named_parameters())
     filled: set[str] = set()
     with torch.no_grad():
         for source, key, tensor in tensors:
-            target = _target(key)
+            target = _target(key, family.checkpoint_modules)
             if target is None:
                 continue
             name, slice_idx = target
@@ -79,8 +76,11 @@ def _read_safetensors(files: list[Path]) -> Iterator[tuple[str, str, torch.Tenso
                 yield file.name, key, f.get_tensor(key)
 
 
-def _target(key: str) -> tuple[str, int | None] | None:
-    """Our parameter name for an HF tensor key, and the slice index when it goes into a packed weight."""
+def _target(
+    key: str, modules: Mapping[str, tuple[str, int | None]] = LLAMA_CHECKPOINT_MODULES
+) -> tuple[str, int | None] | None:
+    """Our parameter name for an HF tensor key, and the slice index when it goes into a packed weight;
+    `modules`: the family's per-layer HF module -> (our module, slice index or None: the whole)."""
     if key.startswith(("model.embed_tokens.", "model.norm.")):
         return key.removeprefix("model."), None
     if key == "lm_head.weight":
@@ -92,8 +92,8 @@ def _target(key: str) -> tuple[str, int | None] | None:
     module, _, leaf = rest.rpartition(".")
     if "rotary_emb" in module:
         return None
-    if module in _PACKED:
-        packed, idx = _PACKED[module]
+    if module in modules:
+        packed, idx = modules[module]
         return f"layers.{layer}.{packed}.{leaf}", idx
     return f"layers.{layer}.{rest}", None
 
@@ -113,7 +113,7 @@ def _check_complete(model, params: Mapping[str, torch.Tensor], filled: set[str])
     for name in params:
         owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         n_slices = len(getattr(owner, "slice_sizes", ()))
-        if n_slices > 1:
+        if n_slices > 1 and name not in filled:  # filled slice by slice (or whole: a fused checkpoint)
             missing += [f"{name}[slice {i}]" for i in range(n_slices) if f"{name}#{i}" not in filled]
         elif name not in filled:
             missing.append(name)

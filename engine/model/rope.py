@@ -1,11 +1,40 @@
-"""Rotary position embeddings (rotate-half / NeoX layout, as in HF Llama), with llama3 frequency scaling."""
+"""Rotary position embeddings (rotate-half / NeoX layout, as in HF Llama): llama3 frequency scaling,
+partial rotary (the first `rotary_dim` values of each head) and Phi-3's LongRoPE.
+
+LongRoPE has two frequency sets, short and long; transformers picks the long one for a forward pass
+whose longest sequence exceeds `original_max_position_embeddings`. With a KV cache that means: a prompt
+longer than that rotates every token with the long set, a shorter prompt uses the short set, and each
+token generated after it uses the long set once its position reaches the limit (tokens already in the
+cache keep theirs). The tables hold both sets (short at rows [0, P), long at [P, 2P)) and
+`long_rope_positions` gives each token its row, so every token keeps what transformers gave it.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from engine.model_config import ModelConfig
+
+
+def rotary_dim(cfg: ModelConfig) -> int:
+    """How many leading values of each head RoPE rotates: head_dim * partial_rotary_factor (as HF)."""
+    return int(cfg.head_dim * float(cfg.extra.get("partial_rotary_factor", 1.0)))
+
+
+def longrope_attention_factor(scaling: dict[str, Any], max_positions: int) -> float:
+    """LongRoPE's cos/sin multiplier: `attention_factor`, or sqrt(1 + ln(f) / ln(original)) with
+    f = `factor` (default: max_position_embeddings / original), 1 when f <= 1 (as transformers)."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    orig = int(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor")
+    factor = max_positions / orig if factor is None else float(factor)
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -19,6 +48,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     inv_freq = 1.0 / (theta**exponents)
     if not scaling:
         return inv_freq.float()
+    if scaling.get("rope_type") == "longrope":  # `ext_factors`: the "short_factor" or "long_factor" list
+        ext = torch.tensor(scaling["ext_factors"], dtype=torch.float32, device="cpu")
+        return (1.0 / (ext * theta**exponents)).float()
     if scaling.get("rope_type") == "freq_factors":  # llama.cpp's `rope_freqs` tensor: one divisor each
         factors = torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
         return (inv_freq.float() / factors).float()
@@ -36,12 +68,26 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Precomputed cos/sin tables for positions `[0, max_positions)`; `forward` rotates q and k in place."""
+    """Precomputed cos/sin tables for positions `[0, max_positions)` (LongRoPE: twice, module docstring)
+    over the first `rotary_dim` (default: all) of `head_dim` values; `forward` rotates q and k."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None):
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        rotary_dim: int | None = None,
+    ):
         super().__init__()
         self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
-        self.cos: torch.Tensor  # [P, D/2] float32 (buffers, not parameters)
+        self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        # LongRoPE: a token whose sequence is longer than `long_from` reads rows `position + long_offset`
+        self.long_from: int | None = None
+        self.long_offset = 0
+        if scaling and scaling.get("rope_type") == "longrope":
+            self.long_from, self.long_offset = int(scaling["original_max_position_embeddings"]), max_positions
+        self.cos: torch.Tensor  # [P, D/2] float32 (buffers, not parameters); D = rotary_dim
         self.sin: torch.Tensor
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
@@ -52,10 +98,32 @@ class RotaryEmbedding(torch.nn.Module):
         device = device or self.cos.device
         if device.type == "meta":
             device = torch.device("cpu")
-        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
-        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32, device="cpu"), inv_freq)
-        self.cos = freqs.cos().to(device)
-        self.sin = freqs.sin().to(device)
+        pos = torch.arange(self.max_positions, dtype=torch.float32, device="cpu")
+        if self.long_from is None:
+            freqs = torch.outer(pos, rope_inv_freq(self.rotary_dim, self.theta, self.scaling))
+            self.cos = freqs.cos().to(device)
+            self.sin = freqs.sin().to(device)
+            return
+        assert self.scaling is not None, "LongRoPE has its scaling parameters"
+        factor = longrope_attention_factor(self.scaling, int(self.scaling["max_position_embeddings"]))
+        cos, sin = [], []
+        for key in ("short_factor", "long_factor"):
+            scaling = self.scaling | {"ext_factors": self.scaling[key]}
+            freqs = torch.outer(pos, rope_inv_freq(self.rotary_dim, self.theta, scaling))
+            cos.append(freqs.cos() * factor)
+            sin.append(freqs.sin() * factor)
+        self.cos = torch.cat(cos).to(device)
+        self.sin = torch.cat(sin).to(device)
+
+    def long_rope_positions(self, positions: np.ndarray, prompt_lens: np.ndarray) -> np.ndarray:
+        """The table rows of tokens at `positions` whose sequences' prompts have `prompt_lens` tokens:
+        the position itself, plus `long_offset` where transformers uses the long LongRoPE factors (the
+        prompt, or the sequence up to this token, is longer than `long_from`). Positions as is without
+        LongRoPE."""
+        if self.long_from is None:
+            return positions
+        long = np.maximum(prompt_lens, positions + 1) > self.long_from
+        return positions + self.long_offset * long
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token factors `(cos2, sin2)`, each [T, 1, D] float32, computed once per forward pass::

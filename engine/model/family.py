@@ -1,0 +1,73 @@
+"""What one model family contributes to the engine: `ModelFamily`, one per file under `engine/model/`.
+
+A family names its architectures (`config.json`'s `architectures`), builds its module tree, adjusts the
+generic `config.json` parse (`configure`), maps its checkpoint's per-layer module names onto the engine's
+packed projections (`checkpoint_modules`) and names the modules PEFT adapters of it target
+(`lora_targets`), each feeding one or more of the engine's LoRA slices. `engine/model/registry.py`
+maps each architecture to its family's module.
+
+The engine's LoRA slices are the seven logical projections of `engine.lora.adapter_checkpoint.PROJECTIONS`
+(q, k, v, o, gate, up, down), packed as q|k|v, o, gate|up, down; the adapter pool is laid out by them. A
+fused PEFT target (Phi-3's `qkv_proj`) feeds several slices: its lora_B rows split across them, in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.model.decoder import DecoderForCausalLM
+    from engine.model_config import ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class LoRATarget:
+    """A module PEFT adapters name: `model.layers.N.{parent}.{name}`, feeding the engine's `slices`."""
+
+    parent: str  # "self_attn" or "mlp"
+    slices: tuple[str, ...]  # engine LoRA slices its output rows feed, in row order
+
+
+# HF per-layer module -> (the engine's module, slice index in it; None: the whole weight)
+LLAMA_CHECKPOINT_MODULES: Mapping[str, tuple[str, int | None]] = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+# q, k, v, o, gate, up, down as their own PEFT targets (Llama, Mistral, Qwen, Granite, Gemma)
+LLAMA_LORA_TARGETS: Mapping[str, LoRATarget] = {
+    "q_proj": LoRATarget("self_attn", ("q_proj",)),
+    "k_proj": LoRATarget("self_attn", ("k_proj",)),
+    "v_proj": LoRATarget("self_attn", ("v_proj",)),
+    "o_proj": LoRATarget("self_attn", ("o_proj",)),
+    "gate_proj": LoRATarget("mlp", ("gate_proj",)),
+    "up_proj": LoRATarget("mlp", ("up_proj",)),
+    "down_proj": LoRATarget("mlp", ("down_proj",)),
+}
+
+
+def no_overrides(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """The default `configure`: the generic parse as is."""
+    return {}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFamily:
+    """One family's hooks (module docstring)."""
+
+    architectures: tuple[str, ...]
+    build: Callable[[ModelConfig], DecoderForCausalLM]  # the module tree, on the current default device
+    # (architecture, raw config.json) -> `ModelConfig` fields to override; an "extra" dict is merged
+    configure: Callable[[str, dict[str, Any]], dict[str, Any]] = no_overrides
+    rope_types: tuple[str, ...] = ("llama3",)  # `rope_scaling` types it accepts besides "default"
+    checkpoint_modules: Mapping[str, tuple[str, int | None]] = field(
+        default_factory=lambda: LLAMA_CHECKPOINT_MODULES
+    )
+    lora_targets: Mapping[str, LoRATarget] = field(default_factory=lambda: LLAMA_LORA_TARGETS)
+    # architectures whose llama.cpp GGUF files store q/k rows permuted (`engine/model/gguf_loader.py`)
+    gguf_permuted: tuple[str, ...] = ()
