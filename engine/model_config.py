@@ -103,6 +103,8 @@ class ModelConfig:
                 f"unsupported architecture {archs or raw.get('model_type')!r}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        family = model_family(arch)
+        raw = family.normalize(arch, raw)
         try:
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])
@@ -123,7 +125,6 @@ class ModelConfig:
         theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         rope_scaling: dict[str, Any] | None = None
-        family = model_family(arch)
         if rope_type not in (None, "default"):
             if rope_type not in family.rope_types:
                 raise ModelConfigError(

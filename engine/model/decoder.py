@@ -160,11 +160,13 @@ class DecoderForCausalLM(nn.Module):
     A family overrides `layer_cls`, `embed` (e.g. scaled embeddings) or `head` (e.g. scaled logits)."""
 
     layer_cls: type[DecoderLayer] = DecoderLayer
+    activations: tuple[str, ...] = ("silu",)  # the `hidden_act` values the family's MLP computes
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        if cfg.extra.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {cfg.extra['hidden_act']!r} is not supported (only silu)")
+        if cfg.extra.get("hidden_act", "silu") not in self.activations:
+            only = ", ".join(self.activations)
+            raise ValueError(f"hidden_act {cfg.extra['hidden_act']!r} is not supported (only {only})")
         self.config = cfg
         # `_weight` skips the random init (and with it, on the meta device, an import of torch._dynamo
         # that costs over a second of engine start-up); the loader fills every weight.

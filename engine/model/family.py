@@ -56,6 +56,16 @@ def no_overrides(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
+def as_is(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """The default `normalize`: config.json as it is."""
+    return raw
+
+
+def same_key(key: str) -> str | None:
+    """The default `checkpoint_key`: the tensor name as it is."""
+    return key
+
+
 @dataclass(frozen=True, slots=True)
 class ModelFamily:
     """One family's hooks (module docstring)."""
@@ -64,6 +74,12 @@ class ModelFamily:
     build: Callable[[ModelConfig], DecoderForCausalLM]  # the module tree, on the current default device
     # (architecture, raw config.json) -> `ModelConfig` fields to override; an "extra" dict is merged
     configure: Callable[[str, dict[str, Any]], dict[str, Any]] = no_overrides
+    # (architecture, raw config.json) -> the config.json the generic parse reads (e.g. a multimodal
+    # checkpoint's `text_config` lifted to the top, with its family's defaults filled in)
+    normalize: Callable[[str, dict[str, Any]], dict[str, Any]] = as_is
+    # a checkpoint tensor's name -> the Llama-style name (`model.layers.N...`) the loader maps, or None
+    # to skip it (e.g. a multimodal checkpoint's `model.language_model.` prefix, its vision tower)
+    checkpoint_key: Callable[[str], str | None] = same_key
     rope_types: tuple[str, ...] = ("llama3",)  # `rope_scaling` types it accepts besides "default"
     checkpoint_modules: Mapping[str, tuple[str, int | None]] = field(
         default_factory=lambda: LLAMA_CHECKPOINT_MODULES

@@ -14,8 +14,8 @@ pytestmark = pytest.mark.slow  # the HF oracle on tiny models
 
 WINDOW = 8
 NEW_TOKENS = 10
-# family -> checkpoint overrides: every family with a window of 8 tokens
-WINDOWED = {"mistral": {"sliding_window": WINDOW}}
+# family -> checkpoint overrides: every family with a window of 8 tokens (Gemma's tiny checkpoints have it)
+WINDOWED = {"mistral": {"sliding_window": WINDOW}, "gemma2": {}, "gemma3": {}}
 
 
 def _prompts(seed: int, lengths: list[int], vocab: int = 96) -> list[list[int]]:
@@ -23,11 +23,19 @@ def _prompts(seed: int, lengths: list[int], vocab: int = 96) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
-def _check(llm: LLM, oracle, prompts: list[list[int]]):
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+def _check(llm: LLM, oracle, prompts: list[list[int]], logprobs: bool = False):
+    """Greedy tokens equal HF's; with `logprobs`, each generated token's log-probability too (1e-4)."""
+    params = SamplingParams(
+        max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1 if logprobs else None
+    )
     outs = llm.generate(prompts, params)
     for prompt, out in zip(prompts, outs, strict=True):
-        assert out.outputs[0].token_ids == oracle.greedy(prompt, NEW_TOKENS), f"prompt of {len(prompt)}"
+        comp = out.outputs[0]
+        assert comp.token_ids == oracle.greedy(prompt, NEW_TOKENS), f"prompt of {len(prompt)}"
+        if logprobs:
+            ref = oracle.logprobs(prompt + comp.token_ids)
+            for i, (tok, entry) in enumerate(zip(comp.token_ids, comp.logprobs, strict=True)):
+                assert entry[tok].logprob == pytest.approx(float(ref[len(prompt) - 1 + i, tok]), abs=1e-4)
     return llm.engine.get_stats()
 
 
@@ -41,7 +49,7 @@ def windowed(request, checkpoint, oracle):
 def test_eight_prompts_past_the_window_match_hf(windowed):
     ckpt, hf = windowed
     llm = LLM(str(ckpt), device="cpu", dtype="float32", block_size=4)
-    _check(llm, hf, _prompts(1, [9, 17, 40, 12, 23, 31, 8, 26]))
+    _check(llm, hf, _prompts(1, [9, 17, 40, 12, 23, 31, 8, 26]), logprobs=True)
     assert llm.engine.runner.backend.native.steps_served > 0
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+GEMMA_ARCHS = ("gemma2", "gemma3")
 
 _BASE = dict(
     vocab_size=96,
@@ -27,7 +28,8 @@ def build_checkpoint(out_dir: Path, arch: str, seed: int = 0, dtype=torch.float3
 
     Variations by family: llama uses llama3 RoPE scaling; qwen2 has q/k/v bias and tied embeddings;
     qwen3 has q/k norms and a head_dim different from hidden/heads; mistral has a sliding window
-    larger than the context.
+    larger than the context (unless overridden); gemma2 and gemma3 have windows of 8 tokens,
+    soft-caps, and gemma3 layers 2:1 local/global with linearly scaled global RoPE.
     """
     import transformers as tf
 
@@ -50,6 +52,18 @@ def build_checkpoint(out_dir: Path, arch: str, seed: int = 0, dtype=torch.float3
     elif arch == "qwen3":
         kw["head_dim"] = 24
         cfg_cls, model_cls = tf.Qwen3Config, tf.Qwen3ForCausalLM
+    elif arch == "gemma2":  # sliding / global layers alternate; both soft-caps small enough to bend
+        kw.update(head_dim=16, sliding_window=8, query_pre_attn_scalar=24, num_hidden_layers=3)
+        kw.update(attn_logit_softcapping=3.0, final_logit_softcapping=5.0)
+        cfg_cls, model_cls = tf.Gemma2Config, tf.Gemma2ForCausalLM
+    elif arch == "gemma3":  # 5 local : 1 global, local RoPE 10k, global 1M with linear scaling
+        kw.update(head_dim=16, sliding_window=8, query_pre_attn_scalar=24, num_hidden_layers=6)
+        kw.update(final_logit_softcapping=5.0, sliding_window_pattern=3)
+        kw["rope_parameters"] = {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
+        }
+        cfg_cls, model_cls = tf.Gemma3TextConfig, tf.Gemma3ForCausalLM
     else:
         raise ValueError(arch)
     kw.update(overrides)
@@ -57,8 +71,10 @@ def build_checkpoint(out_dir: Path, arch: str, seed: int = 0, dtype=torch.float3
     model = model_cls(cfg_cls(**kw))
     with torch.no_grad():  # larger weights than the init default so logits are far from ties
         for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.5)
+            if name.endswith("bias") or (arch in GEMMA_ARCHS and name.endswith("norm.weight")):
+                p.normal_(0, 0.5)  # (Gemma's norms scale by 1 + w, w = 0 at init)
+            elif arch in GEMMA_ARCHS and name.endswith("embed_tokens.weight"):
+                p.normal_(0, 0.08)  # times sqrt(hidden) = 8: an embedding does not drown the layers
             elif p.dim() > 1:
                 p.normal_(0, 0.25)
     model = model.to(dtype)
