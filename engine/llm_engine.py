@@ -67,6 +67,7 @@ class LLMEngine:
             self.model.pack_cpu_gemms()
         self.num_kv_blocks = self._num_blocks()
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv.long_prompt_from = self.model.rope.long_from
         self.lora: LoRAManager | None = None
         if config.enable_lora:
             self.lora = LoRAManager.create(

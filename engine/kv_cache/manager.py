@@ -37,6 +37,9 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.enable_prefix_caching = enable_prefix_caching
+        # with LongRoPE, K/V of a prompt longer than this is rotated with the long
+        # factors (engine/model/rope.py), so such requests' blocks are keyed apart from shorter ones'
+        self.long_prompt_from: int | None = None
         self._tables: dict[str, list[KVBlock]] = {}
         self._hashes: dict[str, list[bytes]] = {}
         self._num_registered: dict[str, int] = {}  # leading blocks of each table already in the cache
@@ -54,10 +57,13 @@ class KVCacheManager:
         hashes = self._hashes.setdefault(req.seq_id, [])
         bs = self.block_size
         tokens = req.all_token_ids
+        key = req.lora_key
+        if self.long_prompt_from is not None and req.num_prompt_tokens > self.long_prompt_from:
+            key = f"{key or ''}#long-rope"
         while (len(hashes) + 1) * bs <= upto_tokens:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs], req.lora_key))
+            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs], key))
         return hashes
 
     def find_cached_prefix(self, req: Sequence) -> tuple[list[KVBlock], int]:

@@ -22,6 +22,8 @@ FAMILY_MODULES = {
     "Gemma2ForCausalLM": "engine.model.gemma2",
     "Gemma3ForCausalLM": "engine.model.gemma3",
     "Gemma3ForConditionalGeneration": "engine.model.gemma3",
+    "GraniteForCausalLM": "engine.model.granite",
+    "Phi3ForCausalLM": "engine.model.phi3",
 }
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILY_MODULES)

@@ -23,6 +23,20 @@ ADAPTER_SPECS: dict[str, dict[str, Any]] = {
     "gud-r12": dict(r=12, lora_alpha=24, target_modules=["gate_proj", "up_proj", "down_proj"]),
 }
 
+# Phi-3's PEFT targets are its fused modules (qkv_proj, gate_up_proj) besides o_proj and down_proj.
+PHI3_ADAPTER_SPECS: dict[str, dict[str, Any]] = {
+    "all-r4": dict(r=4, lora_alpha=8, target_modules="all-linear"),
+    "qkv-r8-rslora": dict(r=8, lora_alpha=16, target_modules=["qkv_proj"], use_rslora=True),
+    "fused-pattern-r16": dict(
+        r=16,
+        lora_alpha=16,
+        target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+        rank_pattern={"o_proj": 4, "gate_up_proj": 2},
+        alpha_pattern={"down_proj": 64},
+    ),
+    "gate-up-layer1-r32": dict(r=32, lora_alpha=16, target_modules=["gate_up_proj"], layers_to_transform=[1]),
+}
+
 
 def build_adapter(base_dir: Path, out_dir: Path, seed: int = 0, scale: float = 0.3, **lora_kwargs) -> Path:
     """Wrap the base model with a PEFT LoRA config, give A and B random weights, save it to `out_dir`."""

@@ -9,6 +9,9 @@ import torch
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 GEMMA_ARCHS = ("gemma2", "gemma3")
+# Families on the model seam beyond Llama's (tests/engine/test_granite_phi3.py)
+MORE_ARCHS = ("granite", "phi3", "phi3-longrope")
+LONGROPE_ORIGINAL = 32  # phi3-longrope's original_max_position_embeddings (of 256)
 
 _BASE = dict(
     vocab_size=96,
@@ -29,7 +32,10 @@ def build_checkpoint(out_dir: Path, arch: str, seed: int = 0, dtype=torch.float3
     Variations by family: llama uses llama3 RoPE scaling; qwen2 has q/k/v bias and tied embeddings;
     qwen3 has q/k norms and a head_dim different from hidden/heads; mistral has a sliding window
     larger than the context (unless overridden); gemma2 and gemma3 have windows of 8 tokens,
-    soft-caps, and gemma3 layers 2:1 local/global with linearly scaled global RoPE.
+    soft-caps, and gemma3 layers 2:1 local/global with linearly scaled global RoPE; granite has all
+    four multipliers away from 1; phi3 has fused qkv/gate_up
+    weights and partial rotary (half of each head); phi3-longrope has LongRoPE with short/long factors
+    (original length `LONGROPE_ORIGINAL`) on full heads.
     """
     import transformers as tf
 
@@ -64,6 +70,24 @@ def build_checkpoint(out_dir: Path, arch: str, seed: int = 0, dtype=torch.float3
             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
         }
         cfg_cls, model_cls = tf.Gemma3TextConfig, tf.Gemma3ForCausalLM
+    elif arch == "granite":
+        kw |= dict(embedding_multiplier=6.0, attention_multiplier=0.09, residual_multiplier=0.4)
+        kw["logits_scaling"] = 3.0
+        cfg_cls, model_cls = tf.GraniteConfig, tf.GraniteForCausalLM
+    elif arch == "phi3":
+        kw |= dict(partial_rotary_factor=0.5, original_max_position_embeddings=256, pad_token_id=0)
+        cfg_cls, model_cls = tf.Phi3Config, tf.Phi3ForCausalLM
+    elif arch == "phi3-longrope":
+        gen = torch.Generator().manual_seed(seed + 7)
+        half = kw["hidden_size"] // kw["num_attention_heads"] // 2
+        short, long = (1 + 3 * torch.rand(half, generator=gen) for _ in range(2))
+        kw |= dict(original_max_position_embeddings=LONGROPE_ORIGINAL, pad_token_id=0)
+        kw["rope_scaling"] = {
+            "rope_type": "longrope",
+            "short_factor": [round(float(x), 4) for x in short],
+            "long_factor": [round(float(x), 4) * 4 for x in long],
+        }
+        cfg_cls, model_cls = tf.Phi3Config, tf.Phi3ForCausalLM
     else:
         raise ValueError(arch)
     kw.update(overrides)
@@ -111,6 +135,19 @@ class HFGreedyOracle:
             logits = self.model(torch.tensor([ids])).logits[0, -1]
             ids.append(int(logits.argmax()))
         return ids[len(prompt) :]
+
+    @torch.no_grad()
+    def greedy_cached(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        """Greedy continuation the way `generate` runs it: the prompt in one forward pass, then one token
+        per pass over the KV cache (what LongRoPE's length rule depends on)."""
+        out = self.model(torch.tensor([prompt]), use_cache=True)
+        tokens = [int(out.logits[0, -1].argmax())]
+        while len(tokens) < max_new_tokens:
+            out = self.model(
+                torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True
+            )
+            tokens.append(int(out.logits[0, -1].argmax()))
+        return tokens
 
     @torch.no_grad()
     def logprobs(self, ids: list[int]) -> torch.Tensor:
