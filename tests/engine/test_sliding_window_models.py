@@ -80,3 +80,14 @@ def test_prefix_cache_hit_past_the_window_matches_hf(windowed):
     before = llm.engine.get_stats().prefix_cache_hits
     stats = _check(llm, hf, [prefix + t for t in _prompts(6, [3, 6, 1])])
     assert stats.prefix_cache_hits - before == 3 * 24
+
+
+def test_triton_attention_past_the_window_matches_hf(checkpoint, oracle):
+    """The CUDA path's Triton attention (interpreted) with Gemma 2's windows and soft-caps."""
+    ckpt = checkpoint("gemma2")
+    llm = LLM(str(ckpt), device="cpu", dtype="float32", block_size=4, attention_backend="triton")
+    assert llm.engine.runner.backend.name == "triton"
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(7, [13, 20])
+    for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
+        assert out.outputs[0].token_ids == oracle(ckpt).greedy(prompt, 4)
