@@ -87,3 +87,11 @@ class ModelFamily:
     lora_targets: Mapping[str, LoRATarget] = field(default_factory=lambda: LLAMA_LORA_TARGETS)
     # architectures whose llama.cpp GGUF files store q/k rows permuted (`engine/model/gguf_loader.py`)
     gguf_permuted: tuple[str, ...] = ()
+    # GGUF per-layer tensor -> HF module, where the family's differ from Llama's (e.g. fused attn_qkv)
+    gguf_layer_modules: Mapping[str, str] = field(default_factory=dict)
+    # (metadata getter for `{gguf arch}.<key>`, float list of a tensor or None) -> config.json fields
+    gguf_config: Callable[[GGUFMeta, GGUFVector], dict[str, Any]] | None = None
+
+
+GGUFMeta = Callable[[str, Any], Any]  # (key under `{arch}.`, default) -> the metadata value
+GGUFVector = Callable[[str], "list[float] | None"]  # tensor name -> its values (None: not in the file)

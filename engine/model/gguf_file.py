@@ -5,8 +5,10 @@ metadata states, as the fields of a Hugging Face `config.json`.
 (a directory with a `config.json` is a Hugging Face checkpoint, whatever else it holds). The weights
 themselves are read by `engine.model.gguf_loader`.
 
-Supported: `general.architecture` `llama` (also Mistral-family files, which llama.cpp calls llama) and
-`qwen2`; tensors in the types of `SUPPORTED_TYPES`, dequantized at load.
+Supported: `general.architecture` `llama` (also Mistral-family files, which llama.cpp calls llama),
+`qwen2`, `granite` and `phi3`; tensors in the types of `SUPPORTED_TYPES`, dequantized at load. What a
+family's files state beyond Llama's (Granite's scales, Phi-3's partial rotary and LongRoPE factors) its
+family reads (`gguf_config` of `engine/model/family.py`).
 """
 
 from __future__ import annotations
@@ -16,12 +18,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from engine.model.registry import model_family
 from engine.model_config import ModelConfig, ModelConfigError
 
 GGUF_SUFFIX = ".gguf"
 GGUF_MAGIC = b"GGUF"
 # general.architecture -> the transformers architecture the engine runs it as
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
 # ggml tensor types `gguf.dequantize` unpacks and the loader accepts
 SUPPORTED_TYPES = (
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
@@ -193,6 +201,17 @@ def _config(reader: Any, arch: str, path: Path, shapes: dict, types: dict[str, s
         "torch_dtype": dtype,
         "use_sliding_window": False,
     }
+    family = model_family(hf_arch)
+    if family.gguf_config is not None:
+
+        def meta(key: str, default: Any = None) -> Any:
+            return field_value(reader, f"{arch}.{key}", default)
+
+        def vector(name: str) -> list[float] | None:
+            t = next((t for t in reader.tensors if t.name == name), None)
+            return None if t is None else [float(x) for x in dequantize_tensor(t)]
+
+        cfg |= family.gguf_config(meta, vector)
     return cfg
 
 

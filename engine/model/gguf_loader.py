@@ -2,8 +2,9 @@
 
 llama.cpp's converter writes Llama's q and k projections with the rows of each head reordered (its RoPE
 rotates adjacent pairs, HF's rotates the two halves of a head); `unpermute_rows` puts them back, so
-the result equals the HF checkpoint the file was converted from (up to quantization). Qwen2 files are
-written unpermuted.
+the result equals the HF checkpoint the file was converted from (up to quantization); Granite's are
+written the same way. Qwen2 and Phi-3 files are written unpermuted (Phi-3's q|k|v and gate|up as the
+fused `attn_qkv` and `ffn_up` tensors, the family's `gguf_layer_modules`).
 """
 
 from __future__ import annotations
@@ -38,21 +39,24 @@ _GLOBAL = {
     "output.weight": "lm_head.weight",
 }
 # read into the config (rope_freqs) or derived from other weights by llama.cpp itself
-_IGNORED = re.compile(r"^(rope_freqs\.weight|blk\.\d+\.attn_rot_embd\.weight)$")
+_IGNORED = re.compile(
+    r"^(rope_freqs\.weight|rope_factors_(long|short)\.weight|blk\.\d+\.attn_rot_embd\.weight)$"
+)
 
 
-def hf_key(gguf_name: str) -> str | None:
-    """The HF checkpoint key of a GGUF tensor name, None for tensors the engine does not load, or
-    CheckpointError for a name this architecture does not have."""
+def hf_key(gguf_name: str, layer_modules: dict[str, str] = _LAYER_MODULES) -> str | None:
+    """The HF checkpoint key of a GGUF tensor name, None for tensors the engine does not load (or reads
+    into the config), or CheckpointError for a name this architecture does not have; `layer_modules`:
+    the family's per-layer GGUF tensor -> HF module map."""
     if gguf_name in _GLOBAL:
         return _GLOBAL[gguf_name]
     if _IGNORED.match(gguf_name):
         return None
     m = _BLOCK.match(gguf_name)
-    if m is None or m.group(2) not in _LAYER_MODULES:
+    if m is None or m.group(2) not in layer_modules:
         raise CheckpointError(f"unexpected GGUF tensor {gguf_name!r}")
     layer, module, leaf = m.groups()
-    return f"model.layers.{layer}.{_LAYER_MODULES[module]}.{leaf}"
+    return f"model.layers.{layer}.{layer_modules[module]}.{leaf}"
 
 
 def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -74,9 +78,11 @@ def gguf_tensors(cfg: ModelConfig) -> Iterator[tuple[str, str, torch.Tensor]]:
 
 
 def _iterate(reader: Any, cfg: ModelConfig) -> Iterator[tuple[str, str, torch.Tensor]]:
-    permuted = cfg.architecture in model_family(cfg.architecture).gguf_permuted
+    family = model_family(cfg.architecture)
+    permuted = cfg.architecture in family.gguf_permuted
+    layer_modules = _LAYER_MODULES | dict(family.gguf_layer_modules)
     for t in reader.tensors:
-        key = hf_key(t.name)
+        key = hf_key(t.name, layer_modules)
         if key is None:
             continue
         try:

@@ -5,7 +5,8 @@
 - `residual_multiplier`: each branch's output is multiplied by it before it is added to the residual;
 - `logits_scaling`: the logits are divided by it.
 
-Checkpoint names and LoRA targets are Llama's.
+Checkpoint names and LoRA targets are Llama's; so are GGUF files' (q/k rows permuted), with the four
+multipliers in the metadata.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 
 from engine.model.decoder import Attention, DecoderForCausalLM, DecoderLayer
-from engine.model.family import ModelFamily
+from engine.model.family import GGUFMeta, GGUFVector, ModelFamily
 from engine.model.rope import RotaryEmbedding
 from engine.model_config import ModelConfig, ModelConfigError
 
@@ -59,4 +60,21 @@ def configure(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
     return {"extra": {n: float(raw.get(n, 1.0)) for n in names}}
 
 
-FAMILY = ModelFamily(architectures=("GraniteForCausalLM",), build=GraniteForCausalLM, configure=configure)
+def gguf_config(meta: GGUFMeta, vector: GGUFVector) -> dict[str, Any]:
+    """The multipliers as llama.cpp's converter writes them (`granite.embedding_scale`, …)."""
+    keys = {
+        "embedding_multiplier": "embedding_scale",
+        "attention_multiplier": "attention.scale",
+        "residual_multiplier": "residual_scale",
+        "logits_scaling": "logit_scale",
+    }
+    return {name: float(meta(key, 1.0)) for name, key in keys.items()}
+
+
+FAMILY = ModelFamily(
+    architectures=("GraniteForCausalLM",),
+    build=GraniteForCausalLM,
+    configure=configure,
+    gguf_permuted=("GraniteForCausalLM",),
+    gguf_config=gguf_config,
+)

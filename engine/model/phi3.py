@@ -7,6 +7,8 @@
 - LongRoPE (`rope_scaling` type `longrope`, older names `su` and `yarn`): short and long factors chosen by
   length as transformers does, with its attention factor (`rope.py`).
 - A `sliding_window` in the config caps the context at the window, where full attention is exact.
+- GGUF files (`phi3`): fused `attn_qkv` / `ffn_up` tensors, unpermuted; partial rotary, the window and
+  LongRoPE's factors from the metadata (`gguf_config`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.model.decoder import DecoderForCausalLM
-from engine.model.family import LoRATarget, ModelFamily
+from engine.model.family import GGUFMeta, GGUFVector, LoRATarget, ModelFamily
 from engine.model_config import ModelConfigError
 
 
@@ -49,6 +51,27 @@ def configure(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def gguf_config(meta: GGUFMeta, vector: GGUFVector) -> dict[str, Any]:
+    """What llama.cpp's converter writes beyond Llama's fields: the rotary dims (partial rotary), the
+    sliding window (0: none), and for LongRoPE the `rope_factors_short`/`_long` tensors with the
+    original context length and attention factor."""
+    heads, hidden = int(meta("attention.head_count", 1)), int(meta("embedding_length", 0))
+    head_dim = int(meta("attention.key_length", hidden // heads))
+    out: dict[str, Any] = {"partial_rotary_factor": int(meta("rope.dimension_count", head_dim)) / head_dim}
+    if meta("attention.sliding_window", 0):
+        out["sliding_window"] = int(meta("attention.sliding_window", 0))
+    short, long = vector("rope_factors_short.weight"), vector("rope_factors_long.weight")
+    if short is not None and long is not None:
+        out["original_max_position_embeddings"] = int(meta("rope.scaling.original_context_length", 0))
+        out["rope_scaling"] = {
+            "rope_type": "longrope",
+            "short_factor": short,
+            "long_factor": long,
+            "attention_factor": meta("rope.scaling.attn_factor", None),
+        }
+    return out
+
+
 FAMILY = ModelFamily(
     architectures=("Phi3ForCausalLM",),
     build=Phi3ForCausalLM,
@@ -64,4 +87,6 @@ FAMILY = ModelFamily(
         "gate_up_proj": LoRATarget("mlp", ("gate_proj", "up_proj")),
         "down_proj": LoRATarget("mlp", ("down_proj",)),
     },
+    gguf_layer_modules={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    gguf_config=gguf_config,
 )

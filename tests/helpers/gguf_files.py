@@ -1,5 +1,6 @@
 """Tiny GGUF files for tests, written with `gguf.GGUFWriter` from a tiny random HF checkpoint the way
-llama.cpp's converter writes them (GGUF tensor names, q/k rows permuted for llama, norms in F32).
+llama.cpp's converter writes them (GGUF tensor names, q/k rows permuted for llama and granite, norms in
+F32; granite's multipliers, phi3's fused tensors, rotary dims and LongRoPE factors in the metadata).
 
 Types `gguf` can quantize (F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) hold the checkpoint's weights,
 quantized; for K-quants (which `gguf` only dequantizes) every matmul weight is random but valid blocks.
@@ -29,6 +30,8 @@ _HF_TO_GGUF = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.qkv_proj": "attn_qkv",  # phi3's fused tensors
+    "mlp.gate_up_proj": "ffn_up",
 }
 # byte offsets of the float16 scale fields in one block of each K-quant (the rest may be any bytes)
 _K_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
@@ -89,12 +92,12 @@ def write_gguf(
     seed: int = 0,
     tokenizer_model: str = "llama",
 ) -> Path:
-    """Write the checkpoint in `hf_dir` (a tiny llama or qwen2) as the GGUF file `out`."""
+    """Write the checkpoint in `hf_dir` (a tiny llama, qwen2, granite or phi3) as the GGUF file `out`."""
     import gguf
 
     out.parent.mkdir(parents=True, exist_ok=True)
     cfg = json.loads((hf_dir / "config.json").read_text())
-    arch = {"llama": "llama", "qwen2": "qwen2"}[cfg["model_type"]]
+    arch = {"llama": "llama", "qwen2": "qwen2", "granite": "granite", "phi3": "phi3"}[cfg["model_type"]]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name(name)
@@ -104,7 +107,10 @@ def write_gguf(
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_rope_dimension_count(cfg["hidden_size"] // heads)
+    head_dim = cfg["hidden_size"] // heads
+    rope = cfg.get("rope_parameters") or {}
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    _family_metadata(w, arch, cfg)
     w.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
     w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
     w.add_vocab_size(cfg["vocab_size"])
@@ -126,7 +132,7 @@ def write_gguf(
         if gname is None or gname in skip:
             continue
         t = t.float()
-        if arch == "llama" and gname.endswith(("attn_q.weight", "attn_k.weight")):
+        if arch in ("llama", "granite") and gname.endswith(("attn_q.weight", "attn_k.weight")):
             t = permute_rows(t, heads if "attn_q" in gname else kv_heads)
         data, raw = _encode(gname, t.numpy(), qtype, rng)
         w.add_tensor(gname, data, raw_dtype=raw)
@@ -135,6 +141,28 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def _family_metadata(w, arch: str, cfg: dict) -> None:
+    """Granite's multipliers; phi3's sliding window (0: none), LongRoPE factors and attention factor."""
+    import math
+
+    if arch == "granite":
+        w.add_embedding_scale(float(cfg["embedding_multiplier"]))
+        w.add_attention_scale(float(cfg["attention_multiplier"]))
+        w.add_residual_scale(float(cfg["residual_multiplier"]))
+        w.add_logit_scale(float(cfg["logits_scaling"]))
+    if arch != "phi3":
+        return
+    w.add_sliding_window(int(cfg.get("sliding_window") or 0))
+    rope = cfg.get("rope_parameters") or {}
+    if rope.get("rope_type") == "longrope":
+        orig = int(cfg["original_max_position_embeddings"])
+        w.add_rope_scaling_orig_ctx_len(orig)
+        scale = cfg["max_position_embeddings"] / orig
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)))
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
 
 
 def llama3_rope_factors(head_dim: int, theta: float, scaling: dict) -> list[float]:
