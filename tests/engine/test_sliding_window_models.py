@@ -15,7 +15,12 @@ pytestmark = pytest.mark.slow  # the HF oracle on tiny models
 WINDOW = 8
 NEW_TOKENS = 10
 # family -> checkpoint overrides: every family with a window of 8 tokens (Gemma's tiny checkpoints have it)
-WINDOWED = {"mistral": {"sliding_window": WINDOW}, "gemma2": {}, "gemma3": {}}
+WINDOWED = {
+    "mistral": {"sliding_window": WINDOW},
+    "phi3": {"sliding_window": WINDOW},
+    "gemma2": {},
+    "gemma3": {},
+}
 
 
 def _prompts(seed: int, lengths: list[int], vocab: int = 96) -> list[list[int]]:
