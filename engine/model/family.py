@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
+
     from engine.model.decoder import DecoderForCausalLM
     from engine.model_config import ModelConfig
 
@@ -91,6 +93,9 @@ class ModelFamily:
     gguf_layer_modules: Mapping[str, str] = field(default_factory=dict)
     # (metadata getter for `{gguf arch}.<key>`, float list of a tensor or None) -> config.json fields
     gguf_config: Callable[[GGUFMeta, GGUFVector], dict[str, Any]] | None = None
+    # (HF key, float32 tensor from a GGUF file) -> the HF checkpoint's tensor, where llama.cpp's converter
+    # changed values (Gemma: every RMSNorm weight written as 1 + w)
+    gguf_tensor: Callable[[str, torch.Tensor], torch.Tensor] | None = None
 
 
 GGUFMeta = Callable[[str, Any], Any]  # (key under `{arch}.`, default) -> the metadata value

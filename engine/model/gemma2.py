@@ -11,6 +11,9 @@ What differs from Llama:
 - layers alternate sliding-window (``sliding_window``) and global attention (``layer_types``: even layers
   slide by default).
 
+GGUF files (`gemma2`): llama.cpp's tensor names, its 1 + w norm weights, the window and caps from the
+metadata (`gguf_config`).
+
 The norms, GeGLU and post-norms have no fused native CPU op: the CPU takes the torch formulas (logged
 once), with the packed GEMMs and the native paged attention (which soft-caps and windows).
 Gemma 3 (`engine/model/gemma3.py`) builds on these blocks.
@@ -28,7 +31,7 @@ from torch import nn
 from engine.attention import AttentionBackend
 from engine.model.cpu_fused import use_fused
 from engine.model.decoder import MLP, Attention, DecoderForCausalLM, DecoderLayer
-from engine.model.family import ModelFamily
+from engine.model.family import GGUFMeta, GGUFVector, ModelFamily
 from engine.model.layers import ForwardBatch
 from engine.model.linear import LoRAStepContext
 from engine.model.rope import RotaryEmbedding
@@ -172,4 +175,45 @@ def configure(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-FAMILY = ModelFamily(architectures=("Gemma2ForCausalLM",), build=Gemma2ForCausalLM, configure=configure)
+# llama.cpp's Gemma tensors under blk.N that differ from Llama's (its `ffn_norm` is the pre-MLP norm)
+GGUF_LAYER_MODULES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+
+
+def gguf_query_scalar(meta: GGUFMeta, layers_27b: int) -> float:
+    """`query_pre_attn_scalar` as llama.cpp derives it (the file does not state it): hidden / heads for
+    the 27B models (told apart by their layer count), the head dim otherwise."""
+    heads, hidden = int(meta("attention.head_count", 1)), int(meta("embedding_length", 0))
+    if int(meta("block_count", 0)) == layers_27b:
+        return hidden / heads
+    return float(meta("attention.key_length", hidden // heads))
+
+
+def gguf_config(meta: GGUFMeta, vector: GGUFVector) -> dict[str, Any]:
+    """What llama.cpp's converter writes for Gemma 2 beyond Llama's fields: the window and both caps."""
+    return {
+        "sliding_window": int(meta("attention.sliding_window", 4096)),
+        "attn_logit_softcapping": meta("attn_logit_softcapping", 50.0),
+        "final_logit_softcapping": meta("final_logit_softcapping", 30.0),
+        "query_pre_attn_scalar": gguf_query_scalar(meta, 46),
+    }
+
+
+def gguf_tensor(key: str, w: torch.Tensor) -> torch.Tensor:
+    """llama.cpp writes each Gemma RMSNorm weight as 1 + w: the checkpoint's w back."""
+    return w - 1.0 if key.endswith("norm.weight") else w
+
+
+FAMILY = ModelFamily(
+    architectures=("Gemma2ForCausalLM",),
+    build=Gemma2ForCausalLM,
+    configure=configure,
+    gguf_layer_modules=GGUF_LAYER_MODULES,
+    gguf_config=gguf_config,
+    gguf_tensor=gguf_tensor,
+)

@@ -23,14 +23,17 @@ from typing import Any
 import torch
 
 from engine.model.decoder import Attention
-from engine.model.family import ModelFamily
+from engine.model.family import GGUFMeta, GGUFVector, ModelFamily
 from engine.model.gemma2 import (
+    GGUF_LAYER_MODULES,
     GLOBAL,
     SLIDING,
     Gemma2ForCausalLM,
     GemmaDecoderLayer,
     GemmaRMSNorm,
     gemma_fields,
+    gguf_query_scalar,
+    gguf_tensor,
 )
 from engine.model.rope import RotaryEmbedding, rotary_dim
 from engine.model_config import ModelConfig, ModelConfigError
@@ -140,6 +143,26 @@ def checkpoint_key(key: str) -> str | None:
     return key
 
 
+def gguf_config(meta: GGUFMeta, vector: GGUFVector) -> dict[str, Any]:
+    """What llama.cpp's converter writes for Gemma 3 (`gemma3`): the window, the global RoPE's linear
+    scaling, an optional final soft-cap; the local RoPE base (10k) and the 5:1 pattern are llama.cpp's
+    constants unless the file states a pattern."""
+    pattern = meta("attention.sliding_window_pattern", 6)  # a period, or one flag per layer (True: local)
+    out: dict[str, Any] = {
+        "sliding_window": int(meta("attention.sliding_window", 4096)),
+        "rope_local_base_freq": 10_000.0,
+        "final_logit_softcapping": meta("final_logit_softcapping", None),
+        "query_pre_attn_scalar": gguf_query_scalar(meta, 62),
+    }
+    if isinstance(pattern, list):
+        out["layer_types"] = [SLIDING if flag else GLOBAL for flag in pattern]
+    else:
+        out["sliding_window_pattern"] = int(pattern)
+    if meta("rope.scaling.type", None) == "linear":
+        out["rope_scaling"] = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor", 1.0))}
+    return out
+
+
 FAMILY = ModelFamily(
     architectures=("Gemma3ForCausalLM", CONDITIONAL),
     build=Gemma3ForCausalLM,
@@ -147,4 +170,7 @@ FAMILY = ModelFamily(
     rope_types=("linear",),
     normalize=normalize,
     checkpoint_key=checkpoint_key,
+    gguf_layer_modules=GGUF_LAYER_MODULES,
+    gguf_config=gguf_config,
+    gguf_tensor=gguf_tensor,
 )
