@@ -55,6 +55,10 @@ ENGINE_PRELOAD = (
     "transformers.models.mistral.configuration_mistral",
     "transformers.models.qwen2.configuration_qwen2",
     "transformers.models.qwen3.configuration_qwen3",
+    "transformers.models.granite.configuration_granite",
+    "transformers.models.phi3.configuration_phi3",
+    "transformers.models.gemma2.configuration_gemma2",
+    "transformers.models.gemma3.configuration_gemma3",
 )
 
 

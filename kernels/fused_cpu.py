@@ -2,10 +2,11 @@
 
 - `add_rms_norm`: the residual add (in place) and the RMSNorm of its result, in one pass;
 - `rope_`: RoPE on the q and k heads of a packed qkv row, in place, reading the float32 cos/sin tables
-  at each token's position (optionally after Qwen3's per-head RMSNorm of q and k);
+  at each token's position (optionally after Qwen3's per-head RMSNorm of q and k); with partial rotary
+  (tables narrower than half a head) only each head's leading `2 * table width` values turn;
 - `silu_mul`: SwiGLU's ``silu(gate) * up`` from the packed gate|up projection output.
 
-Each matches the unfused torch formula of `engine/model/llama.py` and `engine/model/rope.py` (float32
+Each matches the unfused torch formula of `engine/model/decoder.py` and `engine/model/rope.py` (float32
 math, rounded to the element type where torch rounds; see the C source). Tensors are float32, bfloat16
 or float16 on the CPU. The library holds the kernels at several instruction-set levels (x86-64:
 generic, AVX2, AVX-512), bit-identical to each other; the best one this CPU runs is used unless `isa=`
@@ -33,7 +34,7 @@ _I64, _VP, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.
 _ARGTYPES = {
     "fused_add_rms_norm": ([_VP, _I64, _VP, _I64, _VP, _I64, _VP, _I64, _I64, _F32, _INT], None),
     "fused_rope": (
-        [_VP, _I64, _I64, _I64, _I64, _VP, _I64, _VP, _VP, _I64, _VP, _VP, _F32, _INT],
+        [_VP, _I64, _I64, _I64, _I64, _I64, _VP, _I64, _VP, _VP, _I64, _VP, _VP, _F32, _INT],
         ctypes.c_int,
     ),
     "fused_silu_mul": ([_VP, _I64, _VP, _I64, _I64, _I64, _INT], None),
@@ -125,14 +126,15 @@ def rope_(
     heads: int,
     head_dim: int,
     positions: Tensor,  # [T] int64, contiguous
-    cos: Tensor,  # [P, head_dim // 2] float32, contiguous
-    sin: Tensor,  # [P, head_dim // 2] float32, contiguous
+    cos: Tensor,  # [P, R // 2] float32, contiguous; R (rotary dims, even) <= head_dim
+    sin: Tensor,  # [P, R // 2] float32, contiguous
     qk_norm: tuple[Tensor, Tensor, int, float] | None = None,  # (q weight [D], k weight [D], q heads, eps)
     isa: str | None = None,
 ) -> None:
-    """Rotate heads ``0..heads-1`` of every row in place: ``x1, x2 = x1*c - x2*s, x2*c + x1*s`` at the
-    row's position (HF's ``x*cos + rotate_half(x)*sin``, float32 math). With `qk_norm`, each head is first
-    RMS-normalized over its `head_dim` values with the q weight (heads below `q heads`) or the k weight."""
+    """Rotate the first R values of heads ``0..heads-1`` of every row in place: ``x1, x2 = x1*c - x2*s,
+    x2*c + x1*s`` at the row's position (HF's ``x*cos + rotate_half(x)*sin``, float32 math; the rest of
+    each head as is). With `qk_norm`, each head is first RMS-normalized over its `head_dim` values with
+    the q weight (heads below `q heads`) or the k weight."""
     op = "rope"
     dtype = x.dtype
     _check_rows(op, "x", x, dtype)
@@ -144,8 +146,10 @@ def rope_(
     if positions.shape != (rows,) or positions.dtype != torch.int64 or not positions.is_contiguous():
         raise ValueError(f"{op}: positions must be contiguous [{rows}] int64, got {tuple(positions.shape)}")
     for name, t in (("cos", cos), ("sin", sin)):
-        if t.dim() != 2 or t.shape[1] != head_dim // 2 or t.dtype != torch.float32 or not t.is_contiguous():
-            raise ValueError(f"{op}: {name} must be contiguous [P, {head_dim // 2}] float32")
+        if t.dim() != 2 or not 0 < t.shape[1] <= head_dim // 2 or t.shape != cos.shape:
+            raise ValueError(f"{op}: {name} must be [P, R/2] like cos, R <= {head_dim}")
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"{op}: {name} must be contiguous float32")
     q_w = k_w = None
     q_heads, eps = 0, 0.0
     if qk_norm is not None:
@@ -154,8 +158,8 @@ def rope_(
             if w.shape != (head_dim,) or w.dtype != dtype or not w.is_contiguous():
                 raise ValueError(f"{op}: {name} must be contiguous [{head_dim}] {dtype}")
     rc = _entries(isa)[("fused_rope", dtype)](
-        x.data_ptr(), x.stride(0), rows, heads, head_dim, positions.data_ptr(), cos.shape[0],
-        cos.data_ptr(), sin.data_ptr(), q_heads, None if q_w is None else q_w.data_ptr(),
+        x.data_ptr(), x.stride(0), rows, heads, head_dim, 2 * cos.shape[1], positions.data_ptr(),
+        cos.shape[0], cos.data_ptr(), sin.data_ptr(), q_heads, None if q_w is None else q_w.data_ptr(),
         None if k_w is None else k_w.data_ptr(), eps, torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
@@ -221,15 +225,23 @@ class FusedStep:
                    rows, cols, eps, self.threads)  # fmt: skip
         return out
 
-    def rope_(self, x: Tensor, heads: int, qk_norm: tuple[Tensor, Tensor, int, float] | None = None) -> None:
-        """As `rope_` on this step's rows, positions and tables (head_dim = 2 * the tables' width)."""
-        d = 2 * self._half
-        if x.shape[0] != self.rows or heads * d > x.shape[1]:
+    def rope_(
+        self,
+        x: Tensor,
+        heads: int,
+        qk_norm: tuple[Tensor, Tensor, int, float] | None = None,
+        head_dim: int | None = None,
+    ) -> None:
+        """As `rope_` on this step's rows, positions and tables; `head_dim` defaults to 2 * the tables'
+        width (wider: partial rotary, the first 2 * width values of each head turn)."""
+        r = 2 * self._half
+        d = r if head_dim is None else head_dim
+        if x.shape[0] != self.rows or heads * d > x.shape[1] or d < r:
             raise ValueError(
                 f"fused_cpu: rope_ on {tuple(x.shape)} for {heads} heads of {d}, {self.rows} rows"
             )
         qw, kw, qh, eps = (None, None, 0, 0.0) if qk_norm is None else qk_norm
-        rc = self._rope(x.data_ptr(), x.stride(0), self.rows, heads, d, *self._tables, qh,
+        rc = self._rope(x.data_ptr(), x.stride(0), self.rows, heads, d, r, *self._tables, qh,
                         None if qw is None else qw.data_ptr(), None if kw is None else kw.data_ptr(), eps,
                         self.threads)  # fmt: skip
         if rc != 0:

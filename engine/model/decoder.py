@@ -7,8 +7,8 @@ q and k head before RoPE (Qwen3), a tied LM head, RoPE scaling and partial rotar
 
 On the CPU (`engine/model/cpu_fused.py`) the small ops between the projections are fused native calls
 (`kernels/fused_cpu.py`): the residual add with the next RMSNorm, RoPE (with Qwen3's q/k norm) in place on
-the packed qkv output, and SiLU(gate) * up. Elsewhere (CUDA), and for a model whose RoPE the native call
-cannot do (partial rotary; logged once), they are the torch formulas below.
+the packed qkv output (partial rotary too), and SiLU(gate) * up. Elsewhere (CUDA), and for a model a
+family marks as beyond the native calls (`fused_problem`, logged once), they are the torch formulas below.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class Attention(nn.Module):
             qk_norm = None
             if self.q_norm is not None and self.k_norm is not None:
                 qk_norm = (self.q_norm.weight, self.k_norm.weight, nh, self.q_norm.eps)
-            rope_tables.rope_(qkv, nh + nkv, qk_norm)
+            rope_tables.rope_(qkv, nh + nkv, qk_norm, d)
             q, k, v = qkv.view(t, nh + 2 * nkv, d).split((nh, nkv, nkv), dim=1)  # views: one call
         else:
             v = qkv[:, q_size + kv_size :].view(t, nkv, d)
@@ -184,9 +184,8 @@ class DecoderForCausalLM(nn.Module):
         # False: the torch formulas on the CPU too (benchmarks compare both; and see `fused_problem`)
         self.fused_cpu_ops = True
         self.packed_head: torch.Tensor | None = None  # the LM head in oneDNN's layout (`pack_cpu_gemms`)
-        self.fused_problem: str | None = None  # why the fused CPU ops cannot run this model (None: they can)
-        if self.rope.rotary_dim != cfg.head_dim:
-            self.fused_problem = f"partial rotary ({self.rope.rotary_dim} of {cfg.head_dim} head dims)"
+        # why the fused CPU ops cannot run this model (None: they can); a family sets it for what they lack
+        self.fused_problem: str | None = None
         self._fallback_logged = False
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

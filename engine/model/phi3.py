@@ -38,6 +38,12 @@ def configure(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
             raise ModelConfigError(
                 "longrope scaling needs short_factor, long_factor and original_max_position_embeddings"
             )
+        heads = int(raw.get("num_attention_heads") or 1)
+        head_dim = int(raw.get("head_dim") or int(raw.get("hidden_size") or 0) // heads)
+        want = int(head_dim * float(factor)) // 2
+        for key in ("short_factor", "long_factor"):
+            if len(rope[key]) != want:
+                raise ModelConfigError(f"longrope {key} has {len(rope[key])} values, expected {want}")
         out["rope_scaling"] = {
             "rope_type": "longrope",
             "short_factor": [float(x) for x in rope["short_factor"]],

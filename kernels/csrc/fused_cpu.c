@@ -5,13 +5,13 @@
  *                  out[t]   = round(w * round(res[t] * inv))   inv = 1 / sqrt(mean(res[t]^2) + eps)
  *   rope:          for each head h < heads of row t (x[t, h*D : (h+1)*D], updated in place):
  *                    if qk_norm: x = round(w_h * round(x * inv))  (RMSNorm over the head; w_h: q or k)
- *                    c, s = cos[pos[t]], sin[pos[t]]   (float32 tables [P, D/2])
- *                    x[:D/2], x[D/2:] = round(x1*c - x2*s), round(x2*c + x1*s)
+ *                    c, s = cos[pos[t]], sin[pos[t]]   (float32 tables [P, R/2]; R = rotary_dim <= D)
+ *                    x[:R/2], x[R/2:R] = round(x1*c - x2*s), round(x2*c + x1*s); x[R:] as is
  *   silu_mul:      out[t, i] = round(round(silu(g)) * u),  g = gu[t, i], u = gu[t, I + i],
  *                  silu(g) = g / (1 + exp(-g))
  *
  * Everything is computed in float32; `round` is the rounding to the element type (float32, bfloat16
- * or float16; to nearest even), done where the unfused torch formula rounds (engine/model/llama.py,
+ * or float16; to nearest even), done where the unfused torch formula rounds (engine/model/decoder.py,
  * engine/model/rope.py; HF's RMSNorm: float32 norm, cast, then the weight multiply in the element type).
  * Products and sums are separate operations (built with -ffp-contract=off, no FMA), so RoPE and the
  * residual add are bit-identical to torch; RMSNorm differs only in the order of the sum of squares, and
@@ -263,10 +263,10 @@ static INLINE float sumsq(const float *p, int64_t n) {
     }                                                                                                        \
                                                                                                              \
     int ENTRY(fused_rope, tn)(T *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t head_dim,       \
-                              const int64_t *positions, int64_t num_positions, const float *cos_t,            \
-                              const float *sin_t, int64_t q_heads, const T *q_w, const T *k_w, float eps,     \
-                              int num_threads) {                                                             \
-        const int64_t half = head_dim / 2;                                                                   \
+                              int64_t rotary_dim, const int64_t *positions, int64_t num_positions,            \
+                              const float *cos_t, const float *sin_t, int64_t q_heads, const T *q_w,          \
+                              const T *k_w, float eps, int num_threads) {                                    \
+        const int64_t half = rotary_dim / 2;                                                                 \
         for (int64_t t = 0; t < rows; t++)                                                                   \
             if (positions[t] < 0 || positions[t] >= num_positions) return -1;                                \
         _Pragma("omp parallel for schedule(static) num_threads(num_threads) if(rows * heads * head_dim > GRAIN)") \

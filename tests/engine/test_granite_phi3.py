@@ -86,17 +86,19 @@ def test_longrope_prefix_cache_keeps_short_and_long_apart(checkpoint, oracle):
     assert llm.engine.get_stats().prefix_cache_hits > 0
 
 
-def test_partial_rotary_logs_its_fused_cpu_fallback(checkpoint, caplog):
-    """Partial rotary (phi3: 8 of 16 head dims) cannot use the fused CPU RoPE: logged once, torch ops
-    run; full-head LongRoPE keeps the fused path."""
-    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+def test_partial_rotary_runs_the_fused_cpu_ops(checkpoint, oracle, caplog):
+    """Partial rotary (phi3: 8 of 16 head dims) takes the fused native CPU ops (RoPE on the leading dims);
+    a model a family marks as beyond them (`fused_problem`) says so once and runs the torch ops, with
+    the same tokens."""
+    ckpt = checkpoint("phi3")
+    prompts = _prompts(6, [12, 5])
     with caplog.at_level("WARNING", logger="engine.model.decoder"):
-        _llm(checkpoint("phi3")).generate([[5, 6, 7]] * 2, params)
+        llm = _llm(ckpt)
+        assert llm.engine.model.rope.rotary_dim == 8 and llm.engine.model.fused_problem is None
+        _check(llm, oracle(ckpt), prompts)
+        assert not [r for r in caplog.records if "fall back" in r.getMessage()]
+        llm.engine.model.fused_problem = "a test's reason"
+        _check(llm, oracle(ckpt), prompts)
+        _check(llm, oracle(ckpt), prompts)
     fallbacks = [r.getMessage() for r in caplog.records if "fall back" in r.getMessage()]
-    assert fallbacks == [
-        "fused CPU ops fall back to torch ops for this model: partial rotary (8 of 16 head dims)"
-    ]
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="engine.model.decoder"):
-        _llm(checkpoint("phi3-longrope")).generate([[5, 6, 7]], params)
-    assert not [r for r in caplog.records if "fall back" in r.getMessage()]
+    assert fallbacks == ["fused CPU ops fall back to torch ops for this model: a test's reason"]

@@ -106,8 +106,9 @@ def build_checkpoint(out_dir: Path, arch: str, seed: int = 0, dtype=torch.float3
     return out_dir
 
 
-def save_char_tokenizer(out_dir: Path) -> None:
-    """A character-level fast tokenizer over printable ASCII (ids 3..), with <unk>=0, <s>=1, </s>=2."""
+def save_char_tokenizer(out_dir: Path, chat_template: str | None = None) -> None:
+    """A character-level fast tokenizer over printable ASCII (ids 3..), with <unk>=0, <s>=1, </s>=2,
+    and `chat_template` if given."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -117,6 +118,8 @@ def save_char_tokenizer(out_dir: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    if chat_template is not None:
+        fast.chat_template = chat_template
     fast.save_pretrained(out_dir)
 
 

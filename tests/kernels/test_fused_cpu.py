@@ -1,8 +1,9 @@
 """The fused native CPU ops (kernels/fused_cpu.py) vs the unfused torch formulas of the model, at every
 instruction-set level this CPU runs and in every dtype.
 
-The oracle is the torch path of `engine/model/llama.py` (RMSNorm, SiLU * up) and `engine/model/rope.py`
-(`apply_rope` with the llama3-scaled tables), itself checked against HF transformers by the parity tests.
+The oracle is the torch path of `engine/model/layers.py` and `decoder.py` (RMSNorm, SiLU * up) and
+`engine/model/rope.py` (`apply_rope` with the llama3-scaled tables), itself checked against HF
+transformers by the parity tests.
 RoPE and the residual add must be bit-identical; RMSNorm may differ by the order of the sum of squares
 (float32: a few ulp; a half-precision result rounded once, at most one ulp), SiLU by its exp.
 """
@@ -99,6 +100,24 @@ def test_rope_in_place_is_bit_identical_to_apply_rope(isa, dtype, head_dim):
     rope_(got, nh + nkv, head_dim, positions, rope.cos, rope.sin, isa=_isa(isa))
     assert torch.equal(got[:, :qk_cols].view(-1, nh + nkv, head_dim), want)
     assert torch.equal(got[:, qk_cols:], qkv[:, qk_cols:])  # v untouched
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("head_dim", "rotary"), [(64, 48), (16, 8), (10, 2)])
+def test_partial_rotary_turns_only_the_leading_dims(isa, dtype, head_dim, rotary):
+    """Tables for `rotary` < head_dim dims (Phi-4-mini: 96 of 128): the first `rotary` values of each
+    head are rotated bit-identically to `apply_rope` of them, the rest stay; same through `FusedStep`."""
+    qkv, positions, nh, nkv, _ = _qkv_case(dtype, head_dim)
+    rope = RotaryEmbedding(head_dim, 200, 10000.0, None, rotary_dim=rotary)
+    qk = qkv[:, : (nh + nkv) * head_dim].view(-1, nh + nkv, head_dim)
+    want = torch.cat((apply_rope(qk[..., :rotary], rope.tables(positions)), qk[..., rotary:]), dim=-1)
+    got, stepped = qkv.clone(), qkv.clone()
+    rope_(got, nh + nkv, head_dim, positions, rope.cos, rope.sin, isa=_isa(isa))
+    assert torch.equal(got[:, : (nh + nkv) * head_dim].view(-1, nh + nkv, head_dim), want)
+    assert torch.equal(got[:, (nh + nkv) * head_dim :], qkv[:, (nh + nkv) * head_dim :])
+    fused_cpu.FusedStep(dtype, positions, rope.cos, rope.sin).rope_(stepped, nh + nkv, None, head_dim)
+    assert torch.equal(stepped, got)  # every ISA level gives the same bits
 
 
 @pytest.mark.parametrize("isa", ISAS)
