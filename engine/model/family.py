@@ -68,6 +68,11 @@ def same_key(key: str) -> str | None:
     return key
 
 
+def no_aliases(arch: str, module: str) -> tuple[str, ...]:
+    """The default `module_aliases`: the HF model names its modules as the engine does."""
+    return ()
+
+
 @dataclass(frozen=True, slots=True)
 class ModelFamily:
     """One family's hooks (module docstring)."""
@@ -82,6 +87,9 @@ class ModelFamily:
     # a checkpoint tensor's name -> the Llama-style name (`model.layers.N...`) the loader maps, or None
     # to skip it (e.g. a multimodal checkpoint's `model.language_model.` prefix, its vision tower)
     checkpoint_key: Callable[[str], str | None] = same_key
+    # (architecture, engine module name `model.layers.N.{parent}.{proj}`) -> the other names the
+    # checkpoint's HF model gives it (PEFT's regex `target_modules` are matched against those too)
+    module_aliases: Callable[[str, str], tuple[str, ...]] = no_aliases
     rope_types: tuple[str, ...] = ("llama3",)  # `rope_scaling` types it accepts besides "default"
     checkpoint_modules: Mapping[str, tuple[str, int | None]] = field(
         default_factory=lambda: LLAMA_CHECKPOINT_MODULES

@@ -163,6 +163,14 @@ def gguf_config(meta: GGUFMeta, vector: GGUFVector) -> dict[str, Any]:
     return out
 
 
+def module_aliases(arch: str, module: str) -> tuple[str, ...]:
+    """A text layer's module as `Gemma3ForConditionalGeneration` names it (transformers 5, then 4.x)."""
+    if arch != CONDITIONAL:
+        return ()
+    rest = module.removeprefix("model.")
+    return f"model.language_model.{rest}", f"language_model.model.{rest}"
+
+
 FAMILY = ModelFamily(
     architectures=("Gemma3ForCausalLM", CONDITIONAL),
     build=Gemma3ForCausalLM,
@@ -170,6 +178,7 @@ FAMILY = ModelFamily(
     rope_types=("linear",),
     normalize=normalize,
     checkpoint_key=checkpoint_key,
+    module_aliases=module_aliases,
     gguf_layer_modules=GGUF_LAYER_MODULES,
     gguf_config=gguf_config,
     gguf_tensor=gguf_tensor,

@@ -18,17 +18,10 @@ pytestmark = pytest.mark.slow  # the HF oracle on tiny models
 def test_conditional_generation_checkpoint_serves_its_text_model(checkpoint, oracle, tmp_path):
     """A tiny Gemma 3 vision-language checkpoint whose language model has the tiny Gemma3ForCausalLM's
     weights generates what that text model does in transformers, for prompts past the window."""
-    import transformers as tf
+    from tests.helpers.tiny_models import build_gemma3_multimodal
 
     text_dir = checkpoint("gemma3")
-    text = tf.AutoModelForCausalLM.from_pretrained(text_dir, dtype=torch.float32)
-    vision = tf.SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                   num_attention_heads=2, image_size=28, patch_size=14)  # fmt: skip
-    mm = tf.Gemma3ForConditionalGeneration(
-        tf.Gemma3Config(text_config=text.config.to_dict(), vision_config=vision, mm_tokens_per_image=4)
-    )
-    mm.model.language_model.load_state_dict(text.model.state_dict())
-    mm.save_pretrained(tmp_path)
+    build_gemma3_multimodal(tmp_path, text_dir)
     cfg = ModelConfig.from_dir(tmp_path)
     assert cfg.architecture == "Gemma3ForConditionalGeneration"
     ref = ModelConfig.from_dir(text_dir)

@@ -85,3 +85,30 @@ def test_all_seven_projections_are_targets(adapters):
         "up_proj",
         "down_proj",
     }
+
+
+# PEFT on the vision-language model: list names and all-linear reach its vision tower too
+MULTIMODAL_SPECS = {
+    "qv-list-r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "text-regex-r8": dict(
+        r=8, lora_alpha=8, target_modules=r".*language_model.*\.(k_proj|o_proj|gate_proj|down_proj)"
+    ),
+    "all-linear-r2": dict(r=2, lora_alpha=4, target_modules="all-linear"),
+}
+
+
+def test_adapters_of_a_conditional_generation_checkpoint_match_peft(checkpoint, tmp_path):
+    """Adapters trained on a `Gemma3ForConditionalGeneration` checkpoint (PEFT's module names
+    `model.language_model.*`, regex targets written against them, LoRA on the vision tower that a
+    text-only pass never runs): mixed text batches equal PEFT on that model."""
+    from tests.helpers.tiny_models import build_gemma3_multimodal
+
+    base = build_gemma3_multimodal(tmp_path / "mm", checkpoint("gemma3"))
+    dirs = {name: build_adapter(base, tmp_path / name, seed=i, **spec)
+            for i, (name, spec) in enumerate(MULTIMODAL_SPECS.items())}  # fmt: skip
+    ckpt = inspect_adapter(dirs["text-regex-r8"], ModelConfig.from_dir(base), max_lora_rank=32)
+    assert set(ckpt.target_modules) == {"k_proj", "o_proj", "gate_proj", "down_proj"}
+    oracle = PeftGreedyOracle(base)
+    prompt = list(range(3, 23))
+    assert all(oracle.greedy(prompt, NEW, d) != oracle.greedy(prompt, NEW, None) for d in dirs.values())
+    _run_and_check(_llm(base), dirs, oracle, seed=3, n=8)

@@ -106,6 +106,21 @@ def build_checkpoint(out_dir: Path, arch: str, seed: int = 0, dtype=torch.float3
     return out_dir
 
 
+def build_gemma3_multimodal(out_dir: Path, text_dir: Path) -> Path:
+    """Save a tiny `Gemma3ForConditionalGeneration` (a one-layer SigLIP vision tower) whose language model
+    has the weights of the tiny Gemma3ForCausalLM in `text_dir`; returns `out_dir`."""
+    import transformers as tf
+
+    text = tf.AutoModelForCausalLM.from_pretrained(text_dir, dtype=torch.float32)
+    vision = tf.SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, image_size=28, patch_size=14)  # fmt: skip
+    cfg = tf.Gemma3Config(text_config=text.config.to_dict(), vision_config=vision, mm_tokens_per_image=4)
+    model = tf.Gemma3ForConditionalGeneration(cfg)
+    model.model.language_model.load_state_dict(text.model.state_dict())
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
 def save_char_tokenizer(out_dir: Path, chat_template: str | None = None) -> None:
     """A character-level fast tokenizer over printable ASCII (ids 3..), with <unk>=0, <s>=1, </s>=2,
     and `chat_template` if given."""
