@@ -96,3 +96,17 @@ def test_triton_attention_past_the_window_matches_hf(checkpoint, oracle):
     prompts = _prompts(7, [13, 20])
     for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
         assert out.outputs[0].token_ids == oracle(ckpt).greedy(prompt, 4)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "sdpa"])
+def test_speculative_verification_past_the_window_matches_hf(windowed, native):
+    """n-gram speculation: verification rows (short runs) attend through the window (and soft-cap)."""
+    ckpt, hf = windowed
+    llm = LLM(
+        str(ckpt), device="cpu", dtype="float32", block_size=4, speculative="ngram", num_speculative_tokens=3
+    )
+    llm.engine.runner.backend.native.enabled = native
+    base = _prompts(8, [6, 5])
+    prompts = [base[0] * 4, base[1] * 5 + [7]]  # repeats: the proposer has n-grams to offer
+    stats = _check(llm, hf, prompts)
+    assert stats.spec_proposed_tokens > 0
