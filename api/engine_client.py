@@ -57,6 +57,8 @@ ENGINE_PRELOAD = (
     "transformers.models.qwen3.configuration_qwen3",
     "transformers.models.granite.configuration_granite",
     "transformers.models.phi3.configuration_phi3",
+    "transformers.models.gemma2.configuration_gemma2",
+    "transformers.models.gemma3.configuration_gemma3",
 )
 
 

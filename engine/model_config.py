@@ -58,13 +58,9 @@ class ModelConfig:
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence (prompt + output) the engine will accept for this model.
-
-        A model with a sliding window is capped at the window: the engine attends to the full context,
-        which equals the windowed attention only while the context fits inside the window.
-        """
-        if self.sliding_window:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """Longest sequence (prompt + output) the engine will accept for this model: its positions. A
+        sliding window does not cap it (the attention paths mask each windowed layer's rows to their
+        window, `engine.attention.backend`)."""
         return self.max_position_embeddings
 
     @property
@@ -107,6 +103,8 @@ class ModelConfig:
                 f"unsupported architecture {archs or raw.get('model_type')!r}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        family = model_family(arch)
+        raw = family.normalize(arch, raw)
         try:
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])
@@ -127,7 +125,6 @@ class ModelConfig:
         theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         rope_scaling: dict[str, Any] | None = None
-        family = model_family(arch)
         if rope_type not in (None, "default"):
             if rope_type not in family.rope_types:
                 raise ModelConfigError(

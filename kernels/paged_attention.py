@@ -48,14 +48,16 @@ def _write_kv_kernel(
 def _attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,  # q/out [T, Hq, D]; caches [blocks, bs, Hkv, D]
     block_tables_ptr, query_start_ptr, seq_lens_ptr,  # [B, max_blocks], [B+1], [B] int32
-    scale, head_dim, block_size, max_blocks,
+    scale, head_dim, block_size, max_blocks, window, softcap,  # window > 0: sliding; softcap: SOFTCAP only
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_co, stride_ch, stride_bt,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DECODE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DECODE: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_M rows = (query token, query head of this KV head's group) pairs of one
-    sequence; online softmax over KV blocks up to the last causal position of those rows."""
+    sequence; online softmax over KV blocks up to the last causal position of those rows, from the
+    first position the earliest of them sees (its window's start, `window > 0`; else 0). SOFTCAP:
+    scores become softcap * tanh(score / softcap)."""
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -83,15 +85,24 @@ def _attention_kernel(
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     kv_end = tl.minimum(seq_len, seq_len - q_len + (pid_m * BLOCK_M + BLOCK_M - 1) // GROUP + 1)
-    for n0 in range(0, kv_end, BLOCK_N):
+    kv_start = tl.where(
+        window > 0, tl.maximum(seq_len - q_len + (pid_m * BLOCK_M) // GROUP - window + 1, 0), 0
+    )
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         mask_n = (pos < kv_end) & (pos // block_size < max_blocks)
         blocks = tl.load(block_tables_ptr + b * stride_bt + pos // block_size, mask=mask_n, other=0)
         kv_off = blocks.to(tl.int64) * stride_cb + (pos % block_size) * stride_co + kv_head * stride_ch
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(mask_n[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        if SOFTCAP:  # softcap * tanh(x / softcap), tanh(y) = 1 - 2 / (exp(2y) + 1)
+            x = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (scale / softcap)
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * 1.4426950408889634
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        visible = mask_n[None, :] & (pos[None, :] <= q_pos[:, None])
+        visible = visible & ((window <= 0) | (pos[None, :] > q_pos[:, None] - window))
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
         p = tl.exp2(s - m_safe[:, None])
@@ -151,6 +162,8 @@ def _launch_attention(
     max_query_len: int,
     decode: bool,
     out: Tensor,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0 or max_query_len == 0:
@@ -163,11 +176,11 @@ def _launch_attention(
     _attention_kernel[grid](
         q, k_cache, v_cache, out,
         block_tables, query_start_loc, seq_lens,
-        scale, head_dim, k_cache.shape[1], block_tables.shape[1],
+        scale, head_dim, k_cache.shape[1], block_tables.shape[1], window, softcap,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=max(16, next_pow2(head_dim)),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DECODE=decode,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DECODE=decode, SOFTCAP=softcap > 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
 
@@ -177,8 +190,9 @@ _attention_op = torch.library.custom_op("loraplex::paged_attention", _launch_att
 
 @_attention_op.register_fake
 def _(
-    q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len, decode, out
-) -> None:
+    q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len, decode, out,
+    window=0, softcap=0.0,
+) -> None:  # fmt: skip
     return None
 
 
@@ -249,6 +263,8 @@ def paged_attention_decode(
     block_tables: Tensor,  # [B, max_blocks] int32, last dim contiguous
     seq_lens: Tensor,  # [B] int32, >= 1, context length including the query token
     scale: float,
+    window: int = 0,  # > 0: the query sees its last `window` positions only
+    softcap: float = 0.0,  # > 0: attention-logit soft-capping
 ) -> Tensor:
     """Decode attention over paged K/V, GQA; returns ``[B, Hq, D]`` in ``q.dtype``. Semantics: see
     :func:`kernels.reference.paged_attention_decode_ref`. Each program serves one (sequence, KV head)
@@ -256,7 +272,18 @@ def paged_attention_decode(
     _check_attention("paged_attention_decode", q, k_cache, v_cache, block_tables, seq_lens, q.shape[0])
     out = torch.empty_like(q)
     launch(_attention_op, _launch_attention)(
-        q, k_cache, v_cache, block_tables, seq_lens, seq_lens, float(scale), 1, True, out
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        seq_lens,
+        float(scale),
+        1,
+        True,
+        out,
+        int(window),
+        float(softcap),
     )
     return out
 
@@ -270,6 +297,8 @@ def paged_attention_prefill(
     seq_lens: Tensor,  # [B] int32, context length INCLUDING the new tokens (already written to the cache)
     scale: float,
     max_query_len: int | None = None,  # max query tokens of one sequence; computed (one sync) if None
+    window: int = 0,  # > 0: each query sees its last `window` positions only
+    softcap: float = 0.0,  # > 0: attention-logit soft-capping
 ) -> Tensor:
     """Causal (chunked) prefill over paged K/V with a cached prefix, GQA; returns ``[T, Hq, D]`` in
     ``q.dtype``. Semantics: see :func:`kernels.reference.paged_attention_prefill_ref`."""
@@ -282,6 +311,17 @@ def paged_attention_prefill(
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item()) if num_seqs else 0
     out = torch.empty_like(q)
     launch(_attention_op, _launch_attention)(
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, float(scale), max_query_len, False, out
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        float(scale),
+        max_query_len,
+        False,
+        out,
+        int(window),
+        float(softcap),
     )
     return out

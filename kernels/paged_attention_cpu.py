@@ -4,8 +4,8 @@
 It reads each sequence's K/V blocks where they lie in the cache (no gather), with one online softmax per
 (sequence, KV head) and the ``Hq / Hkv`` query heads of a KV head together. Semantics are those of
 ``kernels.reference.paged_attention_prefill_ref`` (and, for one query row per sequence,
-``paged_attention_decode_ref``), computed in float32. Caches are float32, bfloat16 or float16; queries
-and output likewise, independently.
+``paged_attention_decode_ref``), computed in float32, with its sliding window and soft-capping. Caches
+are float32, bfloat16 or float16; queries and output likewise, independently.
 
 The library holds the kernel at several instruction-set levels (x86-64: generic, AVX2, AVX-512); the best
 one this CPU runs is picked when it is loaded (`best_isa`), a lower one on request (`isa=`).
@@ -28,9 +28,9 @@ _OP = "paged_attention_cpu"
 _SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 _I64, _VP = ctypes.c_int64, ctypes.c_void_p
 # q, q_row, q_head, k, v, tables, table_stride, seq_lens, query_start, seqs, num_seqs, out, o_row,
-# o_head, hq, hkv, d, block_size, scale, num_threads
+# o_head, hq, hkv, d, block_size, scale, window, softcap, num_threads
 _ARGTYPES = [_VP, _I64, _I64, _VP, _VP, _VP, _I64, _VP, _VP, _VP, _I64, _VP, _I64, _I64]
-_ARGTYPES += [_I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int]
+_ARGTYPES += [_I64, _I64, _I64, _I64, ctypes.c_float, _I64, ctypes.c_float, ctypes.c_int]
 MAX_HEAD_DIM = 256  # DMAX in the C source
 
 # Instruction-set levels the library is built for on x86-64, lowest first: (name, extra compiler flags).
@@ -137,14 +137,24 @@ class PreparedPagedAttention:
         self._dims = (num_heads, hkv, d, block_size)
         self.num_threads = num_threads
 
-    def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor, scale: float) -> None:
+    def __call__(
+        self,
+        q: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        out: Tensor,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
+    ) -> None:
         """Write the attention of the prepared sequences' query rows of ``q [T, Hq, D]`` into the same
         rows of ``out [T, Hq, D]``. Caches of the probe's shape and dtype, contiguous; q and out of the
         prepared dtype with unit last stride (not checked here: the caller owns them, `paged_attention_cpu`
-        checks)."""
+        checks). ``window`` and ``softcap`` (0: none) are the layer's, as in the reference."""
         self._fn(
             q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), *self._meta,
-            out.data_ptr(), out.stride(0), out.stride(1), *self._dims, scale, self.num_threads,
+            out.data_ptr(), out.stride(0), out.stride(1), *self._dims, scale, max(int(window), 0),
+            max(float(softcap), 0.0), self.num_threads,
         )  # fmt: skip
 
 
@@ -160,6 +170,8 @@ def paged_attention_cpu(
     seqs: Sequence[int] | None = None,  # default: all sequences
     num_threads: int = 1,
     isa: str | None = None,
+    window: int = 0,  # > 0: each row sees its last `window` positions (sliding window)
+    softcap: float = 0.0,  # > 0: attention-logit soft-capping
 ) -> Tensor:
     """Causal paged attention of every query row of `seqs` (see `kernels.reference`'s prefill op), with
     all inputs checked. Returns `out`."""
@@ -182,7 +194,7 @@ def paged_attention_cpu(
     plan = PreparedPagedAttention(
         block_tables, seq_lens, query_start_loc, seqs, k_cache, q.dtype, q.shape[1], num_threads, isa
     )
-    plan(q, k_cache, v_cache, out, scale)
+    plan(q, k_cache, v_cache, out, scale, window, softcap)
     return out
 
 

@@ -120,14 +120,26 @@ def _gather_kv(cache: Tensor, block_table: Tensor, length: int) -> Tensor:
     return cache[blocks].reshape(-1, *cache.shape[2:])[:length].float()
 
 
-def _attend(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float) -> Tensor:
-    """Causal attention of ``q [n, Hq, D]`` at positions ``q_pos`` over ``k/v [L, Hkv, D]`` (GQA)."""
+def _attend(
+    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, window: int = 0, softcap: float = 0.0
+) -> Tensor:
+    """Causal attention of ``q [n, Hq, D]`` at positions ``q_pos`` over ``k/v [L, Hkv, D]`` (GQA).
+
+    ``window > 0``: a query at position p sees only keys p - window + 1 .. p (HF's sliding window:
+    ``kv_idx > q_idx - window``). ``softcap > 0``: scores become ``softcap * tanh(scores / softcap)``
+    before the mask (Gemma 2's attention-logit soft-capping).
+    """
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
     k_pos = torch.arange(k.shape[0], device=q.device)
-    scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    hidden = k_pos[None, None, :] > q_pos[None, :, None]
+    if window > 0:
+        hidden |= k_pos[None, None, :] <= q_pos[None, :, None] - window
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
 
 
@@ -138,8 +150,11 @@ def paged_attention_decode_ref(
     block_tables: Tensor,  # [B, max_blocks] int32
     seq_lens: Tensor,  # [B] int32
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> Tensor:
-    """One query per sequence at position ``L_b - 1`` over positions ``0 .. L_b - 1``::
+    """One query per sequence at position ``L_b - 1`` over positions ``0 .. L_b - 1`` (the last ``window``
+    of them when ``window > 0``; scores soft-capped when ``softcap > 0``, see ``_attend``)::
 
         out[b, h] = softmax(scale * q[b, h] · K_b[:, h // (Hq // Hkv)]ᵀ) · V_b[:, h // (Hq // Hkv)]
         where K_b[p] = k_cache[block_tables[b, p // block_size], p % block_size]
@@ -150,7 +165,7 @@ def paged_attention_decode_ref(
         k = _gather_kv(k_cache, block_tables[b], length)
         v = _gather_kv(v_cache, block_tables[b], length)
         pos = torch.tensor([length - 1], device=q.device)
-        out[b] = _attend(q[b : b + 1], k, v, pos, scale)[0].to(q.dtype)
+        out[b] = _attend(q[b : b + 1], k, v, pos, scale, window, softcap)[0].to(q.dtype)
     return out
 
 
@@ -162,11 +177,15 @@ def paged_attention_prefill_ref(
     query_start_loc: Tensor,  # [B + 1] int32
     seq_lens: Tensor,  # [B] int32, context length including the new tokens
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> Tensor:
     """Causal (chunked) prefill over a cached prefix; K/V of the new tokens are already in the cache::
 
         for seq b: n = qsl[b+1] - qsl[b]; query i of b sits at pos = seq_lens[b] - n + i
-            out[qsl[b] + i, h] = softmax(scale * q · K_b[0..pos]ᵀ) · V_b[0..pos]   (GQA as in decode)
+            lo = max(0, pos - window + 1) if window > 0 else 0
+            out[qsl[b] + i, h] = softmax(cap(scale * q · K_b[lo..pos]ᵀ)) · V_b[lo..pos]   (GQA as in decode)
+        where cap(s) = softcap * tanh(s / softcap) when softcap > 0, else s
     Returns ``[T, Hq, D]`` in ``q.dtype``.
     """
     out = torch.empty_like(q)
@@ -178,5 +197,5 @@ def paged_attention_prefill_ref(
         k = _gather_kv(k_cache, block_tables[b], length)
         v = _gather_kv(v_cache, block_tables[b], length)
         pos = torch.arange(length - (hi - lo), length, device=q.device)
-        out[lo:hi] = _attend(q[lo:hi], k, v, pos, scale).to(q.dtype)
+        out[lo:hi] = _attend(q[lo:hi], k, v, pos, scale, window, softcap).to(q.dtype)
     return out

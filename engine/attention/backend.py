@@ -53,7 +53,14 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:  # [T, Hq, D]
+        """Causal attention of the step's query rows over their sequences' cached K/V.
+
+        `window > 0` (a sliding-window layer): a query at position p sees keys p - window + 1 .. p only.
+        `softcap > 0`: scores are soft-capped, softcap * tanh(score / softcap), before the mask.
+        Semantics: `kernels.reference.paged_attention_prefill_ref`."""
         ...
 
 

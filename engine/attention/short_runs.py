@@ -9,6 +9,7 @@ run is padded to the longest one (`Q` rows) and all of them go through one maske
                                                                          are rows of that head)
     mask[b, i, j] = j <= ctx_start[b] + i        (ctx_start = seq_len - run length: causal, and keys
                                                   past the sequence are never visible)
+                    and j > ctx_start[b] + i - window   (a sliding-window layer's plan, window > 0)
 Padded rows are computed and dropped. Same semantics as `kernels.reference.paged_attention_prefill_ref`.
 """
 
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionMetadata
+from engine.attention.masked import masked_attention
 from kernels.intmath import cdiv
 
 # Runs of at most this many query rows take the batched path (longer prefill chunks go one by one).
@@ -38,8 +40,11 @@ class ShortRunsPlan:
     length: int  # L
 
 
-def short_runs_plan(meta: AttentionMetadata, seqs: list[int], block_size: int) -> ShortRunsPlan:
-    """The gather indices and mask for the runs of sequences `seqs` (indices into the metadata)."""
+def short_runs_plan(
+    meta: AttentionMetadata, seqs: list[int], block_size: int, window: int = 0
+) -> ShortRunsPlan:
+    """The gather indices and mask for the runs of sequences `seqs` (indices into the metadata), for a
+    layer whose rows see their last `window` positions (0: all before them)."""
     qs, sl = meta.query_start_list, meta.seq_lens_list
     lens = [qs[b + 1] - qs[b] for b in seqs]
     q_max = max(lens)
@@ -58,7 +63,10 @@ def short_runs_plan(meta: AttentionMetadata, seqs: list[int], block_size: int) -
         dst.extend(range(qs[b], qs[b] + n))
         starts.append(sl[b] - n)
     qpos = torch.tensor(starts, device=dev)[:, None] + torch.arange(q_max, device=dev)[None, :]  # [B, Q]
-    mask = torch.arange(length, device=dev)[None, None, :] <= qpos[:, :, None]  # [B, Q, L]
+    kpos = torch.arange(length, device=dev)[None, None, :]
+    mask = kpos <= qpos[:, :, None]  # [B, Q, L]
+    if window > 0:
+        mask &= kpos > qpos[:, :, None] - window
     as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)
     return ShortRunsPlan(tables, mask[:, None], as_t(src), as_t(keep), as_t(dst), len(seqs), q_max, length)
 
@@ -70,8 +78,10 @@ def attend_short_runs(
     plan: ShortRunsPlan,
     scale: float,
     out: torch.Tensor,  # [T, Hq, D]: the plan's rows are written
+    softcap: float = 0.0,
 ) -> None:
-    """Attention output of every row of the plan's runs, written into `out` at their flat-batch rows."""
+    """Attention output of every row of the plan's runs, written into `out` at their flat-batch rows
+    (scores soft-capped when `softcap > 0`)."""
     b, q_rows, length = plan.num_seqs, plan.rows, plan.length
     hq, d = query.shape[1], query.shape[2]
     hkv = k_cache.shape[2]
@@ -81,6 +91,9 @@ def attend_short_runs(
     q = query.index_select(0, plan.src_rows).view(b, q_rows, hkv, group, d)
     q = q.permute(0, 2, 3, 1, 4).reshape(b, hkv, group * q_rows, d)
     mask = plan.mask.expand(b, group, q_rows, length).reshape(b, 1, group * q_rows, length)
-    o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
+    if softcap > 0:
+        o = masked_attention(q, k.to(q.dtype), v.to(q.dtype), mask, scale, softcap)
+    else:
+        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
     o = o.view(b, hkv, group, q_rows, d).permute(0, 3, 1, 2, 4).reshape(b * q_rows, hq, d)
     out.index_copy_(0, plan.dst_rows, o.index_select(0, plan.keep))

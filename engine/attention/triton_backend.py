@@ -22,11 +22,20 @@ class TritonAttentionBackend(AttentionBackend):
     def write_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
         self._ops.write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
 
-    def attend(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(
+        self,
+        query,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
+    ) -> torch.Tensor:
         ops, nd, n = self._ops, meta.num_decodes, meta.num_seqs
         if nd == n:
             return ops.paged_attention_decode(
-                query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale
+                query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window, softcap
             )
         if nd == 0:
             return ops.paged_attention_prefill(
@@ -38,10 +47,12 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.seq_lens,
                 scale,
                 meta.max_query_len,
+                window,
+                softcap,
             )
         out = torch.empty_like(query)
         out[:nd] = ops.paged_attention_decode(
-            query[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale
+            query[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale, window, softcap
         )
         starts = meta.query_start_loc[nd:] - meta.query_start_loc[nd]
         out[nd:] = ops.paged_attention_prefill(
@@ -53,5 +64,7 @@ class TritonAttentionBackend(AttentionBackend):
             meta.seq_lens[nd:],
             scale,
             meta.max_query_len,
+            window,
+            softcap,
         )
         return out

@@ -182,7 +182,10 @@ def inspect_adapter(
 
     pairs: dict[tuple[int, str], dict[str, str]] = {}
     for name in header:
-        layer, module, ab = _parse_tensor_name(name, model, targets)
+        parsed = _parse_tensor_name(name, model, targets)
+        if parsed is None:  # e.g. a vision tower's LoRA: text-only passes never run it
+            continue
+        layer, module, ab = parsed
         if targeted is not None and (layer, module) not in targeted:
             raise AdapterError(
                 f"tensor {name!r}: module not selected by target_modules/layers_to_transform/exclude_modules"
@@ -343,17 +346,24 @@ def _target_set(
             raise AdapterError(
                 f"target_modules: {targets!r} targets embeddings/lm_head, which is not supported"
             )
-        chosen = {k for k in keys if rx.fullmatch(k)}
+        aliases = model_family(model.architecture).module_aliases
+        chosen = {k for k in keys if any(rx.fullmatch(n) for n in (k, *aliases(model.architecture, k)))}
         if not chosen:
             raise AdapterError(f"target_modules: regex {targets!r} matches no supported projection")
     elif isinstance(targets, list) and all(isinstance(t, str) for t in targets):
         chosen = set()
+        # the checkpoint has modules beyond the served text layers (its names have aliases)
+        outside = bool(keys) and bool(
+            model_family(model.architecture).module_aliases(model.architecture, next(iter(keys)))
+        )
         for t in targets:
             if t.split(".")[-1] in _EMBEDDING_NAMES:
                 raise AdapterError(
                     f"target_modules: {t!r} is an embedding/lm_head target, which is not supported"
                 )
             hits = {k for k in keys if k == t or k.endswith("." + t)}
+            if not hits and outside:  # e.g. `fc1` of a vision tower the engine does not serve
+                continue
             if not hits:
                 raise AdapterError(
                     f"target_modules: unknown module name {t!r} (supported: {', '.join(modules)})"
@@ -376,7 +386,12 @@ def _target_set(
         )
     excluded = config.get("exclude_modules")
     if isinstance(excluded, str):
-        chosen = {k for k in chosen if not re.fullmatch(excluded, k)}
+        names = model_family(model.architecture).module_aliases
+        chosen = {
+            k
+            for k in chosen
+            if not any(re.fullmatch(excluded, n) for n in (k, *names(model.architecture, k)))
+        }
     elif isinstance(excluded, list):
         chosen = {k for k in chosen if not any(k == e or k.endswith("." + e) for e in excluded)}
     return {keys[k] for k in chosen}
@@ -440,8 +455,9 @@ def _load_tensors(data: bytes) -> dict[str, torch.Tensor]:
 
 def _parse_tensor_name(
     name: str, model: ModelConfig, targets: Mapping[str, LoRATarget]
-) -> tuple[int, str, str]:
-    """(layer, target module, "A"|"B") of a LoRA tensor name, or `AdapterError` for anything else."""
+) -> tuple[int, str, str] | None:
+    """(layer, target module, "A"|"B") of a LoRA tensor name; None for a module outside the served text
+    model (`checkpoint_key` of the family: Gemma 3's vision tower); `AdapterError` for anything else."""
     if "lora_magnitude_vector" in name:
         raise AdapterError(f"tensor {name!r}: DoRA is not supported yet")
     if "lora_embedding_" in name or any(f"{e}." in name for e in _EMBEDDING_NAMES):
@@ -449,7 +465,10 @@ def _parse_tensor_name(
     m = _TENSOR_RE.match(name)
     if m is None:
         raise AdapterError(f"tensor {name!r}: not a LoRA A/B weight (unexpected tensor)")
-    mm = _MODULE_RE.match(m["module"])
+    key = model_family(model.architecture).checkpoint_key(m["module"] + ".weight")  # the engine's name
+    if key is None:
+        return None
+    mm = _MODULE_RE.match(key.removesuffix(".weight"))
     if mm is None or mm["proj"] not in targets or targets[mm["proj"]].parent != mm["parent"]:
         raise AdapterError(f"tensor {name!r}: unknown module {m['module']!r}")
     layer = int(mm["layer"])

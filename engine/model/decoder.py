@@ -31,9 +31,20 @@ log = logging.getLogger(__name__)
 
 
 class Attention(nn.Module):
-    """q|k|v projection, RoPE, paged attention, o projection; `scale` defaults to head_dim^-0.5."""
+    """q|k|v projection, RoPE, paged attention, o projection; `scale` defaults to head_dim^-0.5.
 
-    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding, scale: float | None = None):
+    `window`: the layer's sliding window (it attends to its last `window` positions; 0 none), by default
+    the model's `sliding_window` (Mistral: every layer); `softcap` > 0: attention-logit soft-capping."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        rope: RotaryEmbedding,
+        scale: float | None = None,
+        window: int | None = None,
+        softcap: float = 0.0,
+    ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv_proj = ProjectionLinear(
@@ -48,6 +59,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rope = rope
         self.scale = cfg.head_dim**-0.5 if scale is None else scale
+        self.window = (cfg.sliding_window or 0) if window is None else window
+        self.softcap = softcap
 
     def forward(self, x, rope_tables, kv: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, backend):
         """`rope_tables`: the per-step (cos2, sin2) of the torch path, or the step's fused CPU ops."""
@@ -70,7 +83,7 @@ class Attention(nn.Module):
                 qk = self._rope(qkv[:, : q_size + kv_size].view(t, nh + nkv, d), rope_tables)
                 q, k = qk[:, :nh], qk[:, nh:]
         backend.write_kv(k, v, kv[0], kv[1], batch.attn)
-        o = backend.attend(q, kv[0], kv[1], batch.attn, self.scale)
+        o = backend.attend(q, kv[0], kv[1], batch.attn, self.scale, self.window, self.softcap)
         return self.o_proj(o.reshape(t, q_size), batch.lora)
 
     def _rope(self, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -147,11 +160,13 @@ class DecoderForCausalLM(nn.Module):
     A family overrides `layer_cls`, `embed` (e.g. scaled embeddings) or `head` (e.g. scaled logits)."""
 
     layer_cls: type[DecoderLayer] = DecoderLayer
+    activations: tuple[str, ...] = ("silu",)  # the `hidden_act` values the family's MLP computes
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        if cfg.extra.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {cfg.extra['hidden_act']!r} is not supported (only silu)")
+        if cfg.extra.get("hidden_act", "silu") not in self.activations:
+            only = ", ".join(self.activations)
+            raise ValueError(f"hidden_act {cfg.extra['hidden_act']!r} is not supported (only {only})")
         self.config = cfg
         # `_weight` skips the random init (and with it, on the meta device, an import of torch._dynamo
         # that costs over a second of engine start-up); the loader fills every weight.

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
+
     from engine.model.decoder import DecoderForCausalLM
     from engine.model_config import ModelConfig
 
@@ -56,6 +58,21 @@ def no_overrides(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
+def as_is(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """The default `normalize`: config.json as it is."""
+    return raw
+
+
+def same_key(key: str) -> str | None:
+    """The default `checkpoint_key`: the tensor name as it is."""
+    return key
+
+
+def no_aliases(arch: str, module: str) -> tuple[str, ...]:
+    """The default `module_aliases`: the HF model names its modules as the engine does."""
+    return ()
+
+
 @dataclass(frozen=True, slots=True)
 class ModelFamily:
     """One family's hooks (module docstring)."""
@@ -64,6 +81,15 @@ class ModelFamily:
     build: Callable[[ModelConfig], DecoderForCausalLM]  # the module tree, on the current default device
     # (architecture, raw config.json) -> `ModelConfig` fields to override; an "extra" dict is merged
     configure: Callable[[str, dict[str, Any]], dict[str, Any]] = no_overrides
+    # (architecture, raw config.json) -> the config.json the generic parse reads (e.g. a multimodal
+    # checkpoint's `text_config` lifted to the top, with its family's defaults filled in)
+    normalize: Callable[[str, dict[str, Any]], dict[str, Any]] = as_is
+    # a checkpoint tensor's name -> the Llama-style name (`model.layers.N...`) the loader maps, or None
+    # to skip it (e.g. a multimodal checkpoint's `model.language_model.` prefix, its vision tower)
+    checkpoint_key: Callable[[str], str | None] = same_key
+    # (architecture, engine module name `model.layers.N.{parent}.{proj}`) -> the other names the
+    # checkpoint's HF model gives it (PEFT's regex `target_modules` are matched against those too)
+    module_aliases: Callable[[str, str], tuple[str, ...]] = no_aliases
     rope_types: tuple[str, ...] = ("llama3",)  # `rope_scaling` types it accepts besides "default"
     checkpoint_modules: Mapping[str, tuple[str, int | None]] = field(
         default_factory=lambda: LLAMA_CHECKPOINT_MODULES
@@ -75,6 +101,9 @@ class ModelFamily:
     gguf_layer_modules: Mapping[str, str] = field(default_factory=dict)
     # (metadata getter for `{gguf arch}.<key>`, float list of a tensor or None) -> config.json fields
     gguf_config: Callable[[GGUFMeta, GGUFVector], dict[str, Any]] | None = None
+    # (HF key, float32 tensor from a GGUF file) -> the HF checkpoint's tensor, where llama.cpp's converter
+    # changed values (Gemma: every RMSNorm weight written as 1 + w)
+    gguf_tensor: Callable[[str, torch.Tensor], torch.Tensor] | None = None
 
 
 GGUFMeta = Callable[[str, Any], Any]  # (key under `{arch}.`, default) -> the metadata value

@@ -29,6 +29,8 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "granite": "GraniteForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # ggml tensor types `gguf.dequantize` unpacks and the loader accepts
 SUPPORTED_TYPES = (
@@ -164,7 +166,8 @@ def _config(reader: Any, arch: str, path: Path, shapes: dict, types: dict[str, s
     if isinstance(kv_heads, list):
         raise GGUFError(f"{path}: per-layer {arch}.attention.head_count_kv is not supported")
     scaling = field_value(reader, f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
+    linear = scaling == "linear" and "linear" in model_family(ARCHITECTURES[arch]).rope_types  # Gemma 3
+    if scaling not in (None, "none") and not linear:
         raise GGUFError(f"{path}: rope scaling {scaling!r} is not supported")
     name = str(field_value(reader, "general.name", "") or "")
     hf_arch = ARCHITECTURES[arch]

@@ -96,4 +96,6 @@ def _iterate(reader: Any, cfg: ModelConfig) -> Iterator[tuple[str, str, torch.Te
             w = unpermute_rows(w, cfg.num_heads)
         elif permuted and key.endswith("k_proj.weight"):
             w = unpermute_rows(w, cfg.num_kv_heads)
+        if family.gguf_tensor is not None:
+            w = family.gguf_tensor(key, w)
         yield cfg.path.name, key, w

@@ -13,6 +13,7 @@ from safetensors import safe_open
 from engine.model.decoder import DecoderForCausalLM
 from engine.model.family import LLAMA_CHECKPOINT_MODULES
 from engine.model.registry import model_family
+from engine.model.rope import RotaryEmbedding
 from engine.model_config import ModelConfig
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -41,18 +42,21 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> De
     with torch.device("meta"):
         model = family.build(cfg)
     model = model.to(dtype).to_empty(device=device)
-    model.rope.reset_tables(device)
+    for module in model.modules():  # every RoPE table set (Gemma 3 has a local and a global one)
+        if isinstance(module, RotaryEmbedding):
+            module.reset_tables(device)
     params = dict(model.named_parameters())
     filled: set[str] = set()
     with torch.no_grad():
-        for source, key, tensor in tensors:
-            target = _target(key, family.checkpoint_modules)
+        for source, hf_key, tensor in tensors:
+            key = family.checkpoint_key(hf_key)
+            target = None if key is None else _target(key, family.checkpoint_modules)
             if target is None:
                 continue
             name, slice_idx = target
             if name not in params:
-                raise CheckpointError(f"{source}: unexpected tensor {key!r}")
-            _copy_into(model, params[name], name, slice_idx, tensor, key)
+                raise CheckpointError(f"{source}: unexpected tensor {hf_key!r}")
+            _copy_into(model, params[name], name, slice_idx, tensor, hf_key)
             filled.add(name if slice_idx is None else f"{name}#{slice_idx}")
     _check_complete(model, params, filled)
     return model.eval()

@@ -6,7 +6,8 @@
 - `partial_rotary_factor` (Phi-4-mini: 0.75): RoPE on the leading part of each head (`rope.py`).
 - LongRoPE (`rope_scaling` type `longrope`, older names `su` and `yarn`): short and long factors chosen by
   length as transformers does, with its attention factor (`rope.py`).
-- A `sliding_window` in the config caps the context at the window, where full attention is exact.
+- A `sliding_window` in the config: every layer attends to its last `sliding_window` positions, as in
+  transformers (the shared attention's window, `engine/attention/backend.py`).
 - GGUF files (`phi3`): fused `attn_qkv` / `ffn_up` tensors, unpermuted; partial rotary, the window and
   LongRoPE's factors from the metadata (`gguf_config`).
 """

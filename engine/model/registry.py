@@ -19,6 +19,9 @@ FAMILY_MODULES = {
     "MistralForCausalLM": "engine.model.llama",
     "Qwen2ForCausalLM": "engine.model.llama",
     "Qwen3ForCausalLM": "engine.model.llama",
+    "Gemma2ForCausalLM": "engine.model.gemma2",
+    "Gemma3ForCausalLM": "engine.model.gemma3",
+    "Gemma3ForConditionalGeneration": "engine.model.gemma3",
     "GraniteForCausalLM": "engine.model.granite",
     "Phi3ForCausalLM": "engine.model.phi3",
 }

@@ -38,7 +38,7 @@ def longrope_attention_factor(scaling: dict[str, Any], max_positions: int) -> fl
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """inv_freq[i] = theta^(-2i/d), optionally rescaled by the llama3 rule.
+    """inv_freq[i] = theta^(-2i/d), optionally rescaled by the llama3 rule (or linear: / factor).
 
     freq_factors (from a GGUF file's `rope_freqs`): inv_freq[i] / factors[i].
     llama3: wavelengths longer than `original_max_position_embeddings / low_freq_factor` are divided by
@@ -51,6 +51,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     if scaling.get("rope_type") == "longrope":  # `ext_factors`: the "short_factor" or "long_factor" list
         ext = torch.tensor(scaling["ext_factors"], dtype=torch.float32, device="cpu")
         return (1.0 / (ext * theta**exponents)).float()
+    if scaling.get("rope_type") == "linear":  # positions divided by `factor` (Gemma 3's global layers)
+        return (inv_freq / float(scaling["factor"])).float()
     if scaling.get("rope_type") == "freq_factors":  # llama.cpp's `rope_freqs` tensor: one divisor each
         factors = torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
         return (inv_freq.float() / factors).float()

@@ -4,8 +4,11 @@
  * (`seqs`), with n = query_start[b+1] - query_start[b] query rows at positions L - n .. L - 1
  * (L = seq_lens[b]; a decode row has n = 1), every row i and query head h:
  *
- *     out[qs + i, h] = softmax_j(scale * q[qs + i, h] . K_b[j, h / group]) . V_b[j, h / group],
- *                      j over 0 .. L - n + i,   K_b[j] = k_cache[tables[b, j / bs], j % bs]
+ *     out[qs + i, h] = softmax_j(cap(scale * q[qs + i, h] . K_b[j, h / group])) . V_b[j, h / group],
+ *                      j over lo .. L - n + i,   K_b[j] = k_cache[tables[b, j / bs], j % bs]
+ *
+ * lo = 0, or with a sliding window (window > 0) lo = max(0, L - n + i - window + 1): the row sees its
+ * last `window` positions. cap(s) = s, or with soft-capping (softcap > 0) softcap * tanh(s / softcap).
  *
  * One work item is a (sequence, KV head): its `group` query heads of all n rows are processed together
  * (at most VMAX query vectors per pass), so each K and V row is read from memory once per pass. Keys go
@@ -77,6 +80,8 @@ typedef struct {
     const int32_t *tables, *seq_lens, *query_start, *seqs;
     int64_t table_stride, hq, hkv, d, bs;
     float scale;
+    int64_t window; /* > 0: a query row sees its last `window` positions only */
+    float softcap;  /* > 0: scores soft-capped to (-softcap, softcap) by tanh */
 } args_t;
 
 /* scores[v][j] = q_v . K_j for the chunk's cnt keys (rows k_rows[j]) and nv query vectors qbuf[v]. */
@@ -108,15 +113,20 @@ INLINE void chunk_scores(elem_t KV, const char *const *k_rows, int64_t cnt, cons
 /* One online-softmax update of the pass's nv query vectors with a chunk of cnt keys (first key k0),
  * rows k_rows / v_rows of element type RE: scores, running max m and sum l, acc rescaled and added to. */
 INLINE void chunk_update(elem_t RE, const char *const *k_rows, const char *const *v_rows, int64_t cnt, int64_t k0,
-                         const float (*qbuf)[DMAX], int64_t nv, int64_t d, const int64_t *lim, float *m, float *l,
-                         float (*acc)[DMAX], float (*scores)[KCHUNK]) {
+                         const float (*qbuf)[DMAX], int64_t nv, int64_t d, const int64_t *lo, const int64_t *lim,
+                         float softcap, float *m, float *l, float (*acc)[DMAX], float (*scores)[KCHUNK]) {
     const int64_t d8 = d & ~(int64_t)7;
     chunk_scores(RE, k_rows, cnt, (const float(*)[DMAX])qbuf, nv, d, scores);
     for (int64_t v = 0; v < nv; v++) {
         float *s = scores[v], mx = m[v];
-        int64_t vis = lim[v] - k0 < cnt ? lim[v] - k0 : cnt; /* keys of this chunk v sees (>= 0) */
-        for (int64_t j = 0; j < vis; j++) mx = s[j] > mx ? s[j] : mx;
-        for (int64_t j = vis < 0 ? 0 : vis; j < cnt; j++) s[j] = -INFINITY;
+        int64_t vis = lim[v] - k0 < cnt ? lim[v] - k0 : cnt; /* keys of this chunk v sees: first .. vis-1 */
+        int64_t first = lo[v] - k0 > 0 ? lo[v] - k0 : 0;    /* (a sliding window hides the earlier ones) */
+        if (first >= vis) continue;                          /* none: m, l and acc stay as they are */
+        if (softcap > 0.0f)
+            for (int64_t j = first; j < vis; j++) s[j] = softcap * tanhf(s[j] / softcap);
+        for (int64_t j = first; j < vis; j++) mx = s[j] > mx ? s[j] : mx;
+        for (int64_t j = 0; j < first; j++) s[j] = -INFINITY;
+        for (int64_t j = vis; j < cnt; j++) s[j] = -INFINITY;
         float corr = m[v] == -INFINITY ? 0.0f : expf(m[v] - mx), sum = 0.0f;
         int64_t j = 0;
         for (; j + 8 <= cnt; j += 8) {
@@ -158,22 +168,24 @@ INLINE void attend_pass(elem_t Q, elem_t KV, const args_t *a, int64_t b, int64_t
     float qbuf[VMAX][DMAX], acc[VMAX][DMAX], scores[VMAX][KCHUNK], m[VMAX], l[VMAX];
     float kw[KCHUNK][DMAX], vw[KCHUNK][DMAX]; /* a half-precision chunk widened to float32 */
     const elem_t F32 = {ld8_f32, ld1_f32, st8_f32, st1_f32, 4};
-    int64_t lim[VMAX]; /* keys visible to vector v: 0 .. lim[v] - 1 */
+    int64_t lo[VMAX], lim[VMAX]; /* keys visible to vector v: lo[v] .. lim[v] - 1 */
     const char *k_rows[KCHUNK], *v_rows[KCHUNK];
     const int64_t d = a->d, d8 = d & ~(int64_t)7, group = a->hq / a->hkv, bs = a->bs;
     const int64_t n = a->query_start[b + 1] - a->query_start[b], len = a->seq_lens[b];
     const int32_t *table = a->tables + b * a->table_stride;
-    int64_t kmax = 0;
+    int64_t kmax = 0, kmin = len;
     for (int64_t v = 0; v < nv; v++) {
         int64_t row = (v0 + v) / group, head = h * group + (v0 + v) % group;
         const char *qp = a->q + ((a->query_start[b] + row) * a->q_row + head * a->q_head) * Q.size;
         for (int64_t e = 0; e < d; e++) qbuf[v][e] = Q.ld1(qp, e) * a->scale, acc[v][e] = 0.0f;
         lim[v] = len - n + row + 1;
+        lo[v] = a->window > 0 && lim[v] > a->window ? lim[v] - a->window : 0;
         kmax = lim[v] > kmax ? lim[v] : kmax;
+        kmin = lo[v] < kmin ? lo[v] : kmin;
         m[v] = -INFINITY, l[v] = 0.0f;
     }
     const int64_t row_bytes = a->hkv * d * KV.size, head_off = h * d * KV.size;
-    for (int64_t k0 = 0; k0 < kmax;) {
+    for (int64_t k0 = kmin; k0 < kmax;) {
         int64_t off = k0 % bs, cnt = bs - off;
         cnt = cnt < KCHUNK ? cnt : KCHUNK;
         cnt = cnt < kmax - k0 ? cnt : kmax - k0;
@@ -189,7 +201,8 @@ INLINE void attend_pass(elem_t Q, elem_t KV, const args_t *a, int64_t b, int64_t
                 }
         }
         if (KV.size == sizeof(float)) {
-            chunk_update(KV, k_rows, v_rows, cnt, k0, (const float(*)[DMAX])qbuf, nv, d, lim, m, l, acc, scores);
+            chunk_update(KV, k_rows, v_rows, cnt, k0, (const float(*)[DMAX])qbuf, nv, d, lo, lim, a->softcap, m, l, acc,
+                         scores);
         } else { /* half precision: widen the chunk once, not once per query vector */
             const char *kw_rows[KCHUNK], *vw_rows[KCHUNK];
             for (int64_t j = 0; j < cnt; j++) {
@@ -198,7 +211,8 @@ INLINE void attend_pass(elem_t Q, elem_t KV, const args_t *a, int64_t b, int64_t
                 for (; e < d; e++) kw[j][e] = KV.ld1(k_rows[j], e), vw[j][e] = KV.ld1(v_rows[j], e);
                 kw_rows[j] = (const char *)kw[j], vw_rows[j] = (const char *)vw[j];
             }
-            chunk_update(F32, kw_rows, vw_rows, cnt, k0, (const float(*)[DMAX])qbuf, nv, d, lim, m, l, acc, scores);
+            chunk_update(F32, kw_rows, vw_rows, cnt, k0, (const float(*)[DMAX])qbuf, nv, d, lo, lim, a->softcap, m, l,
+                         acc, scores);
         }
         k0 += cnt;
     }
@@ -212,12 +226,14 @@ INLINE void attend_pass(elem_t Q, elem_t KV, const args_t *a, int64_t b, int64_t
     }
 }
 
-/* Prefetch (into L2) the K and V rows of KV head h for the first min(keys, PREFETCH_KEYS) keys of the
- * sequence with block table `table`: a bound, so a long context does not flush what is being computed. */
-static inline void prefetch_rows(const args_t *a, const int32_t *table, int64_t h, int64_t keys, int64_t kv_size) {
+/* Prefetch (into L2) the K and V rows of KV head h for keys start .. min(keys, start + PREFETCH_KEYS) - 1
+ * of the sequence with block table `table` (start a block boundary): a bound, so a long context does not
+ * flush what is being computed. */
+static inline void prefetch_rows(const args_t *a, const int32_t *table, int64_t h, int64_t start, int64_t keys,
+                                 int64_t kv_size) {
     const int64_t bs = a->bs, row_bytes = a->hkv * a->d * kv_size, head_off = h * a->d * kv_size;
-    keys = keys < PREFETCH_KEYS ? keys : PREFETCH_KEYS;
-    for (int64_t k0 = 0; k0 < keys; k0 += bs) {
+    keys = keys < start + PREFETCH_KEYS ? keys : start + PREFETCH_KEYS;
+    for (int64_t k0 = start; k0 < keys; k0 += bs) {
         const int64_t base = (int64_t)table[k0 / bs] * bs * row_bytes + head_off;
         const int64_t rows = bs < keys - k0 ? bs : keys - k0;
         for (int64_t j = 0; j < rows; j++)
@@ -230,8 +246,10 @@ static inline void prefetch_rows(const args_t *a, const int32_t *table, int64_t 
 
 /* Ask for item `it`'s first K and V rows (its sequence, its KV head) to be brought towards this core. */
 static inline void prefetch_item(const args_t *a, int64_t it, int64_t kv_size) {
-    const int64_t b = a->seqs[it / a->hkv];
-    prefetch_rows(a, a->tables + b * a->table_stride, it % a->hkv, a->seq_lens[b], kv_size);
+    const int64_t b = a->seqs[it / a->hkv], len = a->seq_lens[b];
+    const int64_t first = len - (a->query_start[b + 1] - a->query_start[b]) + 1 - a->window; /* window start */
+    const int64_t start = a->window > 0 && first > 0 ? first / a->bs * a->bs : 0;
+    prefetch_rows(a, a->tables + b * a->table_stride, it % a->hkv, start, len, kv_size);
 }
 
 /* Work item `it` of a call: sequence seqs[it / Hkv], KV head it % Hkv, all its query vectors. */
@@ -254,11 +272,12 @@ INLINE void attend_item(elem_t Q, elem_t KV, const args_t *a, int64_t it) {
         const void *q, int64_t q_row, int64_t q_head, const void *k_cache, const void *v_cache,              \
         const int32_t *tables, int64_t table_stride, const int32_t *seq_lens, const int32_t *query_start,    \
         const int32_t *seqs, int64_t num_seqs, void *out, int64_t o_row, int64_t o_head, int64_t hq,         \
-        int64_t hkv, int64_t d, int64_t block_size, float scale, int num_threads) {                          \
+        int64_t hkv, int64_t d, int64_t block_size, float scale, int64_t window, float softcap,              \
+        int num_threads) {                                                                                    \
         if (d < 1 || d > DMAX) return -1;                                                                     \
         if (hkv < 1 || hq % hkv != 0) return -2;                                                              \
         const args_t a = {q, k_cache, v_cache, out, q_row, q_head, o_row, o_head, tables, seq_lens,          \
-                          query_start, seqs, table_stride, hq, hkv, d, block_size, scale};                    \
+                          query_start, seqs, table_stride, hq, hkv, d, block_size, scale, window, softcap};   \
         const int64_t items = num_seqs * hkv;                                                                 \
         if (num_threads < 1 || items < 2) num_threads = 1;                                                    \
         _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)")        \

@@ -34,3 +34,31 @@ def test_gguf_greedy_matches_hf_checkpoint(arch, checkpoint, oracle, tmp_path):
     hf_model = oracle(hf)
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.outputs[0].token_ids == hf_model.greedy_cached(prompt, NEW)
+
+
+# llama.cpp derives what GGUF files do not state: query_pre_attn_scalar = head dim (below 27B), Gemma 3's
+# 5:1 local/global pattern and local RoPE base 10k; the tiny checkpoints are built to match
+GEMMA_GGUF = {"gemma2": {"query_pre_attn_scalar": 16}, "gemma3": {"query_pre_attn_scalar": 16,
+                                                                  "sliding_window_pattern": 6}}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", sorted(GEMMA_GGUF))
+def test_gemma_gguf_greedy_matches_hf_checkpoint(arch, checkpoint, oracle, tmp_path):
+    """Gemma GGUF files (norm weights stored as 1 + w, llama.cpp's tensor names, window and soft-caps
+    in the metadata): the engine's greedy tokens equal transformers' on the source checkpoint, for
+    prompts past the window of 8."""
+    hf = checkpoint(arch, **GEMMA_GGUF[arch])
+    gguf = write_gguf(hf, tmp_path / f"{arch}.gguf", "F32", tokenizer=False)
+    from_gguf, from_hf = ModelConfig.from_dir(gguf), ModelConfig.from_dir(hf)
+    for name in ("architecture", "sliding_window", "rope_theta", "rope_scaling", "head_dim", "extra"):
+        got, want = getattr(from_gguf, name), getattr(from_hf, name)
+        if name == "extra":
+            got = {k: v for k, v in got.items() if k != "gguf_types"}
+        assert got == want, name
+    rng = random.Random(8)
+    prompts = [[rng.randrange(3, 96) for _ in range(n)] for n in (5, 19, 30)]
+    llm = LLM(str(gguf), device="cpu", dtype="float32", block_size=4)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True))
+    hf_model = oracle(hf)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_model.greedy_cached(prompt, NEW)

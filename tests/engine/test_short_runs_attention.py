@@ -37,12 +37,12 @@ def test_short_runs_match_reference(native, threads):
     step = backend.native.step(q, k_cache, meta)
     # Work (rows x keys) per sequence: 6, 11, 45, 4, 1230, 680, 12; 2 KV heads each.
     if native and threads == 2:  # a thread's share is 1988 x 2 / 2: every item fits, the kernel takes all
-        assert step is not None and step.call.num_seqs == 7 and step.rest == [] and backend._short is None
+        assert step is not None and step.call.num_seqs == 7 and step.rest == [] and not backend._shorts
     elif native:  # a share of 1988 x 2 / 16 = 248: the 30-row chunk (1230) would hold up one of 16
         # threads, so SDPA takes it; the 17-row run (680) is a short run, the kernel's
-        assert step is not None and step.call.num_seqs == 6 and step.rest == [4] and backend._short is None
+        assert step is not None and step.call.num_seqs == 6 and step.rest == [4] and not backend._shorts
     else:
-        assert step is None and backend._short is not None and backend._short.num_seqs == 4
+        assert step is None and backend._shorts[0].num_seqs == 4
     ref_dec = paged_attention_decode_ref(q[:2], k_cache, v_cache, tables[:2], meta.seq_lens[:2], 0.25)
     starts = meta.query_start_loc[2:] - 2
     ref_pre = paged_attention_prefill_ref(

@@ -33,6 +33,13 @@ _HF_TO_GGUF = {
     "self_attn.qkv_proj": "attn_qkv",  # phi3's fused tensors
     "mlp.gate_up_proj": "ffn_up",
 }
+_GEMMA_TO_GGUF = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+}
 # byte offsets of the float16 scale fields in one block of each K-quant (the rest may be any bytes)
 _K_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
@@ -50,7 +57,9 @@ def permute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def gguf_name(hf_key: str) -> str | None:
+def gguf_name(hf_key: str, overrides: dict[str, str] | None = None) -> str | None:
+    """The GGUF tensor name of an HF key (`overrides`: a family's per-layer module names)."""
+    names = _HF_TO_GGUF | (overrides or {})
     if hf_key == "model.embed_tokens.weight":
         return "token_embd.weight"
     if hf_key == "model.norm.weight":
@@ -59,7 +68,7 @@ def gguf_name(hf_key: str) -> str | None:
         return "output.weight"
     parts = hf_key.split(".")
     layer, module, leaf = parts[2], ".".join(parts[3:-1]), parts[-1]
-    return f"blk.{layer}.{_HF_TO_GGUF[module]}.{leaf}" if module in _HF_TO_GGUF else None
+    return f"blk.{layer}.{names[module]}.{leaf}" if module in names else None
 
 
 def _encode(name: str, w: np.ndarray, qtype: str, rng: np.random.Generator):
@@ -92,12 +101,14 @@ def write_gguf(
     seed: int = 0,
     tokenizer_model: str = "llama",
 ) -> Path:
-    """Write the checkpoint in `hf_dir` (a tiny llama, qwen2, granite or phi3) as the GGUF file `out`."""
+    """Write the checkpoint in `hf_dir` (a tiny llama, qwen2, granite, phi3, gemma2 or gemma3) as the
+    GGUF file `out`."""
     import gguf
 
     out.parent.mkdir(parents=True, exist_ok=True)
     cfg = json.loads((hf_dir / "config.json").read_text())
-    arch = {"llama": "llama", "qwen2": "qwen2", "granite": "granite", "phi3": "phi3"}[cfg["model_type"]]
+    archs = {"llama": "llama", "qwen2": "qwen2", "granite": "granite", "phi3": "phi3", "gemma2": "gemma2"}
+    arch = (archs | {"gemma3_text": "gemma3"})[cfg["model_type"]]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name(name)
@@ -111,7 +122,10 @@ def write_gguf(
     rope = cfg.get("rope_parameters") or {}
     w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     _family_metadata(w, arch, cfg)
-    w.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
+    if arch == "gemma3":  # the global layers' base
+        w.add_rope_freq_base(float(rope["full_attention"]["rope_theta"]))
+    else:
+        w.add_rope_freq_base(float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))))
     w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
     w.add_vocab_size(cfg["vocab_size"])
     if tokenizer:
@@ -128,10 +142,12 @@ def write_gguf(
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
     for key, t in load_file(str(hf_dir / "model.safetensors")).items():
-        gname = gguf_name(key)
+        gname = gguf_name(key, _GEMMA_TO_GGUF if arch.startswith("gemma") else {})
         if gname is None or gname in skip:
             continue
         t = t.float()
+        if arch.startswith("gemma") and key.endswith("norm.weight"):
+            t = t + 1.0  # llama.cpp's converter stores Gemma's (1 + w)
         if arch in ("llama", "granite") and gname.endswith(("attn_q.weight", "attn_k.weight")):
             t = permute_rows(t, heads if "attn_q" in gname else kv_heads)
         data, raw = _encode(gname, t.numpy(), qtype, rng)
@@ -152,6 +168,20 @@ def _family_metadata(w, arch: str, cfg: dict) -> None:
         w.add_attention_scale(float(cfg["attention_multiplier"]))
         w.add_residual_scale(float(cfg["residual_multiplier"]))
         w.add_logit_scale(float(cfg["logits_scaling"]))
+    if arch.startswith("gemma"):
+        import gguf
+
+        w.add_key_length(int(cfg["head_dim"]))
+        w.add_value_length(int(cfg["head_dim"]))
+        w.add_sliding_window(int(cfg["sliding_window"]))
+        if cfg.get("attn_logit_softcapping") and arch == "gemma2":
+            w.add_attn_logit_softcapping(float(cfg["attn_logit_softcapping"]))
+        if cfg.get("final_logit_softcapping"):
+            w.add_final_logit_softcapping(float(cfg["final_logit_softcapping"]))
+        full = (cfg.get("rope_parameters") or {}).get("full_attention") or {}
+        if full.get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(float(full["factor"]))
     if arch != "phi3":
         return
     w.add_sliding_window(int(cfg.get("sliding_window") or 0))

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+GEMMA_ARCHS = ("gemma2", "gemma3")
 # Families on the model seam beyond Llama's (tests/engine/test_granite_phi3.py)
 MORE_ARCHS = ("granite", "phi3", "phi3-longrope")
 LONGROPE_ORIGINAL = 32  # phi3-longrope's original_max_position_embeddings (of 256)
@@ -30,7 +31,9 @@ def build_checkpoint(out_dir: Path, arch: str, seed: int = 0, dtype=torch.float3
 
     Variations by family: llama uses llama3 RoPE scaling; qwen2 has q/k/v bias and tied embeddings;
     qwen3 has q/k norms and a head_dim different from hidden/heads; mistral has a sliding window
-    larger than the context; granite has all four multipliers away from 1; phi3 has fused qkv/gate_up
+    larger than the context (unless overridden); gemma2 and gemma3 have windows of 8 tokens,
+    soft-caps, and gemma3 layers 2:1 local/global with linearly scaled global RoPE; granite has all
+    four multipliers away from 1; phi3 has fused qkv/gate_up
     weights and partial rotary (half of each head); phi3-longrope has LongRoPE with short/long factors
     (original length `LONGROPE_ORIGINAL`) on full heads.
     """
@@ -55,6 +58,18 @@ def build_checkpoint(out_dir: Path, arch: str, seed: int = 0, dtype=torch.float3
     elif arch == "qwen3":
         kw["head_dim"] = 24
         cfg_cls, model_cls = tf.Qwen3Config, tf.Qwen3ForCausalLM
+    elif arch == "gemma2":  # sliding / global layers alternate; both soft-caps small enough to bend
+        kw.update(head_dim=16, sliding_window=8, query_pre_attn_scalar=24, num_hidden_layers=3)
+        kw.update(attn_logit_softcapping=3.0, final_logit_softcapping=5.0)
+        cfg_cls, model_cls = tf.Gemma2Config, tf.Gemma2ForCausalLM
+    elif arch == "gemma3":  # 5 local : 1 global, local RoPE 10k, global 1M with linear scaling
+        kw.update(head_dim=16, sliding_window=8, query_pre_attn_scalar=24, num_hidden_layers=6)
+        kw.update(final_logit_softcapping=5.0, sliding_window_pattern=3)
+        kw["rope_parameters"] = {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
+        }
+        cfg_cls, model_cls = tf.Gemma3TextConfig, tf.Gemma3ForCausalLM
     elif arch == "granite":
         kw |= dict(embedding_multiplier=6.0, attention_multiplier=0.09, residual_multiplier=0.4)
         kw["logits_scaling"] = 3.0
@@ -80,12 +95,29 @@ def build_checkpoint(out_dir: Path, arch: str, seed: int = 0, dtype=torch.float3
     model = model_cls(cfg_cls(**kw))
     with torch.no_grad():  # larger weights than the init default so logits are far from ties
         for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.5)
+            if name.endswith("bias") or (arch in GEMMA_ARCHS and name.endswith("norm.weight")):
+                p.normal_(0, 0.5)  # (Gemma's norms scale by 1 + w, w = 0 at init)
+            elif arch in GEMMA_ARCHS and name.endswith("embed_tokens.weight"):
+                p.normal_(0, 0.08)  # times sqrt(hidden) = 8: an embedding does not drown the layers
             elif p.dim() > 1:
                 p.normal_(0, 0.25)
     model = model.to(dtype)
     model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def build_gemma3_multimodal(out_dir: Path, text_dir: Path) -> Path:
+    """Save a tiny `Gemma3ForConditionalGeneration` (a one-layer SigLIP vision tower) whose language model
+    has the weights of the tiny Gemma3ForCausalLM in `text_dir`; returns `out_dir`."""
+    import transformers as tf
+
+    text = tf.AutoModelForCausalLM.from_pretrained(text_dir, dtype=torch.float32)
+    vision = tf.SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, image_size=28, patch_size=14)  # fmt: skip
+    cfg = tf.Gemma3Config(text_config=text.config.to_dict(), vision_config=vision, mm_tokens_per_image=4)
+    model = tf.Gemma3ForConditionalGeneration(cfg)
+    model.model.language_model.load_state_dict(text.model.state_dict())
+    model.save_pretrained(out_dir)
     return out_dir
 
 
