@@ -225,7 +225,7 @@ class _EngineLoop:
             elif msg.op == "prefetch":
                 eng.prefetch_lora(LoRARequest(msg.name, msg.path or "", msg.digest))
             elif msg.op == "remove":
-                value = eng.remove_lora(msg.name)
+                value = eng.remove_lora(msg.name, keep=set(msg.keep))
             elif msg.op in ("pin", "unpin"):
                 value = eng.pin_lora(msg.name, msg.op == "pin")
             else:
