@@ -191,10 +191,11 @@ class LoRAManager:
         digest = self.loader.digest_of(name_or_digest)
         res = self.residency
         known = digest in res.cpu or res.is_resident(digest) or self.loader.is_known(digest)
-        if digest != name_or_digest:
-            self.loader.forget_name(name_or_digest)
-            if digest in keep or self.loader.names_of(digest):
-                return known
+        if digest != name_or_digest and (
+            digest in keep or any(n != name_or_digest for n in self.loader.names_of(digest))
+        ):
+            self.loader.forget_name(name_or_digest)  # shared content: only this name goes
+            return known
         self.removed[digest] = None
         self.removed.move_to_end(digest)
         while len(self.removed) > REMOVED_MEMORY:
