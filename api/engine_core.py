@@ -34,6 +34,7 @@ from api.engine_protocol import (
 from engine import LLMEngine, LoRARequest
 from engine.engine_config import EngineConfig
 from engine.lora.held_files import AdapterFilesGone
+from engine.model.cpu_gemm import bound_onednn_caches
 from engine.outputs import RequestOutput
 
 log = logging.getLogger("loraplex.engine_core")
@@ -60,6 +61,7 @@ def run_engine_core(
     pull.connect(in_addr)
     push = ctx.socket(zmq.PUSH)
     push.connect(out_addr)
+    bound_onednn_caches()  # before the model's first oneDNN call
     try:
         engine = LLMEngine(dataclasses.replace(config, detokenize=False))
         push.send(
