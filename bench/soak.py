@@ -42,6 +42,7 @@ class ProcessRss:
     pid: int
     samples: list[tuple[float, float]] = field(default_factory=list)
     slope_mib_per_min: float = 0.0
+    late_slope_mib_per_min: float = 0.0  # over the second half of the samples after the warm-up
     first_mib: float = 0.0
     last_mib: float = 0.0
 
@@ -245,6 +246,7 @@ def run_soak(args: argparse.Namespace) -> SoakResult:
     for p in procs:
         kept = [s for s in p.samples if s[0] >= warmup]
         p.slope_mib_per_min = slope_per_min(kept)
+        p.late_slope_mib_per_min = slope_per_min(kept[len(kept) // 2 :])
         p.first_mib = kept[0][1] if kept else 0.0
         p.last_mib = kept[-1][1] if kept else 0.0
     return SoakResult(duration, warmup, args.rate, args.cancel, processes=procs, **counts)
@@ -256,11 +258,14 @@ def render(res: SoakResult) -> str:
         f"{res.sent} requests over {res.duration:.0f} s at {res.rate:g}/s ({res.ok} ok, {res.cancelled} "
         f"cancelled by the client, {res.failed} failed); slope over the samples after {res.warmup:.0f} s",
         "",
-        "| process | RSS after warm-up (MiB) | RSS at the end (MiB) | slope (MiB/min) |",
-        "|---|---|---|---|",
+        "| process | RSS after warm-up (MiB) | RSS at the end (MiB) | slope (MiB/min) | second half |",
+        "|---|---|---|---|---|",
     ]
     for p in res.processes:
-        lines.append(f"| {p.role} | {p.first_mib:.1f} | {p.last_mib:.1f} | {p.slope_mib_per_min:+.2f} |")
+        lines.append(
+            f"| {p.role} | {p.first_mib:.1f} | {p.last_mib:.1f} | {p.slope_mib_per_min:+.2f} "
+            f"| {p.late_slope_mib_per_min:+.2f} |"
+        )
     return "\n".join(lines)
 
 
