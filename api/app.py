@@ -178,6 +178,8 @@ async def _sync_one(state: AppState, name: str, adapter: ActiveAdapter | None) -
             path = await asyncio.to_thread(state.registry.adapters.adapter_path, adapter.digest)
             await state.client.adapter_call("prefetch", name, str(path), adapter.digest)
         else:
-            await state.client.adapter_call("remove", name)
+            # Residency is per digest: content another active name serves stays in the pool.
+            keep = {a.digest for a in state.follower.snapshot().values()}
+            await state.client.adapter_call("remove", name, keep=keep)
     except Exception as exc:  # best effort: requests load adapters on demand anyway
         log.warning("engine adapter sync for %r failed: %s", name, exc)

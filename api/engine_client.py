@@ -20,7 +20,7 @@ import multiprocessing as mp
 import os
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -293,17 +293,23 @@ class EngineClient:
             await self._send(encode(AbortRequests(request_ids)))
 
     async def adapter_call(
-        self, op: str, name: str, path: str | None = None, digest: str | None = None, timeout: float = 120.0
+        self,
+        op: str,
+        name: str,
+        path: str | None = None,
+        digest: str | None = None,
+        timeout: float = 120.0,
+        keep: Iterable[str] = (),
     ) -> Any:
         """Run an adapter operation in the engine ("add", "prefetch", "remove", "pin", "unpin"); raises
-        on failure."""
+        on failure. `keep` (for "remove"): digests other active names still serve."""
         if not self.healthy:
             raise EngineUnavailableError("the engine is restarting")
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
         try:
-            await self._send(encode(AdapterCall(call_id, op, name, path, digest)))
+            await self._send(encode(AdapterCall(call_id, op, name, path, digest, sorted(keep))))
         except EngineDeadError:
             self._calls.pop(call_id, None)
             raise

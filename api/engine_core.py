@@ -37,6 +37,7 @@ from api.engine_protocol import (
 from engine import LLMEngine, LoRARequest
 from engine.engine_config import EngineConfig
 from engine.lora.held_files import AdapterFilesGone
+from engine.model.cpu_gemm import bound_onednn_caches
 from engine.outputs import RequestOutput
 from engine.structured import StructuredSpecError
 
@@ -65,6 +66,7 @@ def run_engine_core(
     pull.connect(in_addr)
     push = ctx.socket(zmq.PUSH)
     push.connect(out_addr)
+    bound_onednn_caches()  # before the model's first oneDNN call
     try:
         engine = LLMEngine(dataclasses.replace(config, detokenize=False))
         push.send(
@@ -258,7 +260,7 @@ class _EngineLoop:
             elif msg.op == "prefetch":
                 eng.prefetch_lora(LoRARequest(msg.name, msg.path or "", msg.digest))
             elif msg.op == "remove":
-                value = eng.remove_lora(msg.name)
+                value = eng.remove_lora(msg.name, keep=set(msg.keep))
             elif msg.op in ("pin", "unpin"):
                 value = eng.pin_lora(msg.name, msg.op == "pin")
             else:

@@ -36,13 +36,15 @@ class AbortRequests(msgspec.Struct, tag="abort"):
 
 
 class AdapterCall(msgspec.Struct, tag="adapter"):
-    """`op`: "add" (load + validate now), "prefetch" (load in the background), "remove", "pin", "unpin"."""
+    """`op`: "add" (load + validate now), "prefetch" (load in the background), "remove", "pin", "unpin".
+    `keep` (for "remove"): digests still served under other names, whose pool entries must stay."""
 
     call_id: int
     op: str
     name: str
     path: str | None = None
     digest: str | None = None
+    keep: list[str] = msgspec.field(default_factory=list)
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):

@@ -12,6 +12,8 @@ and the rest is the engine's public adapter API (add, prefetch, remove, pin, lis
 
 from __future__ import annotations
 
+from collections.abc import Set
+
 from engine.lora.loader import path_key
 from engine.lora.manager import LoRAInfo, LoRAManager, LoRAPoolStats
 from engine.lora_request import LoRARequest
@@ -105,8 +107,8 @@ class EngineAdapters:
     def prefetch(self, lora_request: LoRARequest) -> None:
         self.manager().prefetch(lora_request, self.scheduler.running_adapters())
 
-    def remove(self, name_or_digest: str) -> bool:
-        return self.manager().remove_lora(name_or_digest, self.in_use())
+    def remove(self, name_or_digest: str, keep: Set[str] = frozenset()) -> bool:
+        return self.manager().remove_lora(name_or_digest, self.in_use(), keep)
 
     def pin(self, name_or_digest: str, pinned: bool = True) -> bool:
         return self.manager().pin_lora(name_or_digest, self.scheduler.running_adapters(), pinned)

@@ -219,10 +219,11 @@ class LLMEngine:
         """Begin loading an adapter into host memory in the background (e.g. when it is activated)."""
         self.adapters.prefetch(lora_request)
 
-    def remove_lora(self, name_or_digest: str) -> bool:
+    def remove_lora(self, name_or_digest: str, keep: abc.Set[str] = frozenset()) -> bool:
         """Forget an adapter. Requests already admitted for it finish on it first (it is dropped after the
-        last one); returns whether it was known."""
-        return self.adapters.remove(name_or_digest)
+        last one); returns whether it was known. Removing a name whose content another name (or a digest
+        in `keep`) still serves only forgets the name: the shared pool entry stays resident."""
+        return self.adapters.remove(name_or_digest, keep)
 
     def pin_lora(self, name_or_digest: str, pinned: bool = True) -> bool:
         return self.adapters.pin(name_or_digest, pinned)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any, cast
 
 from api.cluster import ray_api
@@ -133,7 +133,13 @@ class RemoteEngineClient:
         """Nothing to do: leaving `generate` early cancels the Ray call, which aborts the engine request."""
 
     async def adapter_call(
-        self, op: str, name: str, path: str | None = None, digest: str | None = None, timeout: float = 120.0
+        self,
+        op: str,
+        name: str,
+        path: str | None = None,
+        digest: str | None = None,
+        timeout: float = 120.0,
+        keep: Iterable[str] = (),
     ) -> Any:
         """Prefetch and remove are the replicas' own business (each follows the registry); pinning one
         adapter on every replica is not offered with --replicas."""

@@ -90,7 +90,8 @@ class EngineReplica:
 
     async def _drop(self, name: str) -> None:
         try:
-            await self.client.adapter_call("remove", name)
+            keep = {a.digest for a in self.follower.snapshot().values()} if self.follower else set()
+            await self.client.adapter_call("remove", name, keep=keep)
         except Exception as exc:  # in use or engine restarting: the pool's LRU evicts it later
             log.info("could not drop adapter %r now: %s", name, exc)
 

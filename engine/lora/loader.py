@@ -123,6 +123,10 @@ class AdapterLoader:
     def known_digests(self) -> list[str]:
         return list(self._paths)
 
+    def forget_name(self, name: str) -> None:
+        """Stop mapping `name` to a digest (the digest itself stays known)."""
+        self._names.pop(name, None)
+
     def forget(self, digest: str) -> None:
         """Drop every name of `digest`, where its files are, and their held descriptors."""
         self._paths.pop(digest, None)

@@ -20,7 +20,7 @@ cached; `add_lora`/`prefetch`/`pin_lora` of it (activated again) end that.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
 
 import torch
@@ -181,13 +181,21 @@ class LoRAManager:
         if ckpt is not None:
             self.residency.keep_on_host(ckpt, in_use)
 
-    def remove_lora(self, name_or_digest: str, in_use: set[str]) -> bool:
+    def remove_lora(self, name_or_digest: str, in_use: set[str], keep: Set[str] = frozenset()) -> bool:
         """Forget an adapter (all tiers). If unfinished requests use it (`in_use`: digests of running and
         waiting requests) it is only retired: they finish on it and `retain` drops it after the last one.
-        Returns whether it was known."""
+
+        Residency is per digest: removing a *name* whose digest another name still maps to, or that is in
+        `keep` (the digests the caller still serves under other names), only forgets that name; the
+        adapter stays in every tier. Returns whether it was known."""
         digest = self.loader.digest_of(name_or_digest)
         res = self.residency
         known = digest in res.cpu or res.is_resident(digest) or self.loader.is_known(digest)
+        if digest != name_or_digest and (
+            digest in keep or any(n != name_or_digest for n in self.loader.names_of(digest))
+        ):
+            self.loader.forget_name(name_or_digest)  # shared content: only this name goes
+            return known
         self.removed[digest] = None
         self.removed.move_to_end(digest)
         while len(self.removed) > REMOVED_MEMORY:

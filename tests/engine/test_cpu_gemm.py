@@ -16,7 +16,7 @@ from tests.helpers.tiny_models import ARCHS
 PROMPTS = [[5, 9, 14, 3, 77], [8] * 3, [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70]]
 
 
-@pytest.mark.parametrize("rows", [1, 7, 32, 300])
+@pytest.mark.parametrize("rows", [1, 7, 13, 32, 65, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_equals_f_linear(rows, bias):
     gen = torch.Generator().manual_seed(rows)
