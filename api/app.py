@@ -23,6 +23,7 @@ from api.engine_client import EngineClient
 from api.errors import install_error_handlers
 from api.guard import RequestGuard
 from api.limits.headers import RateLimitHeaders
+from api.metrics import Metrics
 from api.registry_lane import RegistryLane
 from api.settings import ServerSettings
 from api.state import AppState
@@ -112,7 +113,10 @@ async def _start(settings: ServerSettings, client_factory: Callable[[Any], Any])
     follower = RegistryFollower(registry.adapters, registry.bus, on_change)
     admission = ClientAdmission(settings.client_seq_limit(), capacity=settings.engine.max_num_seqs)
     lookups = RegistryLane("lookup", threads=8, timeout=reg_settings.db_connect_timeout + 1.0)
-    state = AppState(settings, client, tokenizer, registry, follower, admin_auth, admission, lookups)
+    state = AppState(
+        settings, client, tokenizer, registry, follower, admin_auth, admission, lookups,
+        metrics=Metrics(per_replica=bool(getattr(client, "per_replica_metrics", False))),
+    )  # fmt: skip
     await asyncio.to_thread(follower.start)
     registry.start_outbox_relay()  # events written while the bus was down are delivered when it is back
     if follower.resyncs == 0:
