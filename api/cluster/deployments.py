@@ -92,6 +92,7 @@ def ingress_deployment(settings: ServerSettings, options: ClusterOptions) -> Any
 
     def build_app():
         from api.app import create_app
+        from api.cluster.in_flight import InFlightMiddleware
         from api.cluster.remote_client import RemoteEngineClient
         from api.cluster.replica_header import ReplicaHeaderMiddleware
         from api.cluster.routes import router
@@ -100,7 +101,8 @@ def ingress_deployment(settings: ServerSettings, options: ClusterOptions) -> Any
         app = create_app(settings, client_factory=lambda cfg: RemoteEngineClient(cfg, ENGINE_DEPLOYMENT))
         app.include_router(router)
         app.add_middleware(ReplicaHeaderMiddleware)
-        _ingress_apps[:] = [app]
+        app.add_middleware(InFlightMiddleware)
+        remember_ingress_app(app)
         return app
 
     class IngressDeployment:
@@ -112,17 +114,19 @@ def ingress_deployment(settings: ServerSettings, options: ClusterOptions) -> Any
             (503, or an SSE error event). Returns the requests in flight now."""
             import asyncio
 
+            from api.cluster.in_flight import http_in_flight
+
             client = _ingress_client()
-            if client is None:
-                return 0
-            client.begin_drain()
-            asyncio.get_running_loop().call_later(grace, client.end_in_flight)
-            return int(client.num_in_flight())
+            if client is not None:
+                client.begin_drain()
+                asyncio.get_running_loop().call_later(grace, client.end_in_flight)
+            return http_in_flight()
 
         async def in_flight(self) -> int:
-            """Requests this ingress replica has in flight to the engine replicas."""
-            client = _ingress_client()
-            return int(client.num_in_flight()) if client is not None else 0
+            """HTTP requests this ingress replica is serving now."""
+            from api.cluster.in_flight import http_in_flight
+
+            return http_in_flight()
 
     return ray_api.deployment(
         ray_api.ingress(build_app)(IngressDeployment),
@@ -131,6 +135,12 @@ def ingress_deployment(settings: ServerSettings, options: ClusterOptions) -> Any
         max_ongoing_requests=1000,
         graceful_shutdown_timeout_s=settings.shutdown_grace_seconds + CUT_MARGIN_SECONDS,
     )
+
+
+def remember_ingress_app(app: Any) -> None:
+    """Keep this process's ingress app for `drain` (module-level, so that the deployment's methods, which
+    Ray pickles by value, and `build_app` reach the same list through this imported module)."""
+    _ingress_apps[:] = [app]
 
 
 def _ingress_client() -> Any:

@@ -13,6 +13,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 from api.cluster import ray_api
 from api.cluster.options import ClusterOptions
@@ -24,9 +25,12 @@ log = logging.getLogger("loraplex.cluster")
 __all__ = ["ClusterOptions", "drain", "serve_cluster", "start_cluster", "stop_cluster"]
 
 
-def start_cluster(settings: ServerSettings, options: ClusterOptions) -> dict[str, float]:
+def start_cluster(
+    settings: ServerSettings, options: ClusterOptions, on_connected: Callable[[], None] | None = None
+) -> dict[str, float]:
     """Deploy the ingress and `options.replicas` engine replicas; returns once all are up, with the
-    seconds each start-up phase took (also logged)."""
+    seconds each start-up phase took (also logged). `on_connected()` runs once Ray is up (which installs
+    signal handlers of its own), before the deployment."""
     from api.cluster.deployments import build_application
 
     options.validate()
@@ -38,6 +42,8 @@ def start_cluster(settings: ServerSettings, options: ClusterOptions) -> dict[str
     open_registry(settings.registry).close()  # create or upgrade the default SQLite schema once, up front
     t1 = time.monotonic()
     ray_api.init(options.ray_address, options.num_cpus)
+    if on_connected is not None:
+        on_connected()
     t2 = time.monotonic()
     ray_api.start_http(settings.host, settings.port)
     t3 = time.monotonic()
@@ -83,11 +89,14 @@ def serve_cluster(settings: ServerSettings, options: ClusterOptions) -> None:
     """Serve until SIGINT/SIGTERM, then drain (see the module doc) and tear down what is ours."""
     stop = threading.Event()
     started = False
-    try:
-        start_cluster(settings, options)
-        started = True
-        for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs handlers of its own
+
+    def on_signals() -> None:  # after ray.init, which installs handlers of its own
+        for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
+
+    try:
+        start_cluster(settings, options, on_connected=on_signals)  # a signal meanwhile: drain once up
+        started = True
         stop.wait()
         drain(settings.shutdown_grace_seconds)
     finally:

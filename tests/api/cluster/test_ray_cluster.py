@@ -319,3 +319,26 @@ def _healthy_replicas(cluster: Cluster) -> list[dict]:
         return [r for r in cluster.replicas() if r["healthy"]]
     except (httpx.HTTPError, AssertionError):
         return []
+
+
+class Bystander:
+    """Another team's Serve application on the same cluster."""
+
+    def __call__(self, request) -> str:
+        return "still here"
+
+
+def test_removing_loraplex_leaves_other_serve_applications_alone(cluster: Cluster) -> None:
+    """What `--ray-address` shutdown does (`ray_api.shutdown(own_cluster=False)`, before disconnecting):
+    delete loraplex's application only. Runs last: it removes the module's application."""
+    from ray import serve
+
+    serve.run(
+        ray_api.deployment(Bystander, name="Bystander", num_replicas=1, max_ongoing_requests=4).bind(),
+        name="bystander",
+        route_prefix="/bystander",
+    )
+    assert ray_api.app_names() == ["bystander", ray_api.APP_NAME]
+    ray_api.delete_app()
+    assert ray_api.app_names() == ["bystander"]
+    assert httpx.get(cluster.url + "/bystander", timeout=30).text == "still here"
