@@ -83,6 +83,8 @@ class RemoteEngineClient:
                 if await self.poll():
                     break
                 reason = "no engine replica ready yet"
+            except TimeoutError:  # a replica still loading did not answer the poll in time
+                reason = "an engine replica did not answer yet"
             except Exception as exc:
                 if not ray_api.is_deployment_unavailable(exc) and not ray_api.is_replica_failure(exc):
                     raise
