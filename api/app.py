@@ -23,6 +23,7 @@ from api.engine_client import EngineClient
 from api.errors import install_error_handlers
 from api.guard import RequestGuard
 from api.limits.headers import RateLimitHeaders
+from api.metrics import Metrics
 from api.registry_lane import RegistryLane
 from api.settings import ServerSettings
 from api.state import AppState
@@ -124,8 +125,9 @@ async def _start(settings: ServerSettings, client_factory: Callable[[Any], Any])
     lookups = RegistryLane("lookup", threads=8, timeout=reg_settings.db_connect_timeout + 1.0)
     key_cache = KeyCache(registry.keys, registry.bus)
     state = AppState(
-        settings, client, tokenizer, registry, follower, admin_auth, admission, key_cache, lookups
-    )
+        settings, client, tokenizer, registry, follower, admin_auth, admission, key_cache, lookups,
+        metrics=Metrics(per_replica=bool(getattr(client, "per_replica_metrics", False))),
+    )  # fmt: skip
     await asyncio.to_thread(follower.start)
     await asyncio.to_thread(key_cache.start)
     registry.start_outbox_relay()  # events written while the bus was down are delivered when it is back

@@ -9,6 +9,9 @@ The Inference Extension's endpoint picker (and llm-d's) scores each serving pod 
 
 and, beyond what vLLM exports, `loraplex_lora_adapter_resident{adapter, digest, tier, pinned}` = 1 for
 every adapter a pool holds (tier "device" or "cpu"), so that a router also sees idle resident adapters.
+
+Behind `loraplex serve --replicas N` the ingress exports these per engine replica, each sample with a
+leading `replica` label (the replica's id): `GatewayGauges(registry, per_replica=True)`.
 """
 
 from __future__ import annotations
@@ -22,38 +25,49 @@ RESIDENT_TIERS = ("device", "cpu")
 
 
 class GatewayGauges:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, per_replica: bool = False) -> None:
         r = registry
-        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled", registry=r)
-        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch", registry=r)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full)", registry=r)
+        self.per_replica = per_replica
+        pre = ["replica"] if per_replica else []
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled", pre, registry=r)
+        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch", pre, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full)", pre, registry=r)
+        self._scalars = (self.waiting, self.running, self.kv_usage)
         self.lora_info = Gauge(
             "vllm:lora_requests_info",
             "Running and waiting adapters (value: time of the update)",
-            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            [*pre, "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
             registry=r,
         )
         self.resident = Gauge(
             "loraplex_lora_adapter_resident",
             "1 for each adapter held by the pool, by tier",
-            ["adapter", "digest", "tier", "pinned"],
+            [*pre, "adapter", "digest", "tier", "pinned"],
             registry=r,
         )
 
     def refresh(self, engine: dict[str, Any], adapters: list[dict[str, Any]], max_loras: int) -> None:
         """Set every gauge from one engine stats snapshot (`EngineStats` and `LoRAInfo` as dicts)."""
-        self.waiting.set(engine["num_waiting"])
-        self.running.set(engine["num_running"])
-        self.kv_usage.set(engine["kv_usage"])
-        self.lora_info.clear()
-        self.lora_info.labels(
-            str(max_loras),
-            ",".join(engine.get("running_loras", [])),
-            ",".join(engine.get("waiting_loras", [])),
-        ).set(time.time())
-        self.resident.clear()
-        for a in adapters:
-            if a["tier"] not in RESIDENT_TIERS:
-                continue
-            for name in a["names"] or [""]:
-                self.resident.labels(name, a["digest"], a["tier"], str(bool(a["pinned"])).lower()).set(1)
+        self.refresh_replicas([("", engine, adapters)], max_loras)
+
+    def refresh_replicas(
+        self, replicas: list[tuple[str, dict[str, Any], list[dict[str, Any]]]], max_loras: int
+    ) -> None:
+        """Set every gauge from (replica id, engine stats, adapters) per replica; replicas gone since the
+        last refresh disappear. Without `per_replica` the list holds one entry (the id is not used)."""
+        now = time.time()
+        for gauge in (self.waiting, self.running, self.kv_usage, self.lora_info, self.resident):
+            gauge.clear()
+        for replica, engine, adapters in replicas:
+            pre = [replica] if self.per_replica else []
+            for gauge, key in zip(self._scalars, ("num_waiting", "num_running", "kv_usage"), strict=True):
+                (gauge.labels(*pre) if pre else gauge).set(engine[key])
+            running = ",".join(engine.get("running_loras", []))
+            waiting = ",".join(engine.get("waiting_loras", []))
+            self.lora_info.labels(*pre, str(max_loras), running, waiting).set(now)
+            for a in adapters:
+                if a["tier"] not in RESIDENT_TIERS:
+                    continue
+                for name in a["names"] or [""]:
+                    pinned = str(bool(a["pinned"])).lower()
+                    self.resident.labels(*pre, name, a["digest"], a["tier"], pinned).set(1)

@@ -16,7 +16,9 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64,
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, per_replica: bool = False) -> None:
+        """`per_replica`: the engine client reaches several engine replicas (`--replicas`), and the
+        gateway gauges are exported per replica (a `replica` label) instead of for one engine."""
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
             "loraplex_requests", "Finished generation requests", ["adapter", "status"], registry=r
@@ -55,7 +57,7 @@ class Metrics:
         self.lora_evictions = g("loraplex_lora_evictions", "Adapter pool evictions so far")
         self.engine_healthy = g("loraplex_engine_healthy", "1 when the engine process is up")
         self.engine_restarts = g("loraplex_engine_restarts", "Engine process restarts so far")
-        self.gateway = GatewayGauges(r)
+        self.gateway = GatewayGauges(r, per_replica=per_replica)
         self.spec = SpecMetrics(r)
 
     def refresh(self, client) -> None:
@@ -75,7 +77,11 @@ class Metrics:
         self.prefix_hits.set(e["prefix_cache_hits"])
         self.prefix_queries.set(e["prefix_cache_queries"])
         self.preemptions.set(e["num_preemptions"])
-        self.gateway.refresh(e, stats.adapters, client.config.max_loras)
+        if self.gateway.per_replica:
+            per = [(rid, st.engine, st.adapters) for rid, st in client.replica_stats()]
+            self.gateway.refresh_replicas(per, client.config.max_loras)
+        else:
+            self.gateway.refresh(e, stats.adapters, client.config.max_loras)
         self.spec.refresh(e)
         if stats.lora is not None:
             self.pool_pages.labels("used").set(stats.lora["pages_used"])

@@ -85,6 +85,17 @@ def serve(
     ray_num_cpus: Annotated[
         int | None, typer.Option(help="With --replicas: CPUs of the local Ray cluster.", min=1)
     ] = None,
+    cpus_per_replica: Annotated[
+        float,
+        typer.Option(help="With --replicas: Ray CPUs each engine replica reserves (default 0).", min=0),
+    ] = 0.0,
+    gpus_per_replica: Annotated[
+        float,
+        typer.Option(help="With --replicas: Ray GPUs each engine replica reserves (e.g. 1).", min=0),
+    ] = 0.0,
+    ingress_replicas: Annotated[
+        int, typer.Option(help="With --replicas: HTTP ingress replicas (default 1).", min=1)
+    ] = 1,
 ) -> None:
     """Start the server: one resident base model, every active adapter of the registry.
 
@@ -166,26 +177,38 @@ def serve(
     elif settings.admin_token is None:
         err.print("  Admin token  set earlier (stored hashed); set LORAPLEX_ADMIN_TOKEN to choose one")
     if replicas is not None:
-        _serve_replicas(settings, replicas, ray_address, ray_num_cpus, on_serving)
+        from api.cluster.options import ClusterOptions
+
+        layout = ClusterOptions(
+            replicas, ray_address, ray_num_cpus, cpus_per_replica, gpus_per_replica, ingress_replicas
+        )
+        _serve_replicas(settings, layout, on_serving)
     else:
         # A server that ran exits inside `run` (after `on_stopped`), without interpreter teardown.
         run(settings, log_level=log_level, on_stopped=on_stopped, sock=sock, on_serving=on_serving)
     err.print("loraplex stopped")
 
 
-def _serve_replicas(
-    settings, replicas: int, ray_address: str | None, num_cpus: int | None, on_serving: Callable[[], None]
-) -> None:
+def _serve_replicas(settings, layout, on_serving: Callable[[], None]) -> None:
+    """Serve on Ray Serve with the `ClusterOptions` `layout`, logging start-up phases to stderr."""
+    import logging
+
     from api.cluster.ray_api import RayMissing, require_ray
-    from api.cluster.run import ClusterOptions, serve_cluster
+    from api.cluster.run import serve_cluster
 
     try:
         require_ray()
-    except RayMissing as exc:
+        layout.validate()
+    except (RayMissing, ValueError) as exc:
         fail(str(exc))
-    where = ray_address or "a local Ray cluster"
-    stderr().print(f"  Replicas     {replicas} engine replicas on {where} (Ray Serve, adapter affinity)")
-    serve_cluster(settings, ClusterOptions(replicas, ray_address, num_cpus), on_serving)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    where = layout.ray_address or "a new local Ray cluster"
+    per = f"{layout.cpus_per_replica:g} CPU, {layout.gpus_per_replica:g} GPU each"
+    stderr().print(
+        f"  Replicas     {layout.replicas} engine replicas ({per}) + {layout.ingress_replicas} ingress on "
+        f"{where} (Ray Serve, adapter affinity)"
+    )
+    serve_cluster(settings, layout, on_serving)
 
 
 def engine_options(**given: object) -> dict[str, object]:

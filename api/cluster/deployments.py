@@ -11,12 +11,18 @@ from __future__ import annotations
 from typing import Any
 
 from api.cluster import ray_api
+from api.cluster.options import ClusterOptions
 from api.settings import ServerSettings
 from engine.engine_config import EngineConfig
 from kernels.intmath import cdiv
 
 ENGINE_DEPLOYMENT = "EngineReplica"
 INGRESS_DEPLOYMENT = "Ingress"
+# Past the shutdown grace: time for the requests cut at its end to write their 503s and close.
+CUT_MARGIN_SECONDS = 5.0
+HEALTH_CHECK_PERIOD_S = 1.0  # a replica whose engine died is found within a few periods
+
+_ingress_apps: list[Any] = []  # the FastAPI app of this process's ingress replica (set when it is built)
 
 
 def pool_capacity(config: EngineConfig) -> int:
@@ -26,14 +32,18 @@ def pool_capacity(config: EngineConfig) -> int:
     return max(1, config.adapter_pool_pages() // per_adapter)
 
 
-def engine_deployment(settings: ServerSettings, replicas: int, max_ongoing: int | None = None) -> Any:
-    """The engine deployment class (one `EngineReplica` per Serve replica). `max_ongoing` requests per
+def engine_deployment(
+    settings: ServerSettings, options: ClusterOptions, max_ongoing: int | None = None
+) -> Any:
+    """The engine deployment class (one `EngineReplica` per Serve replica), each replica asking Ray for
+    `options.cpus_per_replica` CPUs and `options.gpus_per_replica` GPUs. `max_ongoing` requests per
     replica (default: the engine's `max_num_seqs`): past it, Ray sends an adapter's requests to another
     replica even though that one must load the adapter (load balance over affinity)."""
     from api.cluster.replica import EngineReplica, LoadedAdapter
 
     class EngineDeployment:
         async def __init__(self) -> None:  # type: ignore[misc]  # Ray Serve awaits an async constructor
+            ray_api.log_to_stderr()
             self.replica = EngineReplica(settings, ray_api.replica_id())
             await self.replica.start()
 
@@ -66,40 +76,80 @@ def engine_deployment(settings: ServerSettings, replicas: int, max_ongoing: int 
     return ray_api.deployment(
         EngineDeployment,
         name=ENGINE_DEPLOYMENT,
-        num_replicas=replicas,
+        num_replicas=options.replicas,
         max_ongoing_requests=max_ongoing or max(8, settings.engine.max_num_seqs),
-        health_check_period_s=2,
-        graceful_shutdown_timeout_s=10,
+        num_cpus=options.cpus_per_replica,
+        num_gpus=options.gpus_per_replica,
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        health_check_timeout_s=10,
+        graceful_shutdown_timeout_s=settings.shutdown_grace_seconds + 2 * CUT_MARGIN_SECONDS,
     )
 
 
-def ingress_deployment(settings: ServerSettings) -> Any:
-    """The HTTP ingress: `create_app` with a client that reaches the engine deployment through Ray."""
+def ingress_deployment(settings: ServerSettings, options: ClusterOptions) -> Any:
+    """The HTTP ingress (`options.ingress_replicas` replicas): `create_app` with a client that reaches the
+    engine deployment through Ray, plus `drain(grace)` and `in_flight()` for the driver's SIGTERM."""
 
     def build_app():
         from api.app import create_app
+        from api.cluster.in_flight import InFlightMiddleware
         from api.cluster.remote_client import RemoteEngineClient
         from api.cluster.replica_header import ReplicaHeaderMiddleware
         from api.cluster.routes import router
 
+        ray_api.log_to_stderr()
         app = create_app(settings, client_factory=lambda cfg: RemoteEngineClient(cfg, ENGINE_DEPLOYMENT))
         app.include_router(router)
         app.add_middleware(ReplicaHeaderMiddleware)
+        app.add_middleware(InFlightMiddleware)
+        remember_ingress_app(app)
         return app
 
     class IngressDeployment:
         def __init__(self, engine: Any = None) -> None:
             self.engine = engine  # bound so that Serve deploys the engine with the ingress
 
+        async def drain(self, grace: float) -> int:
+            """Refuse new requests with 503 from now on; end those still running after `grace` seconds
+            (503, or an SSE error event). Returns the requests in flight now."""
+            import asyncio
+
+            from api.cluster.in_flight import http_in_flight
+
+            client = _ingress_client()
+            if client is not None:
+                client.begin_drain()
+                asyncio.get_running_loop().call_later(grace, client.end_in_flight)
+            return http_in_flight()
+
+        async def in_flight(self) -> int:
+            """HTTP requests this ingress replica is serving now."""
+            from api.cluster.in_flight import http_in_flight
+
+            return http_in_flight()
+
     return ray_api.deployment(
         ray_api.ingress(build_app)(IngressDeployment),
         name=INGRESS_DEPLOYMENT,
-        num_replicas=1,
+        num_replicas=options.ingress_replicas,
         max_ongoing_requests=1000,
+        graceful_shutdown_timeout_s=settings.shutdown_grace_seconds + CUT_MARGIN_SECONDS,
     )
 
 
-def build_application(settings: ServerSettings, replicas: int) -> Any:
+def remember_ingress_app(app: Any) -> None:
+    """Keep this process's ingress app for `drain` (module-level, so that the deployment's methods, which
+    Ray pickles by value, and `build_app` reach the same list through this imported module)."""
+    _ingress_apps[:] = [app]
+
+
+def _ingress_client() -> Any:
+    """The engine client of this process's ingress app, once its lifespan has started it."""
+    state = getattr(_ingress_apps[0].state, "loraplex", None) if _ingress_apps else None
+    return state.client if state is not None else None
+
+
+def build_application(settings: ServerSettings, options: ClusterOptions) -> Any:
     """The bound application: the ingress, with the engine deployment as its dependency."""
-    engine = engine_deployment(settings, replicas).bind()
-    return ingress_deployment(settings).bind(engine)
+    engine = engine_deployment(settings, options).bind()
+    return ingress_deployment(settings, options).bind(engine)

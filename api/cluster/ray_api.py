@@ -34,7 +34,11 @@ def require_ray() -> None:
 
 # ---- the cluster ---------------------------------------------------------------------------------
 def init(address: str | None, num_cpus: int | None, object_store_bytes: int = 100 * 1024**2) -> None:
-    """Join the Ray cluster at `address`, or start a small local one (no dashboard, small object store)."""
+    """Join the Ray cluster at `address`, or start a small local one (no dashboard, small object store).
+
+    Without `address` the cluster is always a new local one: `RAY_ADDRESS` and the address file of an
+    earlier `ray start` (which a plain `ray.init()` would join, and hang on when it is dead) are ignored,
+    and `RAY_ADDRESS` is removed from this process's environment so that no child process joins it."""
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -49,7 +53,21 @@ def init(address: str | None, num_cpus: int | None, object_store_bytes: int = 10
     if address:
         ray.init(address=address, **common)
     else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, object_store_memory=object_store_bytes, **common)
+        os.environ.pop("RAY_ADDRESS", None)
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            object_store_memory=object_store_bytes,
+            **common,
+        )
+
+
+def gcs_address() -> str:
+    """The address of the cluster this process is connected to (host:port of its GCS)."""
+    import ray
+
+    return str(ray.get_runtime_context().gcs_address)
 
 
 def start_http(host: str, port: int) -> None:
@@ -66,26 +84,77 @@ def run(app: Any, route_prefix: str | None = "/") -> Any:
     return serve.run(app, name=APP_NAME, route_prefix=route_prefix, blocking=False)
 
 
-def shutdown() -> None:
+def delete_app() -> None:
+    """Remove loraplex's own Serve application (its replicas drain for their graceful shutdown timeout);
+    other applications on the cluster are left alone."""
+    from ray import serve
+
+    serve.delete(APP_NAME)
+
+
+def app_names() -> list[str]:
+    """Names of the Serve applications on the cluster."""
+    from ray import serve
+
+    return sorted(serve.status().applications)
+
+
+def shutdown(own_cluster: bool = True) -> None:
+    """Leave the cluster. On a cluster of our own (local), stop Serve and Ray; on one given by
+    `--ray-address` remove only loraplex's application and disconnect: Serve, its proxies and every
+    other application keep running."""
     import ray
     from ray import serve
 
     try:
-        serve.shutdown()
+        if own_cluster:
+            serve.shutdown()
+        else:
+            delete_app()
     finally:
         ray.shutdown()
 
 
+def log_to_stderr(level: int = 20) -> None:
+    """In a replica process: send loraplex's log records (`loraplex.*`, INFO and up by default) to the
+    process's stderr, which Ray keeps in the session's `logs/worker-*.err` (and shows with `ray logs`)."""
+    import logging
+    import sys
+
+    class ReplicaLogHandler(logging.StreamHandler):
+        pass
+
+    logger = logging.getLogger("loraplex")
+    logger.setLevel(level)
+    if not any(type(h).__name__ == "ReplicaLogHandler" for h in logger.handlers):
+        handler = ReplicaLogHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        logger.addHandler(handler)
+
+
 # ---- deployments ---------------------------------------------------------------------------------
-def deployment(cls: type, *, name: str, num_replicas: int, max_ongoing_requests: int, **options: Any) -> Any:
-    """`cls` as a Serve deployment; replicas take no Ray CPU slot (engines pin their own threads)."""
+def deployment(
+    cls: type,
+    *,
+    name: str,
+    num_replicas: int,
+    max_ongoing_requests: int,
+    num_cpus: float = 0,
+    num_gpus: float = 0,
+    **options: Any,
+) -> Any:
+    """`cls` as a Serve deployment whose every replica asks Ray for `num_cpus` CPUs and `num_gpus` GPUs
+    (default none: engines pin their own threads; Ray then places replicas without counting them)."""
     from ray import serve
 
+    actor_options: dict[str, Any] = {"num_cpus": num_cpus}
+    if num_gpus:
+        actor_options["num_gpus"] = num_gpus
     return serve.deployment(
         name=name,
         num_replicas=num_replicas,
         max_ongoing_requests=max_ongoing_requests,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options=actor_options,
         **options,
     )(cls)
 
@@ -154,13 +223,32 @@ async def broadcast(handle: Any, method: str, timeout_s: float) -> list[Any]:
     return await handle.broadcast(method).results_async(timeout_s=timeout_s, return_exceptions=True)
 
 
+def broadcast_sync(handle: Any, method: str, timeout_s: float, *args: Any) -> list[Any]:
+    """`method(*args)` on every live replica, from outside an event loop (the driver)."""
+    return handle.broadcast(method, *args).results(timeout_s=timeout_s, return_exceptions=True)
+
+
+def is_initialized() -> bool:
+    import ray
+
+    return bool(ray.is_initialized())
+
+
 def is_replica_failure(exc: BaseException) -> bool:
     """True when `exc` says the replica (its actor) died or became unreachable, not that its code failed."""
     import ray.exceptions as rex
+    from ray.serve.exceptions import ReplicaUnavailableError
 
-    return isinstance(exc, rex.RayActorError | rex.WorkerCrashedError | rex.NodeDiedError) and not isinstance(
-        exc, rex.RayTaskError
-    )
+    dead = rex.RayActorError | rex.WorkerCrashedError | rex.NodeDiedError | ReplicaUnavailableError
+    return isinstance(exc, dead) and not isinstance(exc, rex.RayTaskError)
+
+
+def is_deployment_unavailable(exc: BaseException) -> bool:
+    """True when `exc` says the deployment has no replica running yet (or any more): its replicas are
+    still starting, or all of them are being replaced."""
+    from ray.serve.exceptions import DeploymentUnavailableError
+
+    return isinstance(exc, DeploymentUnavailableError)
 
 
 # ---- for tests and operators ---------------------------------------------------------------------

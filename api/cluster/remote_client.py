@@ -5,9 +5,15 @@ It has the surface the routes use on `api.engine_client.EngineClient` (`info`, `
 for an adapter carries the adapter's content digest as Ray's multiplexed model id: Ray's router prefers
 a replica whose multiplexed LRU holds it, and a re-pointed name can never reach stale weights.
 
-Failures: a replica that dies before the request's first token is retried once on another replica
-(Ray routes around the dead one); after the first token the request ends with `EngineDeadError` (the
-routes answer 503, or an error event in a stream). A replica that refuses an inactive adapter → 404.
+Failures: a request whose replica dies, or whose replica's engine process dies or is down, before the
+request's first token is retried once on another replica (a retry that Ray routes back to a replica that
+already failed it is sent again, within `retry_window_s`, until Serve has routed around that replica);
+after the first token the request ends with `EngineDeadError` (the routes answer 503, or an error event in
+a stream). A replica that refuses an inactive adapter → 404.
+
+Drain (SIGTERM of `loraplex serve --replicas`): `begin_drain()` refuses new requests with
+`ServerShuttingDownError` (503 `server_shutting_down`), and `end_in_flight()`, at the end of the grace,
+ends those still running the same way: the single server's contract.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from typing import Any, cast
 from api.cluster import ray_api
 from api.cluster.replica import decode_item
 from api.cluster.replica_header import note_replica
-from api.engine_client import EngineDeadError, EngineUnavailableError
+from api.engine_client import EngineDeadError, EngineUnavailableError, ServerShuttingDownError
 from api.engine_protocol import AddRequest, EngineStatsMsg, Ready, RequestDelta, decode_from_engine, encode
 from api.errors import APIError
 from engine.engine_config import EngineConfig
@@ -37,12 +43,15 @@ class RemoteEngineClient:
         poll_seconds: float = 0.5,
         retries: int = 1,
         affinity: bool = True,
+        retry_window_s: float = 15.0,
     ) -> None:
         self.config = config
         self.affinity = affinity  # False: no multiplexed id, Ray's plain load balancing (for comparison)
         self.deployment = deployment
         self.poll_seconds = poll_seconds
         self.retries = retries
+        self.retry_window_s = retry_window_s
+        self.per_replica_metrics = True  # `/metrics` labels each replica's gauges with its id
         self.info: Ready | None = None
         self.stats: EngineStatsMsg | None = None
         self.healthy = False
@@ -52,16 +61,41 @@ class RemoteEngineClient:
         self._handle: Any = None
         self._in_flight = 0
         self._poller: asyncio.Task | None = None
+        self._draining = False
+        self._cut = asyncio.Event()  # set by `end_in_flight`
+        self._cut_wait: asyncio.Future | None = None
 
     # ---- life cycle -------------------------------------------------------------------------------
-    async def start(self, timeout: float = 600.0) -> None:
-        """Wait until an engine replica reports its engine ready, then keep polling every replica."""
+    async def start(self, timeout: float = 1800.0) -> None:
+        """Wait until an engine replica reports its engine ready, then keep polling every replica.
+
+        While the engine deployment has no replica running yet (Serve deploys it beside the ingress, and
+        a replica is only running once its engine has loaded the model) Ray answers
+        `DeploymentUnavailableError`: that is waited out, not raised, so the ingress never fails its
+        start-up (Serve gives a replica three tries) however slow the model is to load."""
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
         self._handle = ray_api.deployment_handle(self.deployment)
-        deadline = asyncio.get_running_loop().time() + timeout
-        while not await self.poll():
-            if asyncio.get_running_loop().time() > deadline:
-                raise RuntimeError("no engine replica became ready")
+        self._cut_wait = asyncio.ensure_future(self._cut.wait())
+        waited_for = ""
+        while True:
+            try:
+                if await self.poll():
+                    break
+                reason = "no engine replica ready yet"
+            except TimeoutError:  # a replica still loading did not answer the poll in time
+                reason = "an engine replica did not answer yet"
+            except Exception as exc:
+                if not ray_api.is_deployment_unavailable(exc) and not ray_api.is_replica_failure(exc):
+                    raise
+                reason = "the engine deployment has no running replica yet"
+            if reason != waited_for:
+                log.info("waiting for the engine replicas: %s", reason)
+                waited_for = reason
+            if loop.time() - t0 > timeout:
+                raise RuntimeError(f"no engine replica became ready in {timeout:.0f} s")
             await asyncio.sleep(0.2)
+        log.info("engine replicas ready after %.1f s (the ingress waited for them)", loop.time() - t0)
         self._poller = asyncio.create_task(self._poll_forever(), name="replica-poller")
 
     async def _poll_forever(self) -> None:
@@ -87,47 +121,103 @@ class RemoteEngineClient:
         return bool(ready)
 
     async def shutdown(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poller
+        for task in (self._poller, self._cut_wait):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    def begin_drain(self) -> None:
+        """The start of a shutdown's grace: new requests are refused with `ServerShuttingDownError`."""
+        self._draining = True
+
+    def end_in_flight(self) -> int:
+        """The end of the grace: every request in flight ends with `ServerShuttingDownError` (its Ray call
+        is cancelled, which aborts its engine request). Returns how many were in flight."""
+        self._draining = True
+        self._cut.set()
+        return self._in_flight
 
     # ---- requests ---------------------------------------------------------------------------------
     async def generate(self, req: AddRequest) -> AsyncIterator[RequestDelta]:
         """Stream `req`'s deltas from the replica Ray picks for its adapter; see the module doc."""
+        if self._draining:
+            raise ServerShuttingDownError("the server is shutting down")
         if not self.healthy:
             raise EngineUnavailableError("no engine replica is ready")
         payload = encode(req)
+        model_id = req.lora.digest if self.affinity and req.lora is not None else None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.retry_window_s
+        failed: set[str] = set()  # replicas that failed this request before its first token
         self._in_flight += 1
         try:
-            for attempt in range(self.retries + 1):
-                started = False
+            while True:
+                attempt = _Attempt()
                 try:
-                    model_id = req.lora.digest if self.affinity and req.lora is not None else None
-                    call = ray_api.stream(self._handle, "generate", model_id, payload)
-                    async with contextlib.aclosing(ray_api.iterate(call)) as items:
-                        async for raw in items:
-                            item = decode_item(raw)
-                            note_replica(item.replica)
-                            if item.refused is not None:
-                                raise APIError(404, item.refused, param="model", code="model_not_found")
-                            if item.delta is not None:
-                                started = True
-                                delta = cast(RequestDelta, decode_from_engine(item.delta))
-                                yield delta
-                                if delta.finish_reason is not None:
-                                    return
+                    async for delta in self._attempt(payload, model_id, attempt):
+                        yield delta
                     return
-                except (APIError, asyncio.CancelledError, GeneratorExit):
+                except _ReplicaFailed as exc:
+                    if attempt.started:
+                        raise EngineDeadError(f"the engine replica failed: {exc}") from exc
+                    replica = attempt.replica or f"unknown-{len(failed)}"  # died before saying who it is
+                    again = replica in failed
+                    failed.add(replica)
+                    if (not again and len(failed) > self.retries) or loop.time() > deadline:
+                        raise EngineDeadError(f"the engine replica failed: {exc}") from exc
+                    log.warning("replica %s failed before the first token (%s); retrying", replica, exc)
+                    if again:  # Ray has not routed around it yet (Serve's health check takes seconds)
+                        await asyncio.sleep(0.2)
+        finally:
+            self._in_flight -= 1
+
+    async def _attempt(
+        self, payload: bytes, model_id: str | None, attempt: _Attempt
+    ) -> AsyncIterator[RequestDelta]:
+        """One try on the replica Ray picks: its deltas; `_ReplicaFailed` when the replica or its engine
+        failed; `ServerShuttingDownError` when the drain's grace ends first."""
+        call = ray_api.stream(self._handle, "generate", model_id, payload)
+        async with contextlib.aclosing(ray_api.iterate(call)) as items:
+            while True:
+                try:
+                    raw = await self._next_or_cut(items)
+                except StopAsyncIteration:
+                    return
+                except (APIError, asyncio.CancelledError, GeneratorExit, ServerShuttingDownError):
                     raise
                 except Exception as exc:
                     if not ray_api.is_replica_failure(exc):
                         raise EngineUnavailableError(f"engine replica failed: {exc}") from exc
-                    if started or attempt == self.retries:
-                        raise EngineDeadError("the engine replica died") from exc
-                    log.warning("engine replica died before the first token; retrying (%s)", exc)
-        finally:
-            self._in_flight -= 1
+                    raise _ReplicaFailed(str(exc)) from exc
+                item = decode_item(raw)
+                attempt.replica = item.replica
+                note_replica(item.replica)
+                if item.refused is not None:
+                    raise APIError(404, item.refused, param="model", code="model_not_found")
+                if item.failed is not None:
+                    raise _ReplicaFailed(item.failed)
+                if item.delta is not None:
+                    attempt.started = True
+                    delta = cast(RequestDelta, decode_from_engine(item.delta))
+                    yield delta
+                    if delta.finish_reason is not None:
+                        return
+
+    async def _next_or_cut(self, items: AsyncIterator[Any]) -> Any:
+        """The next item of a replica's stream, unless the drain's grace ends first."""
+        if self._cut.is_set():
+            raise ServerShuttingDownError("the shutdown grace is over")
+        nxt = asyncio.ensure_future(anext(items))
+        if self._cut_wait is None:
+            return await nxt
+        done, _ = await asyncio.wait({nxt, self._cut_wait}, return_when=asyncio.FIRST_COMPLETED)
+        if nxt in done:
+            return nxt.result()
+        nxt.cancel()
+        with contextlib.suppress(BaseException):
+            await nxt
+        raise ServerShuttingDownError("the shutdown grace is over")
 
     async def abort(self, request_ids: list[str]) -> None:
         """Nothing to do: leaving `generate` early cancels the Ray call, which aborts the engine request."""
@@ -149,6 +239,28 @@ class RemoteEngineClient:
 
     def num_in_flight(self) -> int:
         return self._in_flight
+
+    def replica_stats(self) -> list[tuple[str, EngineStatsMsg]]:
+        """(replica id, its latest statistics) for every live replica that reported some."""
+        return [
+            (r["replica"], cast(EngineStatsMsg, decode_from_engine(r["stats"])))
+            for r in self.replicas
+            if r["stats"]
+        ]
+
+
+class _Attempt:
+    """What one try of a request saw: the replica that took it, and whether a token came back."""
+
+    __slots__ = ("replica", "started")
+
+    def __init__(self) -> None:
+        self.replica: str | None = None
+        self.started = False
+
+
+class _ReplicaFailed(Exception):
+    """The replica, or its engine process, failed the request (retryable before the first token)."""
 
 
 def merge_stats(parts: list[EngineStatsMsg]) -> EngineStatsMsg | None:

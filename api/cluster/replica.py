@@ -5,6 +5,12 @@ Requests arrive as encoded `AddRequest`s and leave as a stream of `StreamItem`s.
 served only if this replica's own view of the registry has the adapter's digest active (re-checked in
 the database before refusing, so a fresh activation is never refused), and its weights come from this
 replica's blob store, never from a path the ingress saw: replicas may live on other machines.
+
+With the database blob store each replica keeps its own cache directory (`replica_data_dir`): it never
+reads the driver's, the ingress's or another replica's files, so the database is the only way adapter
+weights reach it. A replica whose engine process is down reports unhealthy at once (`check_health`), so
+that Serve stops routing to it and replaces it; requests that reach it meanwhile are answered with a
+`failed` item before any token, which the ingress retries on another replica.
 """
 
 from __future__ import annotations
@@ -12,13 +18,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
+import shutil
+import tempfile
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from api.engine_client import EngineClient
+from api.engine_client import EngineClient, EngineDeadError, EngineUnavailableError
 from api.engine_protocol import AddRequest, decode_to_engine, encode
 from api.settings import ServerSettings
 from engine.lora_request import LoRARequest
@@ -36,6 +46,7 @@ class StreamItem(msgspec.Struct, array_like=True):
     replica: str
     delta: bytes | None = None
     refused: str | None = None  # why the adapter cannot be served here (the ingress answers 404)
+    failed: str | None = None  # the engine failed the request, or is down (the ingress may retry)
 
 
 @dataclasses.dataclass(slots=True)
@@ -51,6 +62,21 @@ class AdapterRefused(LookupError):
     pass
 
 
+REPLICA_DIR_ENV = "LORAPLEX_REPLICA_DATA_DIR"  # where replicas make their own cache dirs (default: tmp)
+
+
+def replica_data_dir(settings: ServerSettings, replica_id: str) -> Path | None:
+    """A new cache directory of this replica's own (under `$LORAPLEX_REPLICA_DATA_DIR`, else the system's
+    temporary directory), when the registry keeps blobs in the database; None with the local blob store,
+    whose files are the blobs themselves and must be shared (one machine, or a shared volume)."""
+    assert settings.registry is not None
+    if settings.registry.blob_store != "database":
+        return None
+    base = Path(os.environ.get(REPLICA_DIR_ENV) or tempfile.gettempdir())
+    base.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"loraplex-{replica_id}-", dir=base))
+
+
 class EngineReplica:
     def __init__(self, settings: ServerSettings, replica_id: str) -> None:
         self.settings = settings
@@ -59,28 +85,49 @@ class EngineReplica:
         self.registry: Registry | None = None
         self.follower: RegistryFollower | None = None
         self.multiplexed_loads = 0  # adapters loaded by Ray's multiplexed loader (its LRU misses)
-        self._unhealthy_since: float | None = None
+        self.data_dir: Path | None = None  # this replica's own cache dir (database blob store)
+        self.loaded_paths: dict[str, str] = {}  # digest -> the directory the engine loaded it from
+        self.startup_seconds: dict[str, float] = {}
+        self._engine_up_once = False
+        self._resync: asyncio.Task | None = None
 
     async def start(self) -> None:
-        """Open the registry, start the engine, follow the registry (events + a short resync)."""
+        """Open the registry (on this replica's own cache dir), start the engine, follow the registry
+        (events + a short resync); logs how long each phase took."""
         reg_settings = self.settings.registry
         assert reg_settings is not None
+        t0 = time.monotonic()
+        self.data_dir = replica_data_dir(self.settings, self.replica_id)
+        if self.data_dir is not None:
+            reg_settings = dataclasses.replace(reg_settings, data_dir=self.data_dir)
         self.registry = await asyncio.to_thread(open_registry, reg_settings, auto_upgrade=False)
+        t1 = time.monotonic()
         await self.client.start()
+        self._engine_up_once = True
+        t2 = time.monotonic()
         loop = asyncio.get_running_loop()
 
         def on_change(name: str, adapter: ActiveAdapter | None) -> None:
             if adapter is None:
                 loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drop(name)))
 
-        self.follower = follower = RegistryFollower(self.registry.adapters, self.registry.bus, on_change)
-        await asyncio.to_thread(follower.start)
-        if follower.resyncs == 0:
-            await asyncio.to_thread(follower.resync)
-        self._resync = asyncio.create_task(self._resync_forever(follower))
+        self.follower = RegistryFollower(self.registry.adapters, self.registry.bus, on_change)
+        await asyncio.to_thread(self.follower.start)
+        if self.follower.resyncs == 0:
+            await asyncio.to_thread(self.follower.resync)
+        self._resync = asyncio.create_task(self._resync_forever())
+        t3 = time.monotonic()
+        self.startup_seconds = {"registry": t1 - t0, "engine": t2 - t1, "follower": t3 - t2, "total": t3 - t0}
+        log.info(
+            "replica %s ready in %.1f s: registry %.1f s, engine %.1f s, registry follower %.1f s "
+            "(cache dir %s)",
+            self.replica_id, t3 - t0, t1 - t0, t2 - t1, t3 - t2, self.data_dir or reg_settings.data_dir,
+        )  # fmt: skip
 
-    async def _resync_forever(self, follower: RegistryFollower) -> None:
-        """Resync `follower` with the registry every `registry_resync_seconds`, until cancelled."""
+    async def _resync_forever(self) -> None:
+        """Resync the registry follower every `registry_resync_seconds`, until cancelled."""
+        follower = self.follower
+        assert follower is not None
         while True:
             await asyncio.sleep(self.settings.registry_resync_seconds)
             try:
@@ -96,12 +143,15 @@ class EngineReplica:
             log.info("could not drop adapter %r now: %s", name, exc)
 
     async def stop(self) -> None:
-        self._resync.cancel()
+        if self._resync is not None:
+            self._resync.cancel()
         if self.follower is not None:
             self.follower.close()
         await self.client.shutdown()
         if self.registry is not None:
             self.registry.close()
+        if self.data_dir is not None:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
 
     # ---- adapters --------------------------------------------------------------------------------
     async def active(self, digest: str, name: str | None) -> ActiveAdapter | None:
@@ -124,6 +174,7 @@ class EngineReplica:
         assert self.registry is not None
         path = await asyncio.to_thread(self.registry.adapters.adapter_path, digest)
         await self.client.adapter_call("add", active.name, str(path), digest)
+        self.loaded_paths[digest] = str(path)
         return LoadedAdapter(active.name, digest, str(path))
 
     # ---- requests --------------------------------------------------------------------------------
@@ -132,6 +183,9 @@ class EngineReplica:
         req = decode_to_engine(payload)
         assert isinstance(req, AddRequest)
         yield _item(self.replica_id)
+        if not self.client.healthy:  # the engine died and is restarting: let the ingress go elsewhere
+            yield _item(self.replica_id, failed="the engine process of this replica is down")
+            return
         if req.lora is not None and req.lora.digest is not None:
             try:
                 if adapter is None or adapter.digest != req.lora.digest:
@@ -141,20 +195,22 @@ class EngineReplica:
             except AdapterRefused as exc:
                 yield _item(self.replica_id, refused=str(exc))
                 return
+            except (EngineDeadError, EngineUnavailableError) as exc:
+                yield _item(self.replica_id, failed=f"the engine could not load the adapter: {exc}")
+                return
             req = msgspec.structs.replace(req, lora=LoRARequest(adapter.name, adapter.path, adapter.digest))
-        async for delta in self.client.generate(req):
-            yield _item(self.replica_id, delta=encode(delta))
+        try:
+            async for delta in self.client.generate(req):
+                yield _item(self.replica_id, delta=encode(delta))
+        except (EngineDeadError, EngineUnavailableError) as exc:
+            yield _item(self.replica_id, failed=f"the engine process failed: {exc}")
 
-    def check_health(self, grace_seconds: float = 120.0) -> None:
-        """Raise when the engine has been down longer than `grace_seconds` (its client restarts a dead
-        engine by itself; Serve replaces a replica whose check keeps failing)."""
-        if self.client.healthy:
-            self._unhealthy_since = None
-            return
-        now = time.monotonic()
-        self._unhealthy_since = self._unhealthy_since or now
-        if now - self._unhealthy_since > grace_seconds:
-            raise RuntimeError(f"engine down for more than {grace_seconds:.0f} s")
+    def check_health(self) -> None:
+        """Raise once the engine process, up before, has died (even if its client has restarted it since):
+        Serve's health check then marks this replica unhealthy within a few periods and replaces it with
+        a fresh one, instead of routing requests to a replica that cannot answer them."""
+        if self._engine_up_once and (not self.client.healthy or self.client.restarts > 0):
+            raise RuntimeError("the engine process of this replica died; Serve replaces the replica")
 
     def describe(self) -> dict[str, Any]:
         """This replica's state: engine info and stats, active adapters as it sees them (and when each name
@@ -171,14 +227,20 @@ class EngineReplica:
             "active": {n: a.digest for n, a in (self.follower.snapshot() if self.follower else {}).items()},
             "changed_at": dict(self.follower.changed_at) if self.follower else {},
             "multiplexed_loads": self.multiplexed_loads,
+            "engine_pid": c.pid,
+            "data_dir": str(self.data_dir) if self.data_dir is not None else None,
+            "loaded_paths": dict(self.loaded_paths),
+            "startup_seconds": dict(self.startup_seconds),
         }
 
 
 _encoder = msgspec.msgpack.Encoder()
 
 
-def _item(replica: str, delta: bytes | None = None, refused: str | None = None) -> bytes:
-    return _encoder.encode(StreamItem(replica, delta, refused))
+def _item(
+    replica: str, delta: bytes | None = None, refused: str | None = None, failed: str | None = None
+) -> bytes:
+    return _encoder.encode(StreamItem(replica, delta, refused, failed))
 
 
 decode_item = msgspec.msgpack.Decoder(StreamItem).decode

@@ -1,52 +1,109 @@
-"""`loraplex serve --replicas N`: start (or join) a Ray cluster, deploy the app, serve until a signal."""
+"""`loraplex serve --replicas N`: start (or join) a Ray cluster, deploy the app, serve until a signal.
+
+Start-up is logged per phase (`loraplex.cluster`): Ray, Serve's HTTP proxy, the deployment (the engine
+replicas loading their model; each replica logs its own phases too). On SIGTERM/SIGINT the ingress
+replicas drain with `settings.shutdown_grace_seconds` (new requests 503, requests still running at the
+end of the grace 503 or an SSE error event, as with the single server), then only loraplex's own Serve
+application is removed; Serve and Ray are stopped only on a local cluster this process started.
+"""
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from api.cluster import ray_api
+from api.cluster.options import ClusterOptions
 from api.settings import ServerSettings
 from lora_registry import open_registry
 
+log = logging.getLogger("loraplex.cluster")
 
-@dataclass(slots=True)
-class ClusterOptions:
-    replicas: int
-    ray_address: str | None = None  # None: start a local Ray cluster
-    num_cpus: int | None = None  # CPUs of a local cluster (None: Ray's count); replicas reserve none
+__all__ = ["ClusterOptions", "drain", "serve_cluster", "start_cluster", "stop_cluster"]
 
 
-def start_cluster(settings: ServerSettings, options: ClusterOptions) -> None:
-    """Deploy the ingress and `options.replicas` engine replicas; returns once all are up."""
+def start_cluster(
+    settings: ServerSettings, options: ClusterOptions, on_connected: Callable[[], None] | None = None
+) -> dict[str, float]:
+    """Deploy the ingress and `options.replicas` engine replicas; returns once all are up, with the
+    seconds each start-up phase took (also logged). `on_connected()` runs once Ray is up (which installs
+    signal handlers of its own), before the deployment."""
     from api.cluster.deployments import build_application
 
-    if options.replicas < 1:
-        raise ValueError("--replicas must be at least 1")
+    options.validate()
     ray_api.require_ray()
     assert settings.registry is not None
     if not settings.registry.redis_url:  # no events between processes: re-read the registry every second
         settings.registry_resync_seconds = min(settings.registry_resync_seconds, 1.0)
+    t0 = time.monotonic()
     open_registry(settings.registry).close()  # create or upgrade the default SQLite schema once, up front
+    t1 = time.monotonic()
     ray_api.init(options.ray_address, options.num_cpus)
+    if on_connected is not None:
+        on_connected()
+    t2 = time.monotonic()
     ray_api.start_http(settings.host, settings.port)
-    ray_api.run(build_application(settings, options.replicas))
+    t3 = time.monotonic()
+    ray_api.run(build_application(settings, options))
+    t4 = time.monotonic()
+    phases = {"registry": t1 - t0, "ray": t2 - t1, "serve": t3 - t2, "deploy": t4 - t3, "total": t4 - t0}
+    log.info(
+        "cluster ready in %.1f s: registry %.1f s, ray %s %.1f s (%s), serve proxy %.1f s, "
+        "%d engine replica(s) + %d ingress %.1f s",
+        phases["total"], phases["registry"], "joined" if options.ray_address else "started local",
+        phases["ray"], ray_api.gcs_address(), phases["serve"], options.replicas, options.ingress_replicas,
+        phases["deploy"],
+    )  # fmt: skip
+    return phases
+
+
+def drain(grace: float, margin: float = 5.0) -> int:
+    """Drain the ingress replicas: new requests 503 from now on, requests still running after `grace`
+    seconds end with 503 (or an SSE error event). Returns once none is in flight, or `grace + margin`
+    seconds have passed; the return value is the number in flight when the drain began."""
+    from api.cluster.deployments import INGRESS_DEPLOYMENT
+
+    handle = ray_api.deployment_handle(INGRESS_DEPLOYMENT)
+    started = time.monotonic()
+    counts = ray_api.broadcast_sync(handle, "drain", 10.0, grace)
+    at_start = sum(c for c in counts if isinstance(c, int))
+    log.info("draining: %d request(s) in flight, grace %g s", at_start, grace)
+    while time.monotonic() - started < grace + margin:
+        left = ray_api.broadcast_sync(handle, "in_flight", 5.0)
+        if sum(c for c in left if isinstance(c, int)) == 0:
+            break
+        time.sleep(0.1)
+    log.info("drained in %.1f s", time.monotonic() - started)
+    return at_start
+
+
+def stop_cluster(options: ClusterOptions) -> None:
+    """Remove loraplex's application; on a local cluster of our own, stop Serve and Ray too."""
+    ray_api.shutdown(own_cluster=options.ray_address is None)
 
 
 def serve_cluster(
     settings: ServerSettings, options: ClusterOptions, on_serving: Callable[[], None] | None = None
 ) -> None:
-    """Serve until SIGINT/SIGTERM, then tear the application (and a local Ray cluster) down;
+    """Serve until SIGINT/SIGTERM, then drain (see the module doc) and tear down what is ours;
     `on_serving()` runs once every deployment is up."""
     stop = threading.Event()
+    started = False
+
+    def on_signals() -> None:  # after ray.init, which installs handlers of its own
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+
     try:
-        start_cluster(settings, options)
+        start_cluster(settings, options, on_connected=on_signals)  # a signal meanwhile: drain once up
+        started = True
         if on_serving is not None:
             on_serving()
-        for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs handlers of its own
-            signal.signal(sig, lambda *_: stop.set())
         stop.wait()
+        drain(settings.shutdown_grace_seconds)
     finally:
-        ray_api.shutdown()
+        if started or ray_api.is_initialized():
+            stop_cluster(options)

@@ -201,6 +201,7 @@ def run(args: argparse.Namespace) -> list[PhaseResult]:
 
     from api.cluster import ray_api
     from api.cluster.deployments import engine_deployment
+    from api.cluster.options import ClusterOptions
     from api.settings import ServerSettings
     from bench.common.progress import progress
     from lora_registry import open_registry
@@ -239,7 +240,7 @@ def run(args: argparse.Namespace) -> list[PhaseResult]:
         ray_api.init(None, args.ray_num_cpus)
         try:
             ray_api.start_http("127.0.0.1", port)
-            app = engine_deployment(settings, args.replicas, args.max_ongoing).bind()
+            app = engine_deployment(settings, ClusterOptions(args.replicas), args.max_ongoing).bind()
             ray_api.run(app, route_prefix=None)
             return asyncio.run(_drive(settings, phases, args))
         finally:

@@ -57,3 +57,35 @@ async def test_header_names_the_replicas_that_served() -> None:
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
         assert (await c.get("/one")).headers[HEADER] == "r1,r2"
         assert HEADER not in (await c.get("/none")).headers
+
+
+def test_gateway_gauges_per_replica_carry_a_replica_label() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from api.gateway_metrics import GatewayGauges
+
+    registry = CollectorRegistry()
+    gauges = GatewayGauges(registry, per_replica=True)
+    one, two = _stats(2, 10, 100, ["a"], 3), _stats(1, 30, 100, ["b"], 4)
+    for s in (one, two):
+        s.engine["num_waiting"] = 0
+    gauges.refresh_replicas([("r1", one.engine, one.adapters), ("r2", two.engine, two.adapters)], max_loras=4)
+
+    def samples(name: str) -> dict[str, list]:
+        families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+        out: dict[str, list] = {}
+        for s in families[name].samples:
+            out.setdefault(s.labels["replica"], []).append(s)
+        return out
+
+    running = samples("vllm:num_requests_running")
+    assert {r: [s.value for s in v] for r, v in running.items()} == {"r1": [2.0], "r2": [1.0]}
+    info = samples("vllm:lora_requests_info")
+    assert info["r1"][0].labels["max_lora"] == info["r2"][0].labels["max_lora"] == "4"
+    assert info["r2"][0].labels["running_lora_adapters"] == "b"
+    resident = samples("loraplex_lora_adapter_resident")
+    assert [s.labels["adapter"] for s in resident["r1"]] == ["a"]
+    gauges.refresh_replicas([("r2", two.engine, two.adapters)], max_loras=4)  # r1 was replaced
+    assert set(samples("vllm:num_requests_running")) == {"r2"}
+    assert set(samples("loraplex_lora_adapter_resident")) == {"r2"}

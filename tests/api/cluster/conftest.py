@@ -1,12 +1,20 @@
 """One local Ray cluster per test module: `loraplex serve --replicas 2` on the demo model, with the
-registry in a throw-away PostgreSQL database (blobs in the database), events on Redis."""
+registry in a throw-away PostgreSQL database (blobs in the database), events on Redis.
+
+It starts the way an operator's machine may look: a stale Ray address file (an earlier `ray start`) and
+`RAY_ADDRESS` naming a dead cluster, which a plain `--replicas` start must ignore. Ray's temporary
+directory (`RAY_TMPDIR`) is the module's own, so the tests read this cluster's logs and nothing else."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 import secrets
-from dataclasses import dataclass
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -22,6 +30,7 @@ from tools.train_demo import DEMO_OUTPUTS
 
 DEMO = Path(__file__).resolve().parents[3] / "demo"
 ADAPTERS = ("upper", "reverse", "rot13", "novowels")
+DEAD_RAY_ADDRESS = "127.0.0.1:1"  # nothing listens there
 
 
 # What each demo model computes (demo/README.md); None is the base model (echo).
@@ -32,6 +41,16 @@ EXPECTED = DEMO_OUTPUTS
 class Cluster:
     url: str
     settings: ServerSettings
+    ray_tmp: Path  # RAY_TMPDIR of this cluster: its logs are under ray/session_latest/logs
+    replica_dirs: Path  # LORAPLEX_REPLICA_DATA_DIR: where the engine replicas make their cache dirs
+    startup: dict[str, float] = field(default_factory=dict)  # start-up phases (seconds), as logged
+
+    def ray_logs(self) -> dict[str, str]:
+        """Every log file of this cluster's Ray session (relative name -> text)."""
+        root = self.ray_tmp / "ray" / "session_latest" / "logs"
+        return {
+            str(f.relative_to(root)): f.read_text(errors="replace") for f in root.rglob("*") if f.is_file()
+        }
 
     def admin(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=60)
@@ -43,6 +62,22 @@ class Cluster:
             return r.json()["replicas"]
 
 
+@contextmanager
+def stale_ray_environment() -> Iterator[Path]:
+    """A fresh `RAY_TMPDIR` (short: Ray's socket paths live under it) holding the address file of a dead
+    cluster, with `RAY_ADDRESS` pointing at that dead cluster too; both restored afterwards."""
+    ray_tmp = Path(tempfile.mkdtemp(prefix="lpx-ray-", dir="/tmp"))
+    (ray_tmp / "ray").mkdir()
+    (ray_tmp / "ray" / "ray_current_cluster").write_text(DEAD_RAY_ADDRESS)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("RAY_TMPDIR", str(ray_tmp))
+            mp.setenv("RAY_ADDRESS", DEAD_RAY_ADDRESS)
+            yield ray_tmp
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     from api.cluster import ray_api
@@ -50,7 +85,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
 
     require_redis()
     data_dir = tmp_path_factory.mktemp("cluster") / "data"
-    with postgres_database() as db_url:
+    replica_dirs = tmp_path_factory.mktemp("replicas")
+    with (
+        postgres_database() as db_url,
+        stale_ray_environment() as ray_tmp,
+        pytest.MonkeyPatch.context() as mp,
+    ):
+        mp.setenv("LORAPLEX_REPLICA_DATA_DIR", str(replica_dirs))  # the replicas inherit the driver's env
         upgrade(db_url)
         env = {
             "LORAPLEX_DATA_DIR": str(data_dir),
@@ -67,6 +108,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
             settings.registry, redis_channel=f"loraplex-test-{secrets.token_hex(4)}"
         )
         settings.registry_resync_seconds = 5.0
+        settings.shutdown_grace_seconds = 2.0
         settings.port = free_port()
         reg = open_registry(settings.registry)
         try:
@@ -79,10 +121,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
         # alone can take that long. The workers inherit this from the driver's environment.
         os.environ.setdefault("RAY_SERVE_MULTIPLEXED_MODEL_ID_MATCHING_TIMEOUT_S", "10")
         try:
-            start_cluster(settings, ClusterOptions(replicas=2, num_cpus=2))
+            startup = start_cluster(settings, ClusterOptions(replicas=2, num_cpus=2))
             url = f"http://127.0.0.1:{settings.port}"
             assert wait_until(lambda: _healthy(url), timeout=120), "the cluster did not become healthy"
-            yield Cluster(url, settings)
+            yield Cluster(url, settings, ray_tmp, replica_dirs, startup)
         finally:
             ray_api.shutdown()
 

@@ -1,12 +1,19 @@
-"""`loraplex serve --replicas 2` on a local Ray cluster: exact answers, adapter affinity, registry
-consistency across replicas, failover when a replica dies, and the metrics contract."""
+"""`loraplex serve --replicas 2` on a local Ray cluster: a local cluster despite a stale Ray address, a
+start-up without ingress crashes, exact answers, adapter affinity, registry consistency across replicas,
+replicas with their own blob caches, per-replica metrics, failover when an engine process or a replica
+dies."""
 
 from __future__ import annotations
 
 import io
+import json
+import os
+import re
+import signal
 import time
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -15,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from api.cluster import ray_api
 from api.cluster.deployments import ENGINE_DEPLOYMENT
-from tests.api.cluster.conftest import ADAPTERS, DEMO, EXPECTED, Cluster
+from tests.api.cluster.conftest import ADAPTERS, DEAD_RAY_ADDRESS, DEMO, EXPECTED, Cluster
 from tests.helpers.live_server import wait_until
 
 pytestmark = pytest.mark.slow
@@ -26,6 +33,30 @@ BODY = {"max_tokens": 32, "temperature": 0, "stop": ["\n"]}
 def _complete(url: str, adapter: str | None, text: str, timeout: float = 60) -> httpx.Response:
     path = f"/v1/adapters/{adapter}/completions" if adapter else "/v1/completions"
     return httpx.post(url + path, json=BODY | {"prompt": f"{text}="}, timeout=timeout)
+
+
+def test_a_plain_start_is_a_new_local_cluster_despite_a_stale_address(cluster: Cluster) -> None:
+    """The fixture started with `RAY_ADDRESS` and Ray's address file naming a dead cluster."""
+    assert ray_api.gcs_address() != DEAD_RAY_ADDRESS
+    assert list((cluster.ray_tmp / "ray").glob("session_*")), "the new cluster's session is not local"
+    r = _complete(cluster.url, None, "hello world")
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == EXPECTED[None]("hello world")
+
+
+def test_start_up_has_no_ingress_crash_and_reports_its_phases(cluster: Cluster) -> None:
+    logs = cluster.ray_logs()
+    assert any(name.startswith("serve/controller") for name in logs), sorted(logs)
+    for name, text in logs.items():
+        for crash in ("DeploymentUnavailableError", "Exception in Replica", "failed to initialize"):
+            assert crash not in text, (name, crash)
+    assert set(cluster.startup) == {"registry", "ray", "serve", "deploy", "total"}
+    assert cluster.startup["total"] >= cluster.startup["deploy"] > 0
+    text = "\n".join(logs.values())
+    ready = re.findall(r"replica (\S+) ready in [\d.]+ s: registry [\d.]+ s, engine [\d.]+ s", text)
+    assert len(set(ready)) >= 2, "each engine replica logs its start-up phases"
+    assert "engine replicas ready after" in text  # the ingress waited for them instead of failing
+    for r in cluster.replicas():
+        assert set(r["startup_seconds"]) == {"registry", "engine", "follower", "total"}
 
 
 def test_every_answer_exact_streaming_and_not(cluster: Cluster) -> None:
@@ -95,11 +126,17 @@ def _warm_up_until_routing_is_stable(cluster: Cluster, timeout: float = 60.0) ->
     raise AssertionError(f"routing did not settle in {timeout} s: {previous}")
 
 
-def _zip(name: str) -> bytes:
+def _zip(name: str, note: str | None = None) -> bytes:
+    """The demo adapter `name` as an upload; with `note`, its config carries it (new content, new digest,
+    same weights)."""
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as z:
         for f in ("adapter_config.json", "adapter_model.safetensors"):
-            z.write(DEMO / "adapters" / name / f, f)
+            if note is not None and f == "adapter_config.json":
+                config = json.loads((DEMO / "adapters" / name / f).read_text())
+                z.writestr(f, json.dumps(config | {"loraplex_test_note": note}))
+            else:
+                z.write(DEMO / "adapters" / name / f, f)
     return buf.getvalue()
 
 
@@ -134,6 +171,33 @@ def test_registry_changes_reach_every_replica_within_a_second(cluster: Cluster) 
         assert _follow(cluster, "shout", False, time.time()) < 1.0
 
 
+def test_replicas_keep_their_own_blob_caches(cluster: Cluster) -> None:
+    """Each replica loads adapters from a cache dir of its own (the database is the only way weights reach
+    it): an adapter registered after start-up, with content no replica has seen, is served from there,
+    never from the driver's data dir."""
+    with cluster.admin() as admin:
+        files = {"file": ("late.zip", _zip("reverse", note="late"), "application/zip")}
+        r = admin.post("/admin/api/adapters", data={"name": "late", "activate": "true"}, files=files)
+        assert r.status_code == 201, r.text
+        assert _follow(cluster, "late", True, time.time()) < 1.0
+    digest = next(r["active"]["late"] for r in cluster.replicas())
+    assert all(digest not in r["loaded_paths"] for r in cluster.replicas())
+    for text in TEXTS:
+        r = _complete(cluster.url, "late", text)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == EXPECTED["reverse"](text)
+    replicas = cluster.replicas()
+    dirs = [Path(r["data_dir"]) for r in replicas]
+    assert len(set(dirs)) == len(replicas) == 2
+    driver_dir = cluster.settings.registry.data_dir
+    for r, own in zip(replicas, dirs, strict=True):
+        assert own.parent == cluster.replica_dirs and own.is_dir()
+        assert r["loaded_paths"], r["replica"]
+        for path in r["loaded_paths"].values():
+            assert Path(path).is_relative_to(own), (r["replica"], path)
+            assert not Path(path).is_relative_to(driver_dir)
+    assert any(digest in r["loaded_paths"] for r in replicas), "no replica loaded the late adapter"
+
+
 def _stream(url: str, adapter: str, text: str) -> tuple[int, str, bool]:
     """(status, text, ended with an error event) of one streamed completion."""
     body = BODY | {"prompt": f"{text}=", "stream": True}
@@ -141,8 +205,6 @@ def _stream(url: str, adapter: str, text: str) -> tuple[int, str, bool]:
         if r.status_code != 200:
             r.read()
             return r.status_code, r.text, False
-        import json
-
         text_out, error = "", False
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -153,6 +215,71 @@ def _stream(url: str, adapter: str, text: str) -> tuple[int, str, bool]:
             elif event["choices"]:
                 text_out += event["choices"][0]["text"]
         return 200, text_out, error
+
+
+def test_metrics_carry_the_gateway_gauges_per_replica(cluster: Cluster) -> None:
+    served = _complete(cluster.url, "rot13", "hello world")
+    assert served.status_code == 200
+    time.sleep(1.0)  # the ingress polls the replicas twice a second
+    replicas = {r["replica"] for r in cluster.replicas()}
+    assert len(replicas) == 2
+    text = httpx.get(cluster.url + "/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
+        assert families[name].type == "gauge"
+        assert sorted(s.labels["replica"] for s in families[name].samples) == sorted(replicas), name
+    info = families["vllm:lora_requests_info"].samples
+    assert sorted(s.labels["replica"] for s in info) == sorted(replicas)
+    for s in info:
+        assert set(s.labels) == {"replica", "max_lora", "running_lora_adapters", "waiting_lora_adapters"}
+        assert s.labels["max_lora"] == "4"  # each replica's own, not a sum
+    resident = families["loraplex_lora_adapter_resident"].samples
+    assert all(set(s.labels) == {"replica", "adapter", "digest", "tier", "pinned"} for s in resident)
+    holder = served.headers["x-loraplex-replica"]
+    assert any(
+        s.labels["replica"] == holder
+        and s.labels["adapter"] == "rot13"
+        and s.labels["tier"] in ("device", "cpu")
+        for s in resident
+    )
+    assert "loraplex_requests_total" in text  # the ingress's own counters beside them
+
+
+def test_failover_when_an_engine_process_is_killed(cluster: Cluster) -> None:
+    """kill -9 one replica's engine: every request sent afterwards (none has a token yet) is retried on the
+    other replica and answers exactly, none hangs, and Serve replaces the replica within seconds."""
+    _warm_up_until_routing_is_stable(cluster)
+    before = cluster.replicas()
+    assert len(before) == 2 and all(r["engine_pid"] for r in before)
+    victim = next(r for r in before if any(_on_device(a, n) for a in r["adapters"] for n in ADAPTERS))
+    os.kill(victim["engine_pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    jobs = [
+        (adapter, text, i % 2 == 0)
+        for i, (adapter, text) in enumerate((a, t) for a in (None, *ADAPTERS) for t in TEXTS)
+    ]
+
+    def run(job):
+        adapter, text, stream = job
+        if stream and adapter is not None:
+            return job, _stream(cluster.url, adapter, text)
+        r = _complete(cluster.url, adapter, text)
+        got = r.json()["choices"][0]["text"] if r.status_code == 200 else r.text
+        return job, (r.status_code, got, False)
+
+    with ThreadPoolExecutor(4) as pool:
+        results = [f.result(timeout=90) for f in [pool.submit(run, job) for job in jobs]]  # none hangs
+    for (adapter, text, _), (status, got, error) in results:
+        assert status == 200 and not error and got == EXPECTED[adapter](text), (adapter, text, status, got)
+
+    def replaced() -> bool:
+        names = ray_api.replica_actor_names(ENGINE_DEPLOYMENT)
+        return not any(victim["replica"] in n for n in names)
+
+    assert wait_until(replaced, timeout=60, interval=0.2), "Serve kept the replica whose engine died"
+    replaced_after = time.monotonic() - killed
+    print(f"replica with a dead engine replaced {replaced_after:.1f} s after kill -9")
+    assert wait_until(lambda: len(_healthy_replicas(cluster)) == 2, timeout=120, interval=0.5)
 
 
 def test_failover_when_a_replica_dies(cluster: Cluster) -> None:
@@ -194,16 +321,24 @@ def _healthy_replicas(cluster: Cluster) -> list[dict]:
         return []
 
 
-def test_metrics_carry_the_gateway_gauges(cluster: Cluster) -> None:
-    assert _complete(cluster.url, "rot13", "hello world").status_code == 200
-    time.sleep(1.0)  # the ingress polls the replicas twice a second
-    text = httpx.get(cluster.url + "/metrics").text
-    families = {f.name: f for f in text_string_to_metric_families(text)}
-    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
-        assert families[name].type == "gauge" and len(families[name].samples) == 1
-    (info,) = families["vllm:lora_requests_info"].samples
-    assert set(info.labels) == {"max_lora", "running_lora_adapters", "waiting_lora_adapters"}
-    assert info.labels["max_lora"] == "4"
-    resident = families["loraplex_lora_adapter_resident"].samples
-    assert all(set(s.labels) == {"adapter", "digest", "tier", "pinned"} for s in resident)
-    assert any(s.labels["adapter"] == "rot13" and s.labels["tier"] in ("device", "cpu") for s in resident)
+class Bystander:
+    """Another team's Serve application on the same cluster."""
+
+    def __call__(self, request) -> str:
+        return "still here"
+
+
+def test_removing_loraplex_leaves_other_serve_applications_alone(cluster: Cluster) -> None:
+    """What `--ray-address` shutdown does (`ray_api.shutdown(own_cluster=False)`, before disconnecting):
+    delete loraplex's application only. Runs last: it removes the module's application."""
+    from ray import serve
+
+    serve.run(
+        ray_api.deployment(Bystander, name="Bystander", num_replicas=1, max_ongoing_requests=4).bind(),
+        name="bystander",
+        route_prefix="/bystander",
+    )
+    assert ray_api.app_names() == ["bystander", ray_api.APP_NAME]
+    ray_api.delete_app()
+    assert ray_api.app_names() == ["bystander"]
+    assert httpx.get(cluster.url + "/bystander", timeout=30).text == "still here"
