@@ -1,0 +1,132 @@
+"""Per-request logits processing for a batch of rows, before the sampler picks: vectorized over the rows.
+
+In vLLM's order, on the rows whose `SamplingParams` ask for it (other rows are not touched, and a step
+where no row asks costs nothing but a scan of the params):
+
+1. bad words: a banned sequence's last token is set to -inf when the output ends with the rest of it
+   (a one-token sequence is always banned);
+2. `min_tokens`: EOS and `stop_token_ids` are set to -inf while the output is shorter;
+3. `logit_bias`: added to the logits of its tokens;
+4. penalties, in one pass over the penalized rows with [R, V] count tensors built by one scatter of all
+   their tokens: repetition (vLLM/HF: a token seen in prompt or output has its logit divided by p when
+   positive, multiplied by p when negative), then frequency and presence (OpenAI: minus
+   `frequency × count` and `presence × [count > 0]`, counts over the output only).
+
+`apply_min_p` is applied by the sampler after temperature (vLLM's order: then top-k/top-p). A row that
+processing would leave with no allowed token keeps its unprocessed logits (e.g. a grammar that allows only
+EOS under `min_tokens`), so sampling never sees an empty distribution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+
+def process_logits(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Seq[int] = ()) -> torch.Tensor:
+    """logits [S, V] float32, row i for `seqs[i]` -> the processed logits (a new tensor when any row is
+    processed, else `logits` itself). Row i sees the tokens `seqs[i]` holds now."""
+    params = [s.params for s in seqs]
+    if not any(p.penalized or p.logit_bias or p.min_tokens or p.bad_words_token_ids for p in params):
+        return logits
+    out = logits.clone()
+    vocab = out.shape[1]
+    banned_rows: list[int] = []
+    banned_toks: list[int] = []
+    for i, (s, p) in enumerate(zip(seqs, params, strict=True)):
+        for tok in _banned(s, p, eos_token_ids):
+            if 0 <= tok < vocab:
+                banned_rows.append(i)
+                banned_toks.append(tok)
+    if banned_rows:
+        out[_idx(banned_rows, out), _idx(banned_toks, out)] = float("-inf")
+    bias_rows, bias_toks, bias_vals = [], [], []
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            for tok, value in p.logit_bias.items():
+                if tok < vocab:
+                    bias_rows.append(i)
+                    bias_toks.append(tok)
+                    bias_vals.append(float(value))
+    if bias_rows:
+        values = torch.tensor(bias_vals, dtype=out.dtype, device=out.device)
+        out.index_put_((_idx(bias_rows, out), _idx(bias_toks, out)), values, accumulate=True)
+    rows = [i for i, p in enumerate(params) if p.penalized]
+    if rows:
+        _apply_penalties(out, rows, [seqs[i] for i in rows])
+    empty = torch.isneginf(out).all(dim=1)
+    if bool(empty.any()):  # nothing left: keep that row's logits as they were
+        out[empty] = logits[empty]
+    return out
+
+
+def _banned(seq: Sequence, p: SamplingParams, eos_token_ids: Seq[int]) -> list[int]:
+    """Tokens row `seq` may not take next: bad-word endings and, under `min_tokens`, EOS and stop ids."""
+    out: list[int] = []
+    produced = seq.output_token_ids
+    for word in p.bad_words_token_ids:
+        prefix = len(word) - 1
+        if prefix > len(produced):
+            continue
+        if prefix == 0 or produced[-prefix:] == word[:-1]:
+            out.append(word[-1])
+    if seq.num_output_tokens < p.min_tokens:
+        if not p.ignore_eos:
+            out.extend(eos_token_ids)
+        out.extend(p.stop_token_ids)
+    return out
+
+
+def _apply_penalties(out: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
+    """Repetition, frequency and presence penalties on rows `rows` of `out`, in place, in one pass."""
+    dev, vocab = out.device, out.shape[1]
+    r = len(rows)
+    row_of: list[int] = []
+    toks: list[int] = []
+    for j, s in enumerate(seqs):
+        row_of.extend([j] * s.num_output_tokens)
+        toks.extend(s.output_token_ids)
+    counts = torch.zeros(r, vocab, dtype=out.dtype, device=dev)
+    if toks:
+        counts.index_put_(
+            (_idx(row_of, out), _idx(toks, out)),
+            torch.ones(len(toks), dtype=out.dtype, device=dev),
+            accumulate=True,
+        )
+    seen_out = counts > 0
+    index = _idx(rows, out)
+    sub = out.index_select(0, index)
+    rep_vals = [s.params.repetition_penalty for s in seqs]
+    if any(v != 1.0 for v in rep_vals):
+        prompt_rows: list[int] = []
+        prompt_toks: list[int] = []
+        for j, s in enumerate(seqs):
+            if rep_vals[j] != 1.0:
+                prompt_rows.extend([j] * s.num_prompt_tokens)
+                prompt_toks.extend(s.prompt_token_ids)
+        seen = seen_out.clone()
+        if prompt_toks:
+            seen[_idx(prompt_rows, out), _idx(prompt_toks, out)] = True
+        rep = torch.tensor(rep_vals, dtype=out.dtype, device=dev)[:, None]
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    freq = torch.tensor([s.params.frequency_penalty for s in seqs], dtype=out.dtype, device=dev)[:, None]
+    pres = torch.tensor([s.params.presence_penalty for s in seqs], dtype=out.dtype, device=dev)[:, None]
+    sub = sub - freq * counts - pres * seen_out.to(out.dtype)
+    out.index_copy_(0, index, sub)
+
+
+def apply_min_p(scaled: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """scaled [S, V] tempered logits -> -inf where p(token) < min_p[row] × max p (rows with 0: unchanged;
+    the most likely token is always kept)."""
+    threshold = torch.tensor(min_p, dtype=scaled.dtype, device=scaled.device)[:, None]
+    probs = scaled.softmax(dim=-1)
+    drop = probs < threshold * probs.max(dim=-1, keepdim=True).values
+    return scaled.masked_fill(drop, float("-inf"))
+
+
+def _idx(values: list[int], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=like.device)

@@ -1,0 +1,137 @@
+"""Penalties, logit_bias, min_p, min_tokens and bad words end to end: one mixed-adapter batch whose rows
+all ask for different things, against HF + PEFT decoding token by token through HF's logits processors
+(greedy, and seeded sampling reproduced draw for draw); with speculative decoding; best_of."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import LLM, LoRARequest, SamplingParams
+from tests.helpers.hf_logits_reference import reference_logits, reference_probs
+from tests.helpers.tiny_adapters import ADAPTER_SPECS, PeftGreedyOracle, build_adapter
+
+pytestmark = pytest.mark.slow  # the PEFT oracle on tiny models
+
+NEW = 10
+NAMES = ("all7-r4", "qv-r8-rslora")
+
+
+@pytest.fixture(scope="module")
+def setup(checkpoint, tmp_path_factory):
+    """(base dir, {adapter name: dir}, PEFT oracle, engine with LoRA)."""
+    base = checkpoint("llama")
+    root = tmp_path_factory.mktemp("penalty_adapters")
+    dirs = {n: build_adapter(base, root / n, seed=i, **ADAPTER_SPECS[n]) for i, n in enumerate(NAMES)}
+    llm = LLM(str(base), device="cpu", dtype="float32", block_size=4, max_lora_rank=32, max_loras=2)
+    return base, dirs, PeftGreedyOracle(base), llm
+
+
+def _reference_decode(oracle, adapter_dir, prompt, p: SamplingParams, eos) -> list[int]:
+    """HF + PEFT, one token at a time: processors, then argmax (greedy) or argmax(probs / q) with q the
+    seeded generator's Exp(1) draws, as the engine draws them."""
+    gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
+    out: list[int] = []
+    while len(out) < p.max_tokens:
+        logits = oracle.logits(prompt + out, adapter_dir)[-1]
+        row = reference_logits(logits, p, prompt, out, eos)
+        if p.greedy:
+            tok = int(row.argmax())
+        else:
+            q = torch.empty_like(row).exponential_(generator=gen)
+            tok = int((reference_probs(row, p) / q).argmax())
+        out.append(tok)
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in eos):
+            break
+    return out
+
+
+def _cases(baseline: list[list[int]], temperature: float, seed: int | None) -> list[SamplingParams]:
+    """Per row a different mix, built from that row's unprocessed output so each one bites."""
+    common = {"max_tokens": NEW, "temperature": temperature, "seed": seed, "ignore_eos": True}
+    b = baseline
+    return [
+        SamplingParams(**common),
+        SamplingParams(repetition_penalty=1.8, **common),
+        SamplingParams(frequency_penalty=1.5, presence_penalty=0.5, **common),
+        SamplingParams(logit_bias={b[3][0]: -100.0, b[3][1]: 3.0}, **common),
+        SamplingParams(min_tokens=6, stop_token_ids=[b[4][1]], **common),
+        SamplingParams(bad_words_token_ids=[[b[5][0]], b[5][2:4]], **common),
+        SamplingParams(repetition_penalty=0.7, presence_penalty=-1.0, min_p=0.2, **common),
+        SamplingParams(frequency_penalty=0.8, logit_bias={b[7][2]: 2.5}, min_tokens=3, **common),
+    ]
+
+
+def _batch(setup, temperature: float, seed: int | None):
+    _, dirs, oracle, llm = setup
+    prompts = [[5 + 7 * i, 9, 11 + i, 40, 3 * i + 1][: 3 + i % 3] for i in range(8)]
+    names = [NAMES[i % 2] if i % 3 else None for i in range(8)]
+    loras = [LoRARequest(n, str(dirs[n])) if n else None for n in names]
+    plain = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    baseline = [o.outputs[0].token_ids for o in llm.generate(prompts, plain, lora_request=loras)]
+    params = _cases(baseline, temperature, seed)
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=loras)]
+    eos = llm.engine.runner.sampler.eos_token_ids
+    for i, (prompt, name, p) in enumerate(zip(prompts, names, params, strict=True)):
+        expected = _reference_decode(oracle, dirs[name] if name else None, prompt, p, eos)
+        assert outs[i] == expected, f"row {i} ({name}): {p}"
+    return baseline, outs
+
+
+def test_greedy_mixed_adapter_batch_matches_hf_processors(setup):
+    baseline, outs = _batch(setup, 0.0, None)
+    assert outs[0] == baseline[0]
+    changed = sum(o != b for o, b in zip(outs[1:], baseline[1:], strict=True))
+    assert changed >= 6, "the processing should change most rows' greedy output"
+    assert len(outs[4]) >= 6  # its stop token was masked until min_tokens
+
+
+def test_seeded_sampling_mixed_adapter_batch_matches_hf_processors(setup):
+    _batch(setup, 0.9, 1234)
+
+
+def test_speculative_decoding_keeps_processed_rows_exact(setup):
+    base = setup[0]
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 96) for _ in range(3)] * 4 for _ in range(6)]  # n-gram lookups match
+    common = {"max_tokens": 14, "temperature": 0.0, "ignore_eos": True}
+    processed = [
+        SamplingParams(repetition_penalty=1.4, **common),
+        SamplingParams(frequency_penalty=1.0, presence_penalty=0.5, **common),
+        SamplingParams(logit_bias={p[0]: -100.0 for p in prompts}, **common),
+    ]
+    params = [processed[i % 3] for i in range(6)] + [SamplingParams(**common)] * 6
+    plain = LLM(str(base), device="cpu", dtype="float32", block_size=4)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts * 2, params)]
+    spec = LLM(str(base), device="cpu", dtype="float32", block_size=4, speculative="ngram")
+    assert spec.engine.spec is not None
+    spec.engine.spec.cost.fixed_theta = 0.05  # speculate whatever this machine's timings
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts * 2, params)]
+    assert got == want
+    assert want[:6] != want[6:], "the processing should change the output"
+    assert spec.engine.get_stats().spec_accepted_tokens > 0  # the plain rows did speculate
+
+
+def test_best_of_returns_the_highest_cumulative_logprob(setup):
+    _, _, _, llm = setup
+    prompt = [5, 9, 11, 40]
+    common = {"max_tokens": 6, "temperature": 1.0, "seed": 77, "ignore_eos": True}
+    every = llm.generate([prompt], SamplingParams(n=4, logprobs=0, **common))[0].outputs
+    best = llm.generate([prompt], SamplingParams(n=2, best_of=4, **common))[0].outputs
+    ranked = sorted(every, key=lambda c: c.cumulative_logprob or 0.0, reverse=True)
+    assert [c.token_ids for c in best] == [c.token_ids for c in ranked[:2]]
+    assert len({tuple(c.token_ids) for c in every}) > 1
+
+
+def test_bad_words_are_tokenized_and_never_generated(checkpoint):
+    llm = LLM(str(checkpoint("llama", tokenizer=True, vocab_size=100)), device="cpu", dtype="float32")
+    base = llm.generate(["abc"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    word = base.outputs[0].text.strip()[:1]
+    assert word
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, bad_words=[word])
+    out = llm.generate(["abc"], params)[0].outputs[0]
+    assert word not in out.text
+    banned = llm.engine.tokenizer.encode(word, add_special_tokens=False)
+    assert banned and banned[-1] not in out.token_ids
