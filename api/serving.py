@@ -182,9 +182,19 @@ def sampling_params(
             param="max_tokens",
         )
     try:
-        return body.to_sampling_params(max_tokens, logprobs)
+        params = body.to_sampling_params(max_tokens, logprobs)
     except SamplingParamsError as exc:
         raise APIError(400, str(exc), param=exc.field) from exc
+    outside = [t for t in params.logit_bias or () if t >= info.vocab_size]
+    if outside:
+        raise APIError(
+            400,
+            f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {info.vocab_size})",
+            param="logit_bias",
+        )
+    if body.stream and params.best_of is not None and params.best_of > params.n:
+        raise APIError(400, "best_of > n cannot be streamed (the best are known at the end)", param="best_of")
+    return params
 
 
 class RequestRun:
@@ -290,6 +300,7 @@ class RequestRun:
                 pass
         finally:
             watcher.cancel()
+        self.gen.keep_best()
 
     async def _watch_disconnect(self, task: asyncio.Task | None) -> None:
         while True:
@@ -314,7 +325,9 @@ def _choice_error(target: Target, status: int, error: str) -> APIError:
 
 
 def usage(gen: Generation, num_prompt_tokens: int) -> dict[str, Any]:
-    completion = sum(len(c.token_ids) for c in gen.choices)
+    """OpenAI `usage`: completion tokens count every generated token (best_of candidates too, as OpenAI
+    bills them)."""
+    completion = gen.num_generated_tokens
     return {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": completion,

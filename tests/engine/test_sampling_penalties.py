@@ -7,10 +7,9 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from engine import LLM, LoRARequest, SamplingParams
-from tests.helpers.hf_logits_reference import reference_logits, reference_probs
+from tests.helpers.hf_logits_reference import reference_decode
 from tests.helpers.tiny_adapters import ADAPTER_SPECS, PeftGreedyOracle, build_adapter
 
 pytestmark = pytest.mark.slow  # the PEFT oracle on tiny models
@@ -27,25 +26,6 @@ def setup(checkpoint, tmp_path_factory):
     dirs = {n: build_adapter(base, root / n, seed=i, **ADAPTER_SPECS[n]) for i, n in enumerate(NAMES)}
     llm = LLM(str(base), device="cpu", dtype="float32", block_size=4, max_lora_rank=32, max_loras=2)
     return base, dirs, PeftGreedyOracle(base), llm
-
-
-def _reference_decode(oracle, adapter_dir, prompt, p: SamplingParams, eos) -> list[int]:
-    """HF + PEFT, one token at a time: processors, then argmax (greedy) or argmax(probs / q) with q the
-    seeded generator's Exp(1) draws, as the engine draws them."""
-    gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
-    out: list[int] = []
-    while len(out) < p.max_tokens:
-        logits = oracle.logits(prompt + out, adapter_dir)[-1]
-        row = reference_logits(logits, p, prompt, out, eos)
-        if p.greedy:
-            tok = int(row.argmax())
-        else:
-            q = torch.empty_like(row).exponential_(generator=gen)
-            tok = int((reference_probs(row, p) / q).argmax())
-        out.append(tok)
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in eos):
-            break
-    return out
 
 
 def _cases(baseline: list[list[int]], temperature: float, seed: int | None) -> list[SamplingParams]:
@@ -75,7 +55,7 @@ def _batch(setup, temperature: float, seed: int | None):
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=loras)]
     eos = llm.engine.runner.sampler.eos_token_ids
     for i, (prompt, name, p) in enumerate(zip(prompts, names, params, strict=True)):
-        expected = _reference_decode(oracle, dirs[name] if name else None, prompt, p, eos)
+        expected = reference_decode(oracle, dirs[name] if name else None, prompt, p, eos)
         assert outs[i] == expected, f"row {i} ({name}): {p}"
     return baseline, outs
 

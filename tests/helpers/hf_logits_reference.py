@@ -52,3 +52,22 @@ def reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if p.min_p > 0:
         row = MinPLogitsWarper(p.min_p)(None, row)
     return row[0].softmax(-1)
+
+
+def reference_decode(oracle, adapter_dir, prompt: list[int], p: SamplingParams, eos: Seq[int]) -> list[int]:
+    """HF + PEFT (`oracle`: a `PeftGreedyOracle`), one token at a time: processors, then argmax (greedy)
+    or argmax(probs / q) with q the seeded generator's Exp(1) draws, as the engine draws them."""
+    gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
+    out: list[int] = []
+    while len(out) < p.max_tokens:
+        logits = oracle.logits(prompt + out, adapter_dir)[-1]
+        row = reference_logits(logits, p, prompt, out, eos)
+        if p.greedy:
+            tok = int(row.argmax())
+        else:
+            q = torch.empty_like(row).exponential_(generator=gen)
+            tok = int((reference_probs(row, p) / q).argmax())
+        out.append(tok)
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in eos):
+            break
+    return out

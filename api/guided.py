@@ -1,0 +1,102 @@
+"""vLLM's structured-output request fields -> the engine's `StructuredSpec` (the llguidance path).
+
+`guided_json` (a JSON schema, as an object or its text), `guided_regex`, `guided_choice` (the output is
+exactly one of the strings), `guided_grammar` (Lark syntax, llguidance's dialect) and `structured_outputs`
+(vLLM's newer object with `json`, `regex`, `choice`, `grammar`, `json_object`) each give one constraint.
+At most one constraint per request: two of these, or one with a `response_format` or forced tool call, is
+a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from api.errors import APIError
+from api.openai_protocol import SamplingFields
+from api.structured import check, schema_spec
+from engine.structured import StructuredSpec
+
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~")
+
+
+def regex_literal(text: str) -> str:
+    """A regex (Rust/llguidance syntax) matching exactly `text`."""
+    out = []
+    for ch in text:
+        if ch in _REGEX_META:
+            out.append("\\" + ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\t":
+            out.append("\\t")
+        elif ch == "\r":
+            out.append("\\r")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def guided_spec(body: SamplingFields, other: StructuredSpec | None) -> StructuredSpec | None:
+    """The constraint the request's vLLM fields ask for, or `other` (from `response_format` or tools)
+    when they ask for none; 400 naming the field for two constraints or one that does not compile."""
+    found: list[tuple[str, StructuredSpec]] = []
+    so = body.structured_outputs
+    candidates: list[tuple[str, str, Any]] = [
+        ("guided_json", "json", body.guided_json),
+        ("guided_regex", "regex", body.guided_regex),
+        ("guided_choice", "choice", body.guided_choice),
+        ("guided_grammar", "grammar", body.guided_grammar),
+    ]
+    if so is not None:
+        candidates += [
+            ("structured_outputs.json", "json", so.json_),
+            ("structured_outputs.regex", "regex", so.regex),
+            ("structured_outputs.choice", "choice", so.choice),
+            ("structured_outputs.grammar", "grammar", so.grammar),
+            ("structured_outputs.json_object", "json_object", so.json_object or None),
+        ]
+    for param, kind, value in candidates:
+        if value is not None:
+            found.append((param, _spec(param, kind, value)))
+    if not found:
+        return other
+    if len(found) > 1 or other is not None:
+        extra = found[1][0] if len(found) > 1 else found[0][0]
+        raise APIError(
+            400,
+            f"{extra}: a request takes one output constraint (guided_*, structured_outputs, "
+            "response_format or a forced tool call), this one has more",
+            param=extra,
+        )
+    return found[0][1]
+
+
+def _spec(param: str, kind: str, value: Any) -> StructuredSpec:
+    if kind == "json":
+        schema = value
+        if isinstance(value, str):
+            try:
+                schema = json.loads(value)
+            except (ValueError, RecursionError) as exc:
+                raise APIError(400, f"{param}: not valid JSON ({exc})", param=param) from exc
+        if not isinstance(schema, dict):
+            raise APIError(400, f"{param}: a JSON schema must be an object", param=param)
+        return schema_spec(schema, param)
+    if kind == "json_object":
+        return StructuredSpec("json_object")
+    if kind == "choice":
+        if any(not c for c in value):
+            raise APIError(400, f"{param}: choices must be non-empty strings", param=param)
+        text = "(" + "|".join(regex_literal(c) for c in value) + ")"
+        return _checked(param, "regex", text)
+    return _checked(param, kind, value)
+
+
+def _checked(param: str, kind: str, text: str) -> StructuredSpec:
+    try:
+        spec = StructuredSpec(kind, text)
+    except ValueError as exc:
+        raise APIError(400, f"{param}: {exc}", param=param) from exc
+    check(spec, param)
+    return spec
