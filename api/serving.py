@@ -21,6 +21,7 @@ from api.limits.limiter import Grant
 from api.openai_protocol import SamplingFields
 from api.usage.service import usage_entry
 from engine.lora_request import LoRARequest
+from engine.request_tokens import resolve_request_tokens
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from kernels.intmath import cdiv
 from lora_registry.errors import RegistryUnavailable
@@ -183,15 +184,11 @@ def sampling_params(
         )
     try:
         params = body.to_sampling_params(max_tokens, logprobs)
+        # bad_words tokenized here (small: bounded words) so a bad one is a 400 naming it; token ids
+        # checked against the vocabulary. The engine checks the result again.
+        params = resolve_request_tokens(params, state.tokenizer, info.vocab_size)
     except SamplingParamsError as exc:
         raise APIError(400, str(exc), param=exc.field) from exc
-    outside = [t for t in params.logit_bias or () if t >= info.vocab_size]
-    if outside:
-        raise APIError(
-            400,
-            f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {info.vocab_size})",
-            param="logit_bias",
-        )
     if body.stream and params.best_of is not None and params.best_of > params.n:
         raise APIError(400, "best_of > n cannot be streamed (the best are known at the end)", param="best_of")
     return params

@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams, SamplingParamsError
 
 
 def bad_word_sequences(tokenizer: Any, word: str) -> list[list[int]]:
@@ -31,8 +31,13 @@ def resolve_request_tokens(params: SamplingParams, tokenizer: Any, vocab_size: i
         if tokenizer is None:
             raise SamplingParamsError("bad_words", "this model has no tokenizer; use bad_words_token_ids")
         seqs = list(params.bad_words_token_ids)
-        for word in params.bad_words:
-            seqs.extend(s for s in bad_word_sequences(tokenizer, word) if s not in seqs)
+        for i, word in enumerate(params.bad_words):
+            found = bad_word_sequences(tokenizer, word)
+            if any(len(s) > MAX_BAD_WORD_TOKENS for s in found):
+                raise SamplingParamsError(
+                    "bad_words", f"bad_words[{i}] is more than {MAX_BAD_WORD_TOKENS} tokens"
+                )
+            seqs.extend(s for s in found if s not in seqs)
         params = msgspec.structs.replace(params, bad_words=[], bad_words_token_ids=seqs)
         params.validate()  # the sequences' count and lengths
     _check_vocab("logit_bias", list(params.logit_bias or ()), vocab_size)

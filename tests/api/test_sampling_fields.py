@@ -118,6 +118,18 @@ def test_chat_penalty_and_return_token_ids(server, text_model):
     )
     assert ids == want
     assert tokenizer.decode(ids) == body["choices"][0]["message"]["content"]
+    stream = _client(server).chat.completions.create(
+        model="all7-r4",
+        messages=[{"role": "user", "content": "abc abc"}],
+        max_tokens=10,
+        temperature=0,
+        frequency_penalty=1.5,
+        stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    chunks = [c.model_dump() for c in stream]
+    assert chunks[0]["prompt_token_ids"] == body["prompt_token_ids"]  # top level, as vLLM
+    assert [t for c in chunks for ch in c["choices"] for t in ch["token_ids"]] == ids
 
 
 def test_best_of_returns_the_best_candidates(server):
@@ -182,6 +194,7 @@ def test_guided_fields_map_onto_structured_output(server):
         ({"min_p": -0.1}, "min_p"),
         ({"min_tokens": 9}, "min_tokens"),  # more than max_tokens
         ({"bad_words": [""]}, "bad_words.0"),
+        ({"bad_words": ["ok", "a" * 200]}, "bad_words"),  # more tokens than a banned sequence may have
     ],
 )
 def test_unsupported_or_out_of_range_is_a_400_naming_the_field(server, extra, param):

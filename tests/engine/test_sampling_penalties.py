@@ -9,6 +9,7 @@ import random
 import pytest
 
 from engine import LLM, LoRARequest, SamplingParams
+from engine.sampling_params import SamplingParamsError
 from tests.helpers.hf_logits_reference import reference_decode
 from tests.helpers.tiny_adapters import ADAPTER_SPECS, PeftGreedyOracle, build_adapter
 
@@ -115,3 +116,16 @@ def test_bad_words_are_tokenized_and_never_generated(checkpoint):
     assert word not in out.text
     banned = llm.engine.tokenizer.encode(word, add_special_tokens=False)
     assert banned and banned[-1] not in out.token_ids
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(setup):
+    llm = setup[3]
+    vocab = llm.engine.model_config.vocab_size
+    for kwargs, field in [
+        ({"logit_bias": {vocab: 1.0}}, "logit_bias"),
+        ({"bad_words_token_ids": [[1, vocab]]}, "bad_words_token_ids"),
+        ({"bad_words": ["x"]}, "bad_words"),  # this checkpoint has no tokenizer
+    ]:
+        with pytest.raises(SamplingParamsError) as err:
+            llm.generate([[5, 6]], SamplingParams(max_tokens=2, **kwargs))
+        assert err.value.field == field
