@@ -20,16 +20,37 @@ EOS under `min_tokens`), so sampling never sees an empty distribution.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
 
 
-def process_logits(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Seq[int] = ()) -> torch.Tensor:
+class History(Protocol):
+    """What processing reads of the sequence a logits row belongs to (`engine.sequence.Sequence` is one)."""
+
+    @property
+    def params(self) -> SamplingParams: ...
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class DraftHistory:
+    """A verification row's history: the sequence's tokens plus the proposed tokens before that row."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+def process_logits(logits: torch.Tensor, seqs: Seq[History], eos_token_ids: Seq[int] = ()) -> torch.Tensor:
     """logits [S, V] float32, row i for `seqs[i]` -> the processed logits (a new tensor when any row is
-    processed, else `logits` itself). Row i sees the tokens `seqs[i]` holds now."""
+    processed, else `logits` itself). Row i sees the tokens `seqs[i]` holds (its next token is row i's)."""
     params = [s.params for s in seqs]
     if not any(p.penalized or p.logit_bias or p.min_tokens or p.bad_words_token_ids for p in params):
         return logits
@@ -64,7 +85,7 @@ def process_logits(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Seq
     return out
 
 
-def _banned(seq: Sequence, p: SamplingParams, eos_token_ids: Seq[int]) -> list[int]:
+def _banned(seq: History, p: SamplingParams, eos_token_ids: Seq[int]) -> list[int]:
     """Tokens row `seq` may not take next: bad-word endings and, under `min_tokens`, EOS and stop ids."""
     out: list[int] = []
     produced = seq.output_token_ids
@@ -74,21 +95,21 @@ def _banned(seq: Sequence, p: SamplingParams, eos_token_ids: Seq[int]) -> list[i
             continue
         if prefix == 0 or produced[-prefix:] == word[:-1]:
             out.append(word[-1])
-    if seq.num_output_tokens < p.min_tokens:
+    if len(produced) < p.min_tokens:
         if not p.ignore_eos:
             out.extend(eos_token_ids)
         out.extend(p.stop_token_ids)
     return out
 
 
-def _apply_penalties(out: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
+def _apply_penalties(out: torch.Tensor, rows: list[int], seqs: list[History]) -> None:
     """Repetition, frequency and presence penalties on rows `rows` of `out`, in place, in one pass."""
     dev, vocab = out.device, out.shape[1]
     r = len(rows)
     row_of: list[int] = []
     toks: list[int] = []
     for j, s in enumerate(seqs):
-        row_of.extend([j] * s.num_output_tokens)
+        row_of.extend([j] * len(s.output_token_ids))
         toks.extend(s.output_token_ids)
     counts = torch.zeros(r, vocab, dtype=out.dtype, device=dev)
     if toks:
@@ -106,7 +127,7 @@ def _apply_penalties(out: torch.Tensor, rows: list[int], seqs: list[Sequence]) -
         prompt_toks: list[int] = []
         for j, s in enumerate(seqs):
             if rep_vals[j] != 1.0:
-                prompt_rows.extend([j] * s.num_prompt_tokens)
+                prompt_rows.extend([j] * len(s.prompt_token_ids))
                 prompt_toks.extend(s.prompt_token_ids)
         seen = seen_out.clone()
         if prompt_toks:

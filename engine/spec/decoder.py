@@ -80,9 +80,8 @@ class SpecDecoder:
 
     def propose(self, running: list[Sequence]) -> None:
         """Set `spec_token_ids` of each running sequence whose next step is a decode (sequences under a
-        structured-output grammar, and those whose logits the sampler processes — penalties,
-        `logit_bias`, `min_p`, `min_tokens`, bad words — do not speculate: they decode one token a step,
-        exactly as without speculation)."""
+        structured-output grammar do not speculate; penalties and the other logits processing do, the
+        verifier applies them per row)."""
         self.proposer.retain({s.seq_id for s in running})
         seqs, ks = [], []
         cfg = self.config
@@ -92,8 +91,6 @@ class SpecDecoder:
             if seq.is_finished or seq.num_tokens - seq.num_computed_tokens != 1:
                 continue
             if seq.structured is not None:  # grammar masks apply to one sampled row per sequence
-                continue
-            if seq.params.processes_logits:  # the verifier samples from unprocessed distributions
                 continue
             if seq.spec is None:
                 prior = self.priors.get(seq.lora_key) or AdapterPrior()

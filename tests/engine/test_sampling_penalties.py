@@ -5,12 +5,17 @@ all ask for different things, against HF + PEFT decoding token by token through 
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
+import torch
 
 from engine import LLM, LoRARequest, SamplingParams
 from engine.sampling_params import SamplingParamsError
-from tests.helpers.hf_logits_reference import reference_decode
+from engine.sequence import Sequence
+from engine.spec.verify import verify
+from tests.engine.test_speculative_sampling import goodness_of_fit
+from tests.helpers.hf_logits_reference import reference_decode, reference_logits, reference_probs
 from tests.helpers.tiny_adapters import ADAPTER_SPECS, PeftGreedyOracle, build_adapter
 
 pytestmark = pytest.mark.slow  # the PEFT oracle on tiny models
@@ -86,13 +91,57 @@ def test_speculative_decoding_keeps_processed_rows_exact(setup):
     params = [processed[i % 3] for i in range(6)] + [SamplingParams(**common)] * 6
     plain = LLM(str(base), device="cpu", dtype="float32", block_size=4)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts * 2, params)]
-    spec = LLM(str(base), device="cpu", dtype="float32", block_size=4, speculative="ngram")
-    assert spec.engine.spec is not None
-    spec.engine.spec.cost.fixed_theta = 0.05  # speculate whatever this machine's timings
-    got = [o.outputs[0].token_ids for o in spec.generate(prompts * 2, params)]
-    assert got == want
     assert want[:6] != want[6:], "the processing should change the output"
-    assert spec.engine.get_stats().spec_accepted_tokens > 0  # the plain rows did speculate
+    for batch in (slice(0, 6), slice(0, 12)):  # processed rows alone, then mixed with plain ones
+        spec = LLM(str(base), device="cpu", dtype="float32", block_size=4, speculative="ngram")
+        assert spec.engine.spec is not None
+        spec.engine.spec.cost.fixed_theta = 0.05  # speculate whatever this machine's timings
+        got = [o.outputs[0].token_ids for o in spec.generate((prompts * 2)[batch], params[batch])]
+        assert got == want[batch]
+        stats = spec.engine.get_stats()
+        assert 0 < stats.spec_accepted_tokens < stats.spec_proposed_tokens  # accepted and rolled back
+
+
+def test_verification_samples_the_processed_distribution():
+    """`verify` alone on fixed logits, a sequence with history under penalties, logit_bias, min_p and
+    min_tokens: the first emitted token follows the processed p_0 and the second (after accepting d_1)
+    the processed p_1, whose history includes d_1 (goodness of fit, as in test_speculative_sampling)."""
+    vocab = 8
+    torch.manual_seed(0)
+    logits = torch.randn(3, vocab) * 1.2
+    params = SamplingParams(
+        temperature=0.8,
+        max_tokens=8,
+        repetition_penalty=1.5,
+        presence_penalty=0.6,
+        frequency_penalty=0.3,
+        logit_bias={1: 1.0},
+        min_p=0.05,
+        min_tokens=3,
+        stop_token_ids=[6],
+    )
+    prompt, output = [3, 4], [5]
+    ref = [reference_logits(logits[0], params, prompt, output, ())]
+    d1 = int(reference_probs(ref[0], params).argsort(descending=True)[1])
+    ref.append(reference_logits(logits[1], params, prompt, [*output, d1], ()))
+    p = [reference_probs(r, params) for r in ref]
+    d2 = int(p[1].argmax())
+    gen = torch.Generator().manual_seed(1)
+    first, second = Counter(), Counter()
+    for _ in range(6):
+        seqs = []
+        for i in range(2000):
+            s = Sequence(f"s{i}", prompt, params, 0.0)
+            s.append_token(output[0])
+            seqs.append(s)
+        for toks in verify(logits.repeat(2000, 1), seqs, [[d1, d2]] * 2000, gen):
+            ids = [t.token_id for t in toks]
+            first[ids[0]] += 1
+            if ids[0] == d1:
+                second[ids[1]] += 1
+    assert 6 not in first and 6 not in second  # stop token masked under min_tokens
+    assert goodness_of_fit(first, p[0]) > 1e-3
+    assert goodness_of_fit(second, p[1]) > 1e-3
 
 
 def test_best_of_returns_the_highest_cumulative_logprob(setup):
