@@ -7,10 +7,10 @@ where no row asks costs nothing but a scan of the params):
    (a one-token sequence is always banned);
 2. `min_tokens`: EOS and `stop_token_ids` are set to -inf while the output is shorter;
 3. `logit_bias`: added to the logits of its tokens;
-4. penalties, in one pass over the penalized rows with [R, V] count tensors built by one scatter of all
-   their tokens: repetition (vLLM/HF: a token seen in prompt or output has its logit divided by p when
-   positive, multiplied by p when negative), then frequency and presence (OpenAI: minus
-   `frequency × count` and `presence × [count > 0]`, counts over the output only).
+4. penalties, in one sparse pass over the penalized rows (one `unique` with counts over all their
+   tokens; only the logits of tokens seen change): repetition (vLLM/HF: a token seen in prompt or
+   output has its logit divided by p when positive, multiplied by p when negative), then frequency and
+   presence (OpenAI: minus `frequency × count` and `presence × [count > 0]`, counts over the output).
 
 `apply_min_p` is applied by the sampler after temperature (vLLM's order: then top-k/top-p). A row that
 processing would leave with no allowed token keeps its unprocessed logits (e.g. a grammar that allows only
@@ -48,13 +48,23 @@ class DraftHistory:
     output_token_ids: list[int]
 
 
-def process_logits(logits: torch.Tensor, seqs: Seq[History], eos_token_ids: Seq[int] = ()) -> torch.Tensor:
-    """logits [S, V] float32, row i for `seqs[i]` -> the processed logits (a new tensor when any row is
-    processed, else `logits` itself). Row i sees the tokens `seqs[i]` holds (its next token is row i's)."""
+def process_logits(
+    logits: torch.Tensor, seqs: Seq[History], eos_token_ids: Seq[int] = (), in_place: bool = False
+) -> torch.Tensor:
+    """logits [S, V] float32, row i for `seqs[i]` -> the processed logits: `logits` itself when no row
+    is processed or `in_place`, else a new tensor. Row i sees the tokens `seqs[i]` holds (its next
+    token is row i's)."""
     params = [s.params for s in seqs]
-    if not any(p.penalized or p.logit_bias or p.min_tokens or p.bad_words_token_ids for p in params):
+    touched = [
+        i
+        for i, p in enumerate(params)
+        if p.penalized or p.logit_bias or p.min_tokens or p.bad_words_token_ids
+    ]
+    if not touched:
         return logits
-    out = logits.clone()
+    out = logits if in_place else logits.clone()
+    touched_idx = _idx(touched, out)
+    before = out.index_select(0, touched_idx)
     vocab = out.shape[1]
     banned_rows: list[int] = []
     banned_toks: list[int] = []
@@ -79,9 +89,9 @@ def process_logits(logits: torch.Tensor, seqs: Seq[History], eos_token_ids: Seq[
     rows = [i for i, p in enumerate(params) if p.penalized]
     if rows:
         _apply_penalties(out, rows, [seqs[i] for i in rows])
-    empty = torch.isneginf(out).all(dim=1)
+    empty = torch.isneginf(out.index_select(0, touched_idx)).all(dim=1)
     if bool(empty.any()):  # nothing left: keep that row's logits as they were
-        out[empty] = logits[empty]
+        out[touched_idx[empty]] = before[empty]
     return out
 
 
@@ -103,41 +113,37 @@ def _banned(seq: History, p: SamplingParams, eos_token_ids: Seq[int]) -> list[in
 
 
 def _apply_penalties(out: torch.Tensor, rows: list[int], seqs: list[History]) -> None:
-    """Repetition, frequency and presence penalties on rows `rows` of `out`, in place, in one pass."""
+    """Repetition, then frequency and presence penalties on rows `rows` of `out`, in place, in one pass.
+
+    Sparse over the batch: each (row, token) pair the rows' histories contain is found once (one
+    `unique` over flat `row * V + token` keys, with counts), and only those logits are read and written,
+    so the cost grows with the tokens seen, not with rows × vocabulary."""
     dev, vocab = out.device, out.shape[1]
-    r = len(rows)
-    row_of: list[int] = []
-    toks: list[int] = []
-    for j, s in enumerate(seqs):
-        row_of.extend([j] * len(s.output_token_ids))
-        toks.extend(s.output_token_ids)
-    counts = torch.zeros(r, vocab, dtype=out.dtype, device=dev)
-    if toks:
-        counts.index_put_(
-            (_idx(row_of, out), _idx(toks, out)),
-            torch.ones(len(toks), dtype=out.dtype, device=dev),
-            accumulate=True,
-        )
-    seen_out = counts > 0
+    flat = out.view(-1)
+    out_keys: list[int] = []
+    seen_keys: list[int] = []
+    for r, s in zip(rows, seqs, strict=True):
+        base = r * vocab
+        out_keys.extend(base + t for t in s.output_token_ids)
+        if s.params.repetition_penalty != 1.0:
+            seen_keys.extend(base + t for t in s.prompt_token_ids)
+    rep_of = torch.ones(out.shape[0], dtype=out.dtype, device=dev)
+    freq_of = torch.zeros(out.shape[0], dtype=out.dtype, device=dev)
+    pres_of = torch.zeros(out.shape[0], dtype=out.dtype, device=dev)
     index = _idx(rows, out)
-    sub = out.index_select(0, index)
-    rep_vals = [s.params.repetition_penalty for s in seqs]
-    if any(v != 1.0 for v in rep_vals):
-        prompt_rows: list[int] = []
-        prompt_toks: list[int] = []
-        for j, s in enumerate(seqs):
-            if rep_vals[j] != 1.0:
-                prompt_rows.extend([j] * len(s.prompt_token_ids))
-                prompt_toks.extend(s.prompt_token_ids)
-        seen = seen_out.clone()
-        if prompt_toks:
-            seen[_idx(prompt_rows, out), _idx(prompt_toks, out)] = True
-        rep = torch.tensor(rep_vals, dtype=out.dtype, device=dev)[:, None]
-        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    freq = torch.tensor([s.params.frequency_penalty for s in seqs], dtype=out.dtype, device=dev)[:, None]
-    pres = torch.tensor([s.params.presence_penalty for s in seqs], dtype=out.dtype, device=dev)[:, None]
-    sub = sub - freq * counts - pres * seen_out.to(out.dtype)
-    out.index_copy_(0, index, sub)
+    rep_of[index] = torch.tensor([s.params.repetition_penalty for s in seqs], dtype=out.dtype, device=dev)
+    freq_of[index] = torch.tensor([s.params.frequency_penalty for s in seqs], dtype=out.dtype, device=dev)
+    pres_of[index] = torch.tensor([s.params.presence_penalty for s in seqs], dtype=out.dtype, device=dev)
+    keys = torch.tensor(out_keys, dtype=torch.long, device=dev)
+    uniq, counts = torch.unique(keys, return_counts=True)
+    if any(s.params.repetition_penalty != 1.0 for s in seqs):
+        seen = torch.unique(torch.cat([uniq, torch.tensor(seen_keys, dtype=torch.long, device=dev)]))
+        rep = rep_of[seen // vocab]
+        vals = flat[seen]
+        flat[seen] = torch.where(vals > 0, vals / rep, vals * rep)
+    if uniq.numel():
+        row = uniq // vocab
+        flat[uniq] -= freq_of[row] * counts.to(out.dtype) + pres_of[row]
 
 
 def apply_min_p(scaled: torch.Tensor, min_p: list[float]) -> torch.Tensor:

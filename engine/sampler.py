@@ -31,7 +31,9 @@ class Sampler:
         """logits [S, V] float32, one row per request -> one sampled token per request."""
         params = [r.params for r in reqs]
         greedy_rows = [p.greedy for p in params]
-        processed = process_logits(logits, reqs, self.eos_token_ids)
+        # In place unless log-probabilities (of the raw logits) are wanted from this step.
+        in_place = all(p.logprobs is None for p in params)
+        processed = process_logits(logits, reqs, self.eos_token_ids, in_place=in_place)
         argmax = processed.argmax(dim=-1)
         if all(greedy_rows):
             tokens = argmax

@@ -66,6 +66,15 @@ def test_batch_matches_hf_processors_row_by_row(seed):
     assert bad.output_token_ids[-1] == 8
 
 
+def test_in_place_processing_equals_the_copy():
+    seqs = _batch(random.Random(5))
+    logits = torch.randn(len(seqs), VOCAB, generator=torch.Generator().manual_seed(5))
+    copy = process_logits(logits, seqs, EOS)
+    same = logits.clone()
+    assert process_logits(same, seqs, EOS, in_place=True) is same
+    assert torch.equal(same, copy) and not torch.equal(logits, copy)
+
+
 def test_rows_without_processing_cost_nothing():
     seqs = [_seq(SamplingParams(), [1, 2], [3]), _seq(SamplingParams(temperature=0), [4], [])]
     logits = torch.randn(2, VOCAB)

@@ -5,6 +5,7 @@ all ask for different things, against HF + PEFT decoding token by token through 
 from __future__ import annotations
 
 import random
+import re
 from collections import Counter
 
 import pytest
@@ -178,3 +179,33 @@ def test_token_ids_outside_the_vocabulary_are_refused(setup):
         with pytest.raises(SamplingParamsError) as err:
             llm.generate([[5, 6]], SamplingParams(max_tokens=2, **kwargs))
         assert err.value.field == field
+
+
+def test_penalties_under_a_grammar_match_masked_hf_reference(checkpoint):
+    """Regex `[a-d]{8}` (each char one token of the char tokenizer): per step only a..d are allowed, so
+    the reference is HF's processors on the grammar-masked logits; the output still matches the grammar."""
+    from engine.structured import StructuredSpec
+    from tests.helpers.tiny_models import HFGreedyOracle
+
+    ckpt = checkpoint("llama", tokenizer=True, vocab_size=100)
+    llm = LLM(str(ckpt), device="cpu", dtype="float32")
+    tok = llm.engine.tokenizer
+    allowed = [tok.convert_tokens_to_ids(c) for c in "abcd"]
+    prompt = tok.encode("hello")
+    spec = StructuredSpec("regex", "[a-d]{8}")
+    common = {"max_tokens": 12, "temperature": 0.0, "structured": spec}
+    plain = llm.generate([prompt], SamplingParams(**common))[0].outputs[0]
+    params = SamplingParams(
+        repetition_penalty=3.0, frequency_penalty=1.0, logit_bias={allowed[0]: 0.5}, **common
+    )
+    out = llm.generate([prompt], params)[0].outputs[0]
+    assert re.fullmatch("[a-d]{8}", out.text) and out.text != plain.text
+    hf = HFGreedyOracle(ckpt)
+    ids: list[int] = []
+    for _ in range(8):
+        with torch.no_grad():
+            logits = hf.model(torch.tensor([prompt + ids])).logits[0, -1]
+        masked = torch.full_like(logits, float("-inf"))
+        masked[allowed] = logits[allowed]
+        ids.append(int(reference_logits(masked, params, prompt, ids, ()).argmax()))
+    assert out.token_ids[:8] == ids
