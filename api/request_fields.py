@@ -9,6 +9,7 @@ the field, so a client never gets text produced without a setting it asked for.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 from pydantic_core import PydanticCustomError
@@ -29,7 +30,7 @@ TOLERATED: dict[str, object] = {
 }
 
 
-def check_fields(data: Any, known: set[str]) -> None:
+def check_fields(data: Any, known: frozenset[str]) -> None:
     """Raise a validation error naming the first field of the JSON object `data` that is neither in
     `known` (the model's fields and aliases) nor accepted by the rules above."""
     if not isinstance(data, dict):
@@ -54,14 +55,15 @@ def check_fields(data: Any, known: set[str]) -> None:
         )
 
 
-def model_field_names(model: type) -> set[str]:
+@lru_cache(maxsize=64)
+def model_field_names(model: type) -> frozenset[str]:
     """The names and aliases a pydantic model class accepts at the top level."""
     names: set[str] = set()
     for name, info in model.model_fields.items():  # type: ignore[attr-defined]
         names.add(name)
         if info.alias:
             names.add(info.alias)
-    return names
+    return frozenset(names)
 
 
 def _json(value: object) -> str:
