@@ -88,7 +88,11 @@ class Generation:
         self.width = params.best_of or params.n  # sequences per prompt (best_of candidates, else n)
         self.id = uuid.uuid4().hex
         self.choices = [
-            Choice(index=p * self.width + j, prompt_index=p, out=SequenceText(tokenizer, params.stop))
+            Choice(
+                index=p * self.width + j,
+                prompt_index=p,
+                out=SequenceText(tokenizer, params.stop, params.min_tokens),
+            )
             for p in range(len(prompts))
             for j in range(self.width)
         ]

@@ -247,7 +247,7 @@ class LLMEngine:
     def _sequence_text(self, params: SamplingParams) -> SequenceText | None:
         if self.tokenizer is None or not self.config.detokenize:
             return None
-        return SequenceText(self.tokenizer, params.stop)
+        return SequenceText(self.tokenizer, params.stop, params.min_tokens)
 
     def abort_request(self, request_id: str | abc.Sequence[str]) -> None:
         """Stop the request(s) now, freeing their KV blocks and adapter holds; unknown or finished ids are

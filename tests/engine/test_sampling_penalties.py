@@ -209,3 +209,18 @@ def test_penalties_under_a_grammar_match_masked_hf_reference(checkpoint):
         masked[allowed] = logits[allowed]
         ids.append(int(reference_logits(masked, params, prompt, ids, ()).argmax()))
     assert out.token_ids[:8] == ids
+
+
+def test_stop_strings_wait_for_min_tokens(checkpoint):
+    """vLLM's rule: a stop string in the text of the first `min_tokens` tokens does not end the output
+    (char tokenizer: token i is character i)."""
+    llm = LLM(str(checkpoint("llama", tokenizer=True, vocab_size=100)), device="cpu", dtype="float32")
+    common = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    text = llm.generate(["abc"], SamplingParams(**common))[0].outputs[0].text
+    stop = text[1]
+    early = llm.generate(["abc"], SamplingParams(stop=[stop], **common))[0].outputs[0].text
+    assert early == text[: text.index(stop)]
+    late = llm.generate(["abc"], SamplingParams(stop=[stop], min_tokens=5, **common))[0].outputs[0]
+    cut = text.find(stop, 5)
+    assert late.text == (text[:cut] if cut >= 0 else text)
+    assert len(late.text) >= 5
