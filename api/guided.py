@@ -1,7 +1,8 @@
 """vLLM's structured-output request fields -> the engine's `StructuredSpec` (the llguidance path).
 
 `guided_json` (a JSON schema, as an object or its text), `guided_regex`, `guided_choice` (the output is
-exactly one of the strings), `guided_grammar` (Lark syntax, llguidance's dialect) and `structured_outputs`
+exactly one of the strings), `guided_grammar` (GBNF/EBNF as vLLM's xgrammar backend takes, e.g.
+`root ::= "yes" | "no"`, converted by llguidance; or Lark, llguidance's own dialect) and `structured_outputs`
 (vLLM's newer object with `json`, `regex`, `choice`, `grammar`, `json_object`) each give one constraint.
 At most one constraint per request: two of these, or one with a `response_format` or forced tool call, is
 a 400 naming the field.
@@ -90,7 +91,19 @@ def _spec(param: str, kind: str, value: Any) -> StructuredSpec:
             raise APIError(400, f"{param}: choices must be non-empty strings", param=param)
         text = "(" + "|".join(regex_literal(c) for c in value) + ")"
         return _checked(param, "regex", text)
+    if kind == "grammar":
+        return _checked(param, kind, _lark(param, value))
     return _checked(param, kind, value)
+
+
+def _lark(param: str, grammar: str) -> str:
+    """`grammar` in Lark syntax: as given when it is Lark already, else converted from GBNF."""
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        return any_to_lark(grammar)
+    except Exception as exc:  # the converter raises plain exceptions for malformed GBNF
+        raise APIError(400, f"{param}: not a valid GBNF or Lark grammar ({exc})", param=param) from exc
 
 
 def _checked(param: str, kind: str, text: str) -> StructuredSpec:

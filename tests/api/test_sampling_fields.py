@@ -156,6 +156,11 @@ def test_guided_fields_map_onto_structured_output(server):
         model="all7-r4", prompt="num", max_tokens=8, extra_body={"guided_regex": "[0-9]{3}-x"}
     )
     assert re.fullmatch(r"[0-9]{3}-x", r.choices[0].text)
+    for grammar in ('root ::= "yes" | "no" | answer\nanswer ::= [0-9]+', 'start: "yes" | "no" | /[0-9]+/'):
+        r = c.completions.create(
+            model="all7-r4", prompt="g", max_tokens=8, extra_body={"guided_grammar": grammar}
+        )
+        assert re.fullmatch(r"yes|no|[0-9]+", r.choices[0].text), grammar  # GBNF (vLLM's EBNF), Lark
     schema = {
         "type": "object",
         "properties": {"a": {"type": "integer", "maximum": 99}},
@@ -184,6 +189,7 @@ def test_guided_fields_map_onto_structured_output(server):
         ({"skip_special_tokens": False}, "skip_special_tokens"),
         ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
         ({"guided_regex": "(unclosed"}, "guided_regex"),
+        ({"guided_grammar": "root ::= ("}, "guided_grammar"),
         ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
         ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
         ({"logit_bias": {"100": 1}}, "logit_bias"),  # the vocabulary is 100 tokens
