@@ -180,7 +180,7 @@ class SamplingFields(BaseModel):
     def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         bound = BOUNDS["logit_bias"]
         for key, value in (v or {}).items():
-            if not key.isdigit() or int(key) > MAX_TOKEN_ID:
+            if not (key.isascii() and key.isdigit()) or int(key) > MAX_TOKEN_ID:
                 raise ValueError(
                     f"keys must be token ids (decimal strings in [0, {MAX_TOKEN_ID}]), got {key!r}"
                 )

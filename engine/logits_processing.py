@@ -62,7 +62,7 @@ def process_logits(
     ]
     if not touched:
         return logits
-    out = logits if in_place else logits.clone()
+    out = logits if in_place and logits.is_contiguous() else logits.clone()
     touched_idx = _idx(touched, out)
     before = out.index_select(0, touched_idx)
     vocab = out.shape[1]

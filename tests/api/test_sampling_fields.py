@@ -194,6 +194,7 @@ def test_guided_fields_map_onto_structured_output(server):
         ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
         ({"logit_bias": {"100": 1}}, "logit_bias"),  # the vocabulary is 100 tokens
         ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"²": 1}}, "logit_bias"),
         ({"logit_bias": {"3": 150}}, "logit_bias"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
