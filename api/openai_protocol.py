@@ -127,7 +127,7 @@ class StructuredOutputs(BaseModel):
     json_: dict[str, Any] | Text | None = Field(default=None, alias="json")
     regex: Text | None = None
     choice: Annotated[list[Text], Field(min_length=1, max_length=MAX_GUIDED_CHOICES)] | None = None
-    grammar: Text | None = None  # Lark syntax (llguidance)
+    grammar: Text | None = None  # GBNF (converted) or Lark (api/guided.py)
     json_object: bool | None = None
 
 
