@@ -89,7 +89,8 @@ def install_error_handlers(app: FastAPI) -> None:
         loc = [
             str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path") and not _union_tag(p)
         ]
-        param = ".".join(loc) or None
+        named = (first.get("ctx") or {}).get("param")  # a model-level check naming its field
+        param = named if isinstance(named, str) else ".".join(loc) or None
         msg = first.get("msg", "invalid request")
         return error_response(400, f"{param}: {msg}" if param else msg, param)
 

@@ -85,12 +85,18 @@ class Generation:
     ) -> None:
         self.client, self.tokenizer, self.prompts = client, tokenizer, prompts
         self.params, self.n, self.lora, self.priority = params, params.n, lora, priority
+        self.width = params.best_of or params.n  # sequences per prompt (best_of candidates, else n)
         self.id = uuid.uuid4().hex
         self.choices = [
-            Choice(index=p * self.n + j, prompt_index=p, out=SequenceText(tokenizer, params.stop))
+            Choice(
+                index=p * self.width + j,
+                prompt_index=p,
+                out=SequenceText(tokenizer, params.stop, params.min_tokens),
+            )
             for p in range(len(prompts))
-            for j in range(self.n)
+            for j in range(self.width)
         ]
+        self.discarded: list[Choice] = []  # best_of candidates not returned (`keep_best`)
         self._per_choice = params.choices()
         self._token_info = lru_cache(maxsize=4096)(self._describe)
 
@@ -98,10 +104,30 @@ class Generation:
         return AddRequest(
             request_id=f"{self.id}-{choice.index}",
             prompt_token_ids=self.prompts[choice.prompt_index],
-            params=self._per_choice[choice.index % self.n],
+            params=self._per_choice[choice.index % self.width],
             lora=self.lora,
             priority=self.priority,
         )
+
+    @property
+    def num_generated_tokens(self) -> int:
+        """Tokens generated for this request, best_of candidates not returned included."""
+        return sum(len(c.token_ids) for c in (*self.choices, *self.discarded))
+
+    def keep_best(self) -> None:
+        """Under `best_of` (more candidates than `n` per prompt), once all finished: keep per prompt the
+        `n` of highest cumulative log-probability (best first, indices renumbered `p * n + rank`)."""
+        if self.width == self.n:
+            return
+        kept: list[Choice] = []
+        for p in range(len(self.prompts)):
+            group = [c for c in self.choices if c.prompt_index == p]
+            group.sort(key=lambda c: sum(lp.logprob for lp in c.logprobs), reverse=True)
+            for rank, c in enumerate(group[: self.n]):
+                c.index = p * self.n + rank
+                kept.append(c)
+            self.discarded.extend(group[self.n :])
+        self.choices = kept
 
     async def stream(self) -> AsyncIterator[ChoiceUpdate]:
         """Updates of all choices, interleaved as tokens arrive; errors from the engine propagate."""

@@ -11,10 +11,14 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from fastapi import Path
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from api.request_fields import check_fields, model_field_names
 from engine.sampling_params import (
     BOUNDS,
+    MAX_BAD_WORD_CHARS,
+    MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -119,8 +123,25 @@ class ToolCall(RequestBody):
     function: FunctionCall
 
 
+MAX_GUIDED_CHOICES = 256
+BadWord = Annotated[str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]
+
+
+class StructuredOutputs(RequestBody):
+    """vLLM's `structured_outputs` (exactly one of these); `json` is a JSON schema (object or its text)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | Text | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: Annotated[list[Text], Field(min_length=1, max_length=MAX_GUIDED_CHOICES)] | None = None
+    grammar: Text | None = None  # GBNF (converted) or Lark (api/guided.py)
+    json_object: bool | None = None
+
+
 class SamplingFields(RequestBody):
-    """The fields both generation endpoints share."""
+    """The fields both generation endpoints share. A top-level field not declared here is refused with a
+    400 naming it, unless `api.request_fields` accepts it (see there)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -139,6 +160,41 @@ class SamplingFields(RequestBody):
     priority: int = Field(default=0, ge=PRIORITY_BOUND.lo, le=PRIORITY_BOUND.hi)  # extension
     user: Name | None = None
     response_format: ResponseFormat | None = None
+    # OpenAI penalties and vLLM sampling extras (ranges: engine.sampling_params.BOUNDS)
+    presence_penalty: float = _bounded("presence_penalty", 0.0)
+    frequency_penalty: float = _bounded("frequency_penalty", 0.0)
+    repetition_penalty: float = _bounded("repetition_penalty", 1.0)
+    min_p: float = _bounded("min_p", 0.0)
+    min_tokens: int = _bounded("min_tokens", 0)
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    bad_words: Annotated[list[BadWord], Field(max_length=MAX_BAD_WORDS)] | None = None
+    best_of: int | None = _bounded("best_of", None)
+    return_token_ids: bool = False  # vLLM: choices carry `token_ids`, and `prompt_token_ids` is returned
+    # vLLM's structured-output fields (api/guided.py maps them onto the llguidance path)
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: Annotated[list[Text], Field(min_length=1, max_length=MAX_GUIDED_CHOICES)] | None = None
+    guided_grammar: Text | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data: Any) -> Any:
+        check_fields(data, model_field_names(cls))
+        return data
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        bound = BOUNDS["logit_bias"]
+        for key, value in (v or {}).items():
+            if not (key.isascii() and key.isdigit()) or int(key) > MAX_TOKEN_ID:
+                raise ValueError(
+                    f"keys must be token ids (decimal strings in [0, {MAX_TOKEN_ID}]), got {key!r}"
+                )
+            if not bound.holds(value):
+                raise ValueError(f"values must be in {bound.describe()}, got {value} for token {key}")
+        return v
 
     @field_validator("top_k")
     @classmethod
@@ -172,6 +228,14 @@ class SamplingFields(RequestBody):
             stop_token_ids=list(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            best_of=self.best_of,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias={int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            min_p=self.min_p,
+            min_tokens=self.min_tokens,
+            bad_words=list(self.bad_words or []),
         )
 
 
@@ -187,6 +251,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = _bounded("max_tokens", 16)
     logprobs: int | None = _bounded("logprobs", None)
     echo: bool = False
+    suffix: Text | None = None  # refused when set: no model here has a fill-in-the-middle template
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts as a list of strings or token-id lists."""

@@ -22,6 +22,7 @@ from api.limits.limiter import Grant
 from api.openai_protocol import SamplingFields
 from api.usage.service import usage_entry
 from engine.lora_request import LoRARequest
+from engine.request_tokens import resolve_request_tokens
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from kernels.intmath import cdiv
 from lora_registry.errors import RegistryUnavailable
@@ -193,9 +194,15 @@ def sampling_params(
             param="max_tokens",
         )
     try:
-        return body.to_sampling_params(max_tokens, logprobs)
+        params = body.to_sampling_params(max_tokens, logprobs)
+        # bad_words tokenized here (small: bounded words) so a bad one is a 400 naming it; token ids
+        # checked against the vocabulary. The engine checks the result again.
+        params = resolve_request_tokens(params, state.tokenizer, info.vocab_size)
     except SamplingParamsError as exc:
         raise APIError(400, str(exc), param=exc.field) from exc
+    if body.stream and params.best_of is not None and params.best_of > params.n:
+        raise APIError(400, "best_of > n cannot be streamed (the best are known at the end)", param="best_of")
+    return params
 
 
 class RequestRun:
@@ -343,6 +350,7 @@ class RequestRun:
             raise ClientDisconnected() from None
         finally:
             watcher.cancel()
+        self.gen.keep_best()
 
     async def _watch_disconnect(self, task: asyncio.Task | None) -> None:
         while True:
@@ -378,7 +386,9 @@ def _choice_error(target: Target, status: int, error: str) -> APIError:
 
 
 def usage(gen: Generation, num_prompt_tokens: int) -> dict[str, Any]:
-    completion = sum(len(c.token_ids) for c in gen.choices)
+    """OpenAI `usage`: completion tokens count every generated token (best_of candidates too, as OpenAI
+    bills them)."""
+    completion = gen.num_generated_tokens
     return {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": completion,

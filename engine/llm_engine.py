@@ -30,6 +30,7 @@ from engine.model_runner import ModelRunner, kv_block_bytes
 from engine.output_processor import SequenceText
 from engine.outputs import RequestOutput
 from engine.request_group import RequestGroup
+from engine.request_tokens import resolve_request_tokens
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.scheduler.output import RunnerOutput, SchedulerOutput
@@ -105,6 +106,7 @@ class LLMEngine:
         self.structured = StructuredOutput(
             self.tokenizer, self.model_config.vocab_size, self._eos_token_ids()
         )
+        self.runner.sampler.eos_token_ids = self._eos_token_ids()
         self.runner.sampler = MaskingSampler(self.runner.sampler, self.structured.masks)  # type: ignore[assignment]
         self.spec: SpecDecoder | None = make_spec_decoder(
             config.speculative_config(),
@@ -175,8 +177,9 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> None:
         """Queue a request; raises `ValueError` if it is malformed or could never fit in the KV cache."""
-        params = params or SamplingParams()
-        params.validate()
+        params = resolve_request_tokens(
+            params or SamplingParams(), self.tokenizer, self.model_config.vocab_size
+        )
         self.structured.check(params)  # compiles the grammar (cached); refuses a spec that does not compile
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -198,13 +201,13 @@ class LLMEngine:
             if choice.seed is not None:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(choice.seed)
-            seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            seq_id = request_id if (params.best_of or params.n) == 1 else f"{request_id}#{i}"
             seqs.append(
                 Sequence(seq_id, ids, choice, arrival, priority, lora_request, lora_key, gen, max_total)
             )
             self.structured.attach(seqs[-1])
         texts = [self._sequence_text(params) for _ in seqs]
-        self._groups[request_id] = RequestGroup(request_id, text, ids, seqs, texts)
+        self._groups[request_id] = RequestGroup(request_id, text, ids, seqs, texts, params.n)
         for s in seqs:
             self._seq_to_group[s.seq_id] = request_id
             self.scheduler.add_request(s)
@@ -246,7 +249,7 @@ class LLMEngine:
     def _sequence_text(self, params: SamplingParams) -> SequenceText | None:
         if self.tokenizer is None or not self.config.detokenize:
             return None
-        return SequenceText(self.tokenizer, params.stop)
+        return SequenceText(self.tokenizer, params.stop, params.min_tokens)
 
     def abort_request(self, request_id: str | abc.Sequence[str]) -> None:
         """Stop the request(s) now, freeing their KV blocks and adapter holds; unknown or finished ids are

@@ -120,7 +120,9 @@ class ModelRunner:
             by_item = {id(it): tok for it, tok in zip(plain, tokens, strict=True)}
         spec_logits = logits[torch.tensor(spec_rows, device=dev)]
         drafts = [it.spec_token_ids for it in spec]
-        emitted = verify(spec_logits, [it.seq for it in spec], drafts, self.sampler.generator)
+        emitted = verify(
+            spec_logits, [it.seq for it in spec], drafts, self.sampler.generator, self.sampler.eos_token_ids
+        )
         for it, toks in zip(spec, emitted, strict=True):
             by_item[id(it)] = toks[0]
             spec_by_item[id(it)] = toks

@@ -14,9 +14,13 @@ from engine.tokenizer import IncrementalDetokenizer
 
 
 class SequenceText:
-    def __init__(self, tokenizer: Any | None, stops: list[str]) -> None:
+    def __init__(self, tokenizer: Any | None, stops: list[str], min_tokens: int = 0) -> None:
+        """`min_tokens`: stop strings are looked for only in the text of tokens after the first
+        `min_tokens` (vLLM's rule), as EOS and stop token ids cannot be sampled before then."""
         self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self.stops = stops
+        self.min_tokens = min_tokens
+        self.num_tokens = 0
         self.text = ""
         self.emitted = 0  # characters of `text` already released
         self.stop_hit: str | None = None  # the stop string that ended the sequence
@@ -31,11 +35,12 @@ class SequenceText:
         (the sequence already ended for another reason)."""
         if self.detok is None or self.stopped:
             return None
+        self.num_tokens += 1
         piece = self.detok.push(token_id)
         if not piece:
             return None
         self.text += piece
-        if not self.stops or not check_stops:
+        if not self.stops or not check_stops or self.num_tokens <= self.min_tokens:
             return None
         hit = find_stop(self.text, len(piece), self.stops)
         if hit is None:

@@ -21,6 +21,7 @@ class RequestGroup:
     prompt_token_ids: list[int]
     seqs: list[Sequence]
     texts: list[SequenceText | None]
+    n: int = 0  # choices reported: fewer than `seqs` under `best_of` (0: all)
 
     def detokenize(self, seq: Sequence, finish: Callable[[Sequence, SequenceStatus], None]) -> None:
         """Append the text of `seq`'s new tokens (several when speculative tokens were accepted), one at
@@ -47,7 +48,14 @@ class RequestGroup:
             finish(seq, SequenceStatus.FINISHED_STOPPED)
 
     def output(self) -> RequestOutput:
-        """The request's state now: every sequence's tokens, text and finish reason."""
+        """The request's state now: every sequence's tokens, text and finish reason. Under `best_of`
+        (more sequences than `n`): nothing until all finish, then the `n` of highest cumulative
+        log-probability, best first."""
+        finished = all(s.is_finished for s in self.seqs)
+        seqs = self.seqs
+        if 0 < self.n < len(seqs):
+            ranked = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)
+            seqs = ranked[: self.n] if finished else []
         comps = [
             CompletionOutput(
                 index=i,
@@ -58,13 +66,13 @@ class RequestGroup:
                 finish_reason=s.finish_reason,
                 stop_reason=s.stop_reason,
             )
-            for i, s in enumerate(self.seqs)
+            for i, s in enumerate(seqs)
         ]
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
             outputs=comps,
-            finished=all(s.is_finished for s in self.seqs),
+            finished=finished,
             num_cached_tokens=max(self.seqs[0].num_cached_tokens, 0),
         )

@@ -1,16 +1,20 @@
 """Turn next-token logits into tokens for a batch of requests with different sampling settings.
 
-For each row: greedy rows take argmax(logits). Other rows divide by temperature, keep the top-k logits
-and the smallest set of tokens whose probability mass reaches top_p, and draw from the renormalized
-distribution with the Gumbel/exponential trick `argmax(p / q), q ~ Exp(1)`. A request with a `seed` draws
-its `q` from its own generator, so its tokens do not depend on the rest of the batch.
-Log-probabilities are reported under the raw (untempered) distribution.
+First the per-request logits processing (`engine/logits_processing.py`: bad words, `min_tokens`,
+`logit_bias`, repetition/frequency/presence penalties; only on rows that ask for it). Then for each row:
+greedy rows take argmax of the processed logits. Other rows divide by temperature, drop tokens under
+`min_p` × the top probability, keep the top-k logits and the smallest set of tokens whose probability mass
+reaches top_p, and draw from the renormalized distribution with the Gumbel/exponential trick
+`argmax(p / q), q ~ Exp(1)`. A request with a `seed` draws its `q` from its own generator, so its tokens do
+not depend on the rest of the batch. Log-probabilities are reported under the raw (unprocessed,
+untempered) distribution, as vLLM's default `raw_logprobs` does.
 """
 
 from __future__ import annotations
 
 import torch
 
+from engine.logits_processing import apply_min_p, process_logits
 from engine.outputs import Logprob
 from engine.scheduler.output import SampledToken
 from engine.sequence import Sequence
@@ -21,17 +25,21 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.eos_token_ids: tuple[int, ...] = ()  # masked under `min_tokens` (set by the engine)
 
     def __call__(self, logits: torch.Tensor, reqs: list[Sequence]) -> list[SampledToken]:
         """logits [S, V] float32, one row per request -> one sampled token per request."""
         params = [r.params for r in reqs]
         greedy_rows = [p.greedy for p in params]
-        argmax = logits.argmax(dim=-1)
+        # In place unless log-probabilities (of the raw logits) are wanted from this step.
+        in_place = all(p.logprobs is None for p in params)
+        processed = process_logits(logits, reqs, self.eos_token_ids, in_place=in_place)
+        argmax = processed.argmax(dim=-1)
         if all(greedy_rows):
             tokens = argmax
         else:
             tokens = torch.where(
-                torch.tensor(greedy_rows, device=logits.device), argmax, self._draw(logits, reqs)
+                torch.tensor(greedy_rows, device=logits.device), argmax, self._draw(processed, reqs)
             )
         token_list = tokens.tolist()
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -61,6 +69,9 @@ class Sampler:
         params = [r.params for r in reqs]
         temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=logits.device)
         scaled = logits / temps[:, None]
+        min_p = [p.min_p if not p.greedy else 0.0 for p in params]
+        if any(m > 0.0 for m in min_p):
+            scaled = apply_min_p(scaled, min_p)
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):

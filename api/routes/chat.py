@@ -12,6 +12,7 @@ from starlette.concurrency import run_in_threadpool
 from api.chat_template import render_chat
 from api.errors import APIError, error_responses
 from api.generation import ChoiceUpdate, Generation, TokenInfo, TokenLogprob
+from api.guided import guided_job
 from api.openai_protocol import AdapterName, ChatCompletionRequest, ChatCompletionResponse
 from api.schema_check import schema_checker
 from api.serving import (
@@ -65,9 +66,10 @@ async def _chat(body: ChatCompletionRequest, request: Request, adapter: str | No
             "chat needs a tokenizer, and this model has none; use /v1/completions with token ids",
             param="messages",
         )
-    check_choices(state, 1, body.n)
+    check_choices(state, 1, body.best_of or body.n)
     fmt = response_format_job(body.response_format)
     mode = tool_mode(body, fmt)
+    fmt = guided_job(body, other=mode.spec is not None or fmt is not None) or fmt
     jobs = mode.jobs if mode.spec is not None or fmt is None else [*mode.jobs, fmt]
     spec = mode.spec or (fmt.spec if fmt is not None else None)
     messages = template_messages(body.messages)
@@ -88,7 +90,7 @@ async def _chat(body: ChatCompletionRequest, request: Request, adapter: str | No
     head = {"id": f"chatcmpl-{gen.id}", "created": int(time.time()), "model": target.model_name}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await _stream(run, head, include_usage, len(ids), top is not None, mode)
+        return await _stream(run, head, include_usage, len(ids), top is not None, mode, body.return_token_ids)
     await run.collect()
     choices = [
         _message(mode, c.text, finish_reason(c.finish_reason))
@@ -96,10 +98,12 @@ async def _chat(body: ChatCompletionRequest, request: Request, adapter: str | No
             "index": c.index,
             "logprobs": {"content": _content_logprobs(c.logprobs)} if top is not None else None,
         }
+        | ({"token_ids": c.token_ids} if body.return_token_ids else {})
         for c in gen.choices
     ]
+    extra = {"prompt_token_ids": ids} if body.return_token_ids else {}
     return JSONResponse(
-        head | {"object": "chat.completion", "choices": choices, "usage": usage(gen, len(ids))}
+        head | {"object": "chat.completion", "choices": choices, "usage": usage(gen, len(ids))} | extra
     )
 
 
@@ -128,22 +132,37 @@ def _content_logprobs(lps: list[TokenLogprob]) -> list[dict]:
 
 
 async def _stream(
-    run: RequestRun, head: dict, include_usage: bool, n_prompt: int, logprobs: bool, mode: ToolMode
+    run: RequestRun,
+    head: dict,
+    include_usage: bool,
+    n_prompt: int,
+    logprobs: bool,
+    mode: ToolMode,
+    token_ids: bool = False,
 ):
+    """`token_ids` (vLLM's return_token_ids): the first chunk of each choice carries `prompt_token_ids`,
+    and each chunk's choice the `token_ids` that arrived with it."""
     chunk = head | {"object": "chat.completion.chunk"}
     started: set[int] = set()
     calls: dict[int, CallStream] = {}
+    pending_ids: dict[int, list[int]] = {}
 
     def choice(index: int, delta: dict, lp: dict | None = None, finish: str | None = None) -> dict:
-        return chunk | {
-            "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}]
-        }
+        entry = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        if token_ids:
+            entry["token_ids"] = pending_ids.pop(index, [])
+        return chunk | {"choices": [entry]}
 
     def render(up: ChoiceUpdate) -> list[dict]:
         c, out = up.choice, []
         if c.index not in started:
             started.add(c.index)
-            out.append(choice(c.index, {"role": "assistant", "content": ""}))
+            first = choice(c.index, {"role": "assistant", "content": ""})
+            if token_ids:
+                first["prompt_token_ids"] = run.gen.prompts[c.prompt_index]
+            out.append(first)
+        if token_ids:
+            pending_ids.setdefault(c.index, []).extend(up.token_ids)
         finish = finish_reason(c.finish_reason) if up.finished else None
         if mode.active:
             stream = calls.setdefault(c.index, CallStream(mode))

@@ -8,8 +8,9 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from api.errors import error_responses
+from api.errors import APIError, error_responses
 from api.generation import Choice, ChoiceUpdate, Generation, TokenLogprob
+from api.guided import guided_job
 from api.openai_protocol import AdapterName, CompletionRequest, CompletionResponse
 from api.schema_check import schema_checker
 from api.serving import (
@@ -49,8 +50,13 @@ async def _complete(body: CompletionRequest, request: Request, adapter: str | No
     state = request.app.state.loraplex
     target = await resolve_target(request, body.model, adapter)
     raw_prompts = body.prompts()
-    check_choices(state, len(raw_prompts), body.n)
+    if body.suffix is not None:
+        raise APIError(
+            400, "suffix is not supported: this model has no fill-in-the-middle template", param="suffix"
+        )
+    check_choices(state, len(raw_prompts), body.best_of or body.n)
     fmt = response_format_job(body.response_format)
+    fmt = guided_job(body, other=fmt is not None) or fmt
     prompts = await tokenize_prompts(state, raw_prompts)
     params = sampling_params(state, body, prompts, body.max_tokens, body.logprobs)
     if fmt is not None:
@@ -69,12 +75,15 @@ async def _complete(body: CompletionRequest, request: Request, adapter: str | No
         "model": target.model_name,
     }
     echo = [p if isinstance(p, str) else _decode(state, p) for p in raw_prompts] if body.echo else None
+    prompt_ids = prompts if body.return_token_ids else None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await _stream(run, head, echo, include_usage, n_prompt)
+        return await _stream(run, head, echo, include_usage, n_prompt, prompt_ids)
     await run.collect()
     choices = [
-        _choice_json(c, echo[c.prompt_index] if echo is not None else "", body.logprobs) for c in gen.choices
+        _choice_json(c, echo[c.prompt_index] if echo is not None else "", body.logprobs)
+        | ({"prompt_token_ids": prompt_ids[c.prompt_index]} if prompt_ids is not None else {})
+        for c in gen.choices
     ]
     return JSONResponse(head | {"choices": choices, "usage": usage(gen, n_prompt)})
 
@@ -107,8 +116,16 @@ def _logprobs_json(lps: list[TokenLogprob], offset: int = 0) -> dict:
     }
 
 
-async def _stream(run: RequestRun, head: dict, echo: list[str] | None, include_usage: bool, n_prompt: int):
+async def _stream(
+    run: RequestRun,
+    head: dict,
+    echo: list[str] | None,
+    include_usage: bool,
+    n_prompt: int,
+    prompt_ids: list[list[int]] | None,
+):
     echoed: set[int] = set()
+    started: set[int] = set()
 
     def render(up: ChoiceUpdate) -> list[dict]:
         c, text = up.choice, up.text
@@ -125,6 +142,9 @@ async def _stream(run: RequestRun, head: dict, echo: list[str] | None, include_u
             "finish_reason": finish_reason(c.finish_reason) if up.finished else None,
             "token_ids": up.token_ids,
         }
+        if prompt_ids is not None and c.index not in started:  # return_token_ids: once per choice
+            choice["prompt_token_ids"] = prompt_ids[c.prompt_index]
+        started.add(c.index)
         return [head | {"choices": [choice]}]
 
     def tail() -> list[dict]:

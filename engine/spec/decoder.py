@@ -80,7 +80,8 @@ class SpecDecoder:
 
     def propose(self, running: list[Sequence]) -> None:
         """Set `spec_token_ids` of each running sequence whose next step is a decode (sequences under a
-        structured-output grammar do not speculate)."""
+        structured-output grammar do not speculate; penalties and the other logits processing do, the
+        verifier applies them per row)."""
         self.proposer.retain({s.seq_id for s in running})
         seqs, ks = [], []
         cfg = self.config

@@ -11,12 +11,18 @@ distribution p_i after the accepted prefix and d_1..d_i (row 0: after the real t
   Every emitted token is then distributed exactly as under p (temperature, top-k, top-p applied to p).
 A request with a `seed` draws its uniforms and its sample from its own generator. Log-probabilities are
 reported under the raw (untempered) distribution, as the sampler does.
+
+p_i is the distribution the sampler would draw from at that position: each row's logits are processed
+first (`engine/logits_processing.py`: penalties, `logit_bias`, `min_tokens`, bad words) with the row's
+own history, the real tokens plus d_1..d_i, and `min_p` applies after temperature; so processed requests
+speculate and stay exact.
 """
 
 from __future__ import annotations
 
 import torch
 
+from engine.logits_processing import DraftHistory, apply_min_p, process_logits
 from engine.outputs import Logprob
 from engine.sampler import _filter_top_k_top_p
 from engine.scheduler.output import SampledToken
@@ -28,11 +34,15 @@ def verify(
     seqs: list[Sequence],
     drafts: list[list[int]],
     generator: torch.Generator,
+    eos_token_ids: tuple[int, ...] = (),
 ) -> list[list[SampledToken]]:
-    """logits [sum(len(d) + 1), V] float32, rows of each sequence contiguous -> tokens it emits (1..k+1)."""
+    """logits [sum(len(d) + 1), V] float32, rows of each sequence contiguous -> tokens it emits (1..k+1).
+    `eos_token_ids`: masked under `min_tokens`, as the sampler does."""
     starts = [0]
     for d in drafts:
         starts.append(starts[-1] + len(d) + 1)
+    raw = logits
+    logits = _processed(logits, seqs, drafts, eos_token_ids)
     argmax = logits.argmax(dim=-1).tolist()
     emitted: list[list[int]] = [[] for _ in seqs]
     sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
@@ -48,8 +58,23 @@ def verify(
             emitted[i] if not seq.params.greedy else _accept_greedy(argmax[starts[i] : starts[i + 1]], draft)
         )
         out.append([SampledToken(t) for t in tokens])
-    _add_logprobs(logits, seqs, starts, out)
+    _add_logprobs(raw, seqs, starts, out)
     return out
+
+
+def _processed(
+    logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]], eos_token_ids: tuple[int, ...]
+) -> torch.Tensor:
+    """Each row's logits processed with its own history (the sequence's tokens + the proposals before
+    that row); `logits` itself when no sequence asks for processing."""
+    if not any(s.params.processes_logits for s in seqs):
+        return logits
+    rows = [
+        DraftHistory(s.params, s.prompt_token_ids, s.output_token_ids + d[:j])
+        for s, d in zip(seqs, drafts, strict=True)
+        for j in range(len(d) + 1)
+    ]
+    return process_logits(logits, rows, eos_token_ids)
 
 
 def _accept_greedy(target: list[int], draft: list[int]) -> list[int]:
@@ -117,16 +142,20 @@ def _accept_sampled(
 
 
 def _target_probs(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor:
-    """Per row: softmax(filter_top_k_top_p(logits / temperature)) for sampling rows (greedy rows: 0)."""
+    """Per row: softmax(top-k/top-p(min_p(logits / temperature))) for sampling rows, as the sampler
+    draws (greedy rows: 0)."""
     rows = [(s.params, len(d) + 1) for s, d in zip(seqs, drafts, strict=True)]
     if all(p.greedy for p, _ in rows):
         return logits.new_zeros(0)
-    temps, top_k, top_p = [], [], []
+    temps, top_k, top_p, min_p = [], [], [], []
     for p, n in rows:
         temps += [p.temperature if not p.greedy else 1.0] * n
         top_k += [p.top_k] * n
         top_p += [p.top_p] * n
+        min_p += [p.min_p if not p.greedy else 0.0] * n
     scaled = logits / torch.tensor(temps, device=logits.device)[:, None]
+    if any(m > 0.0 for m in min_p):
+        scaled = apply_min_p(scaled, min_p)
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
         scaled = _filter_top_k_top_p(scaled, top_k, top_p)
     return scaled.softmax(dim=-1)
