@@ -66,6 +66,10 @@ class ServerSettings:
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(model="."))
     registry: RegistrySettings | None = None
     usage: UsageSettings = field(default_factory=UsageSettings)  # accounting + rate limits (README)
+    # `/v1/responses` kept in memory for `previous_response_id` and `GET /v1/responses/{id}`: the newest
+    # this many, each for at most this long (docs/responses.md)
+    responses_max_stored: int = 1000
+    responses_max_age_seconds: float = 3600.0
 
     @classmethod
     def build(

@@ -1,0 +1,49 @@
+"""`ResponseStore`: bounded by count (oldest first) and by age, and readable only by its owner or an admin."""
+
+from __future__ import annotations
+
+from api.response_store import ResponseStore
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_oldest_goes_first_over_the_count():
+    store = ResponseStore(2, 3600.0)
+    for i in range(3):
+        store.put(f"r{i}", {"id": f"r{i}"}, [], None)
+    assert store.get("r0", None) is None
+    assert [store.get(f"r{i}", None).body["id"] for i in (1, 2)] == ["r1", "r2"]
+    assert len(store) == 2
+
+
+def test_entries_expire_after_the_age_bound():
+    clock = Clock()
+    store = ResponseStore(10, 60.0, clock)
+    store.put("old", {}, [], None)
+    clock.now += 30
+    store.put("new", {}, [], None)
+    clock.now += 31  # "old" is 61 s old, "new" 31 s
+    assert store.get("old", None) is None and store.get("new", None) is not None
+    clock.now += 30
+    assert len(store) == 0
+
+
+def test_only_the_owner_or_an_admin_reads_or_deletes():
+    store = ResponseStore(10, 60.0)
+    store.put("r", {}, [{"role": "user", "content": "x"}], "alice")
+    assert store.get("r", "bob") is None and not store.delete("r", "bob")
+    assert store.get("r", "alice").messages == [{"role": "user", "content": "x"}]
+    assert store.get("r", "bob", admin=True) is not None
+    assert store.delete("r", None, admin=True) and store.get("r", "alice") is None
+
+
+def test_a_zero_count_keeps_nothing():
+    store = ResponseStore(0, 60.0)
+    store.put("r", {}, [], None)
+    assert store.get("r", None) is None
