@@ -23,9 +23,15 @@ async def health(client: EngineClientDep) -> JSONResponse:
     return JSONResponse(body, status_code=200 if client.healthy else 503)
 
 
-@router.api_route("/ping", methods=["GET", "POST"], responses=error_responses(503))
+@router.get("/ping", responses=error_responses(503))
 async def ping(client: EngineClientDep) -> JSONResponse:
     """vLLM's (and SageMaker's) liveness probe: the same answer as `/health`."""
+    return await health(client)
+
+
+@router.post("/ping", responses=error_responses(503))
+async def ping_post(client: EngineClientDep) -> JSONResponse:
+    """`/ping` by POST, as vLLM also answers it."""
     return await health(client)
 
 
