@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from api.response_store import ResponseStore
+from api.settings import ServerSettings
 
 
 class Clock:
@@ -47,3 +50,19 @@ def test_a_zero_count_keeps_nothing():
     store = ResponseStore(0, 60.0)
     store.put("r", {}, [], None)
     assert store.get("r", None) is None
+
+
+def test_retention_bounds_come_from_the_environment(tmp_path):
+    (tmp_path / "m").mkdir()
+    env = {
+        "LORAPLEX_DATA_DIR": str(tmp_path),
+        "LORAPLEX_RESPONSES_MAX_STORED": "7",
+        "LORAPLEX_RESPONSES_MAX_AGE_SECONDS": "90.5",
+    }
+    s = ServerSettings.build(str(tmp_path / "m"), env=env)
+    assert (s.responses_max_stored, s.responses_max_age_seconds) == (7, 90.5)
+    assert (
+        ServerSettings.build(str(tmp_path / "m"), env=env, responses_max_stored=3).responses_max_stored == 3
+    )
+    with pytest.raises(ValueError, match="LORAPLEX_RESPONSES_MAX_STORED"):
+        ServerSettings.build(str(tmp_path / "m"), env=env | {"LORAPLEX_RESPONSES_MAX_STORED": "-1"})
