@@ -24,6 +24,7 @@ from api.tool_calls import CallStream, ToolMode
 def response_base(body: ResponsesRequest, response_id: str, created: int, model: str) -> dict[str, Any]:
     """The `response` object of `body` before it has run (`status: in_progress`, no output yet)."""
     choice = body.tool_choice
+    fmt = body.text.format if body.text is not None else None
     return {
         "id": response_id,
         "object": "response",
@@ -41,7 +42,7 @@ def response_base(body: ResponsesRequest, response_id: str, created: int, model:
         "previous_response_id": body.previous_response_id,
         "store": body.store,
         "temperature": 1.0 if body.temperature is None else body.temperature,
-        "text": {"format": {"type": "text"}} if body.text is None else body.text.model_dump(by_alias=True),
+        "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
         "tool_choice": choice.model_dump() if choice is not None and not isinstance(choice, str) else (
             choice or ("auto" if body.tools else "none")
         ),

@@ -78,6 +78,20 @@ def test_text_and_message_input_answer_what_chat_answers(served):
         srv, "all7-r4", [{"role": "system", "content": "be"}, {"role": "user", "content": "abc="}], 5
     )
     assert r.output_text == expected and r.usage.input_tokens == n_prompt and r.instructions == "be"
+    # The per-adapter base URL answers the same.
+    on_adapter = openai.OpenAI(base_url=f"{srv.url}/v1/adapters/all7-r4", api_key=ADMIN_TOKEN, max_retries=0)
+    same = on_adapter.responses.create(input=items, instructions="be", max_output_tokens=5, temperature=0)
+    assert same.output_text == expected and same.model == "all7-r4"
+
+
+def test_json_schema_text_format_constrains_the_output(served):
+    srv, _ = served
+    fmt = {"type": "json_schema", "name": "city", "schema": WEATHER["parameters"], "strict": True}
+    r = _client(srv).responses.create(
+        input="json please", text={"format": fmt}, max_output_tokens=100, temperature=0
+    )
+    assert r.status == "completed" and set(json.loads(r.output_text)) == {"city"}
+    assert r.text.format.type == "json_schema" and r.text.format.name == "city"
 
 
 def test_streaming_events_as_the_client_parses_them(served):
