@@ -4,12 +4,14 @@ tokenizing, and keys and scopes apply as on the generation routes (`/ping` and `
 
 from __future__ import annotations
 
+import secrets
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.helpers.live_server import ADMIN_TOKEN, start_server
+from tests.helpers.live_server import ADMIN_TOKEN, start_server, wait_until
+from tests.helpers.redis_service import require_redis
 from tests.helpers.served import register
 from tools.train_demo import DEMO_OUTPUTS
 
@@ -120,3 +122,32 @@ def test_ping_and_version_are_public(demo):
 
     r = httpx.get(f"{srv.url}/version", timeout=10)
     assert r.status_code == 200 and r.json() == {"version": metadata.version("loraplex")}
+
+
+def test_tokenizer_routes_count_against_request_rate_limits(tmp_path):
+    redis_url = require_redis()
+    srv = start_server(
+        DEMO / "base",
+        tmp_path / "data",
+        num_threads=1,
+        env={"LORAPLEX_REDIS_URL": redis_url},
+        settings_overrides={"require_api_key": True},
+    )
+    try:
+        admin = srv.admin()
+        name = f"tok-{secrets.token_hex(4)}"  # Redis outlives the data dir: a name no earlier run used
+        created = admin.post("/admin/api/keys", json={"name": name, "admin": True})
+        assert created.status_code == 201, created.text
+        key = created.json()["secret"]
+        r = admin.patch(f"/admin/api/keys/{name}/limits", json={"requests_per_minute": 2})
+        assert r.status_code == 200, r.text
+        assert wait_until(lambda: srv.state.usage.limiter.table.get("key", name) is not None, 10)
+        answers = [
+            _post(srv, "/tokenize", {"prompt": "a"}, token=key),
+            _post(srv, "/detokenize", {"tokens": [5]}, token=key),
+            _post(srv, "/tokenize", {"prompt": "a"}, token=key),
+        ]
+        assert [a.status_code for a in answers] == [200, 200, 429], answers[-1].text
+        assert answers[-1].json()["error"]["type"]
+    finally:
+        srv.stop()
