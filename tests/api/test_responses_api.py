@@ -179,6 +179,14 @@ def test_previous_response_id_continues_the_stored_conversation(served):
     ]
     expected, n_prompt = _chat_text(srv, base, history, 3)
     assert second.output_text == expected and second.usage.input_tokens == n_prompt
+    # The same conversation kept by the client: the earlier output items sent back as input.
+    manual = client.responses.create(
+        model=base,
+        input=[{"role": "user", "content": "ab="}, *first.output, {"role": "user", "content": "cd="}],
+        max_output_tokens=3,
+        temperature=0,
+    )
+    assert manual.output_text == expected and manual.usage.input_tokens == n_prompt
     got = httpx.get(f"{srv.url}/v1/responses/{second.id}", headers={"authorization": f"Bearer {ADMIN_TOKEN}"})
     assert got.status_code == 200 and got.json()["output"][0]["content"][0]["text"] == expected
 
