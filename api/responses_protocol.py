@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from api.errors import APIError
 from api.openai_protocol import (
@@ -29,6 +29,21 @@ from api.openai_protocol import (
 )
 
 MAX_METADATA = 16
+# OpenAI fields loraplex does not implement, accepted only at the value that means "not used" (a client
+# that sends every field with its default is not refused); any other value is a 400 naming the field.
+UNUSED_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "background": (None, False),
+    "conversation": (None,),
+    "include": (None, []),
+    "max_tool_calls": (None,),
+    "prompt": (None,),
+    "prompt_cache_key": (None,),
+    "reasoning": (None,),
+    "safety_identifier": (None,),
+    "service_tier": (None, "auto", "default"),
+    "stream_options": (None,),
+    "top_logprobs": (None, 0),
+}
 
 
 class Strict(RequestBody):
@@ -119,6 +134,17 @@ class ResponsesRequest(Strict):
     user: Name | None = None
     text: TextConfig | None = None
     truncation: Literal["disabled"] | None = None  # "auto" (dropping context) is not implemented
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_unused_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {
+            k: v
+            for k, v in data.items()
+            if not (k in UNUSED_DEFAULTS and any(v == d and type(v) is type(d) for d in UNUSED_DEFAULTS[k]))
+        }
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """This request's `input` as chat messages (the part stored for the next turn)."""

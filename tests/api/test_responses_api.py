@@ -240,6 +240,8 @@ def test_keys_scope_responses_and_their_storage(served):
         ({"tool_choice": "required"}, "tool_choice"),
         ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"include": ["message.output_text.logprobs"]}, "include"),
     ],
 )
 def test_unsupported_or_bad_fields_are_400_naming_them(served, extra, param):
@@ -250,6 +252,22 @@ def test_unsupported_or_bad_fields_are_400_naming_them(served, extra, param):
     )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"].startswith(param), r.json()
+
+
+def test_unused_fields_at_their_defaults_are_accepted(served):
+    srv, _ = served
+    unused = {
+        "reasoning": None,
+        "background": False,
+        "include": [],
+        "service_tier": "auto",
+        "top_logprobs": 0,
+    }
+    body = {"input": "a=", "max_output_tokens": 2} | unused
+    r = httpx.post(
+        f"{srv.url}/v1/responses", json=body, headers={"authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=60
+    )
+    assert r.status_code == 200, r.text
 
 
 def test_unknown_ids_are_404(served):
