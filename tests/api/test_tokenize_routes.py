@@ -151,3 +151,19 @@ def test_tokenizer_routes_count_against_request_rate_limits(tmp_path):
         assert answers[-1].json()["error"]["type"]
     finally:
         srv.stop()
+
+
+def test_tokenizer_bodies_are_sized_like_inference_bodies(demo):
+    srv, _ = demo
+    # Over the 1 MiB of non-inference routes, within max_request_bytes: read, then refused by the
+    # prompt-character limit (before tokenizing), not by the body size.
+    r = _post(srv, "/tokenize", {"prompt": "a" * (3 * 1024**2 // 2)})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    limit = srv.state.settings.max_request_bytes
+    big = httpx.post(
+        f"{srv.url}/detokenize",
+        content=b'{"tokens": [' + b"1," * (limit // 2) + b"1]}",
+        headers={"authorization": f"Bearer {ADMIN_TOKEN}", "content-type": "application/json"},
+        timeout=60,
+    )
+    assert big.status_code == 413
