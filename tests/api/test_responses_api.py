@@ -120,6 +120,11 @@ def test_streaming_events_as_the_client_parses_them(served):
     expected, _ = _chat_text(srv, base, [{"role": "user", "content": "hi="}], 6)
     assert deltas == done.text == final.output_text == expected
     assert final.usage.output_tokens == 6
+    # The client's stream helper, which rebuilds the response from the events and checks that they
+    # agree (indices, item ids, lifecycle), accepts them.
+    with client.responses.stream(model=base, input="hi=", max_output_tokens=6, temperature=0) as helper:
+        rebuilt = list(helper)
+    assert rebuilt[-1].type == "response.incomplete" and rebuilt[-1].response.output_text == expected
     # The streamed response was stored like any other.
     assert client.responses.retrieve(final.id).output_text == expected
 
@@ -154,6 +159,16 @@ def test_function_tools_give_function_call_items_streamed_or_not(served):
     item = next(e for e in events if e.type == "response.output_item.done").item
     assert args == done.arguments == item.arguments == call.arguments  # greedy: the same call
     assert events[-1].type == "response.completed" and events[-1].response.output[0].type == "function_call"
+    with client.responses.stream(
+        model=base,
+        input="weather?",
+        tools=[WEATHER],
+        tool_choice="required",
+        temperature=0,
+        max_output_tokens=120,
+    ) as helper:
+        list(helper)
+        assert helper.get_final_response().output[0].arguments == call.arguments
     # The call's result goes back as a function_call_output item: the model's turn after it.
     follow = client.responses.create(
         model=base,
