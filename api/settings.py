@@ -70,6 +70,7 @@ class ServerSettings:
     # this many, each at most this long (LORAPLEX_RESPONSES_MAX_STORED, LORAPLEX_RESPONSES_MAX_AGE_SECONDS)
     responses_max_stored: int = 1000
     responses_max_age_seconds: float = 3600.0
+    responses_max_stored_chars: int = 64 * 1024**2  # of all kept conversations (..._MAX_STORED_CHARS)
 
     @classmethod
     def build(
@@ -98,7 +99,11 @@ class ServerSettings:
         overrides["client_wait_seconds"] = _client_wait(overrides.get("client_wait_seconds"), env)
         served = overrides.pop("served_model_name", None) or path.name
         overrides.setdefault("forwarded_allow_ips", env.get("LORAPLEX_FORWARDED_ALLOW_IPS") or None)
-        for name, kind in (("responses_max_stored", int), ("responses_max_age_seconds", float)):
+        for name, kind in (
+            ("responses_max_stored", int),
+            ("responses_max_age_seconds", float),
+            ("responses_max_stored_chars", int),
+        ):
             raw = env.get(f"LORAPLEX_{name.upper()}")
             if name not in overrides and raw:
                 overrides[name] = _non_negative(f"LORAPLEX_{name.upper()}", raw, kind)

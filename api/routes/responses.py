@@ -2,8 +2,8 @@
 /v1/responses/{id}` (stored answers), and `POST /v1/adapters/{name}/responses`.
 
 A response is stored (unless `store: false`) in this server's memory, bounded by
-`responses_max_stored` and `responses_max_age_seconds`, so a follow-up can name it as
-`previous_response_id`; only the API key that created it (or an admin) can read or continue it.
+`responses_max_stored`, `responses_max_stored_chars` and `responses_max_age_seconds`, so a follow-up
+can name it as `previous_response_id`; only the API key that created it (or an admin) can read or continue it.
 """
 
 from __future__ import annotations
@@ -80,7 +80,9 @@ def response_store(request: Request) -> ResponseStore:
     if store is None:
         settings = app.loraplex.settings
         store = app.response_store = ResponseStore(
-            settings.responses_max_stored, settings.responses_max_age_seconds
+            settings.responses_max_stored,
+            settings.responses_max_age_seconds,
+            settings.responses_max_stored_chars,
         )
     return store
 

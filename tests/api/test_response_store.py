@@ -27,7 +27,7 @@ def test_oldest_goes_first_over_the_count():
 
 def test_entries_expire_after_the_age_bound():
     clock = Clock()
-    store = ResponseStore(10, 60.0, clock)
+    store = ResponseStore(10, 60.0, clock=clock)
     store.put("old", {}, [], None)
     clock.now += 30
     store.put("new", {}, [], None)
@@ -46,6 +46,21 @@ def test_only_the_owner_or_an_admin_reads_or_deletes():
     assert store.delete("r", None, admin=True) and store.get("r", "alice") is None
 
 
+def test_oldest_go_first_over_the_size_bound():
+    store = ResponseStore(10, 60.0, max_chars=10)
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    store.put("a", {}, [{"role": "user", "content": "xxxx"}], None)
+    store.put("b", {}, [{"role": "assistant", "content": None, "tool_calls": [call]}], None)  # 3 chars
+    assert store.get("a", None) is not None and store.get("b", None) is not None
+    store.put("c", {}, [{"role": "user", "content": "yyyy"}], None)  # 11 in all: "a" goes
+    assert store.get("a", None) is None and len(store) == 2
+    store.put("huge", {}, [{"role": "user", "content": "z" * 11}], None)  # never fits: not kept
+    assert store.get("huge", None) is None and len(store) == 2
+    assert store.delete("b", None)
+    store.put("d", {}, [{"role": "user", "content": "w" * 6}], None)  # 4 + 6: fits after the delete
+    assert store.get("c", None) is not None and store.get("d", None) is not None
+
+
 def test_a_zero_count_keeps_nothing():
     store = ResponseStore(0, 60.0)
     store.put("r", {}, [], None)
@@ -58,9 +73,14 @@ def test_retention_bounds_come_from_the_environment(tmp_path):
         "LORAPLEX_DATA_DIR": str(tmp_path),
         "LORAPLEX_RESPONSES_MAX_STORED": "7",
         "LORAPLEX_RESPONSES_MAX_AGE_SECONDS": "90.5",
+        "LORAPLEX_RESPONSES_MAX_STORED_CHARS": "5000",
     }
     s = ServerSettings.build(str(tmp_path / "m"), env=env)
-    assert (s.responses_max_stored, s.responses_max_age_seconds) == (7, 90.5)
+    assert (s.responses_max_stored, s.responses_max_age_seconds, s.responses_max_stored_chars) == (
+        7,
+        90.5,
+        5000,
+    )
     assert (
         ServerSettings.build(str(tmp_path / "m"), env=env, responses_max_stored=3).responses_max_stored == 3
     )
