@@ -9,6 +9,7 @@ conversation. Nothing survives a restart, and each replica keeps its own.
 
 from __future__ import annotations
 
+import json
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -22,7 +23,7 @@ class StoredResponse:
     messages: list[dict[str, Any]]  # the conversation up to and including it, as chat turns
     owner: str | None
     stored_at: float
-    size: int  # characters it holds (conversation text, output text and arguments)
+    size: int  # characters it holds (conversation, output, call arguments, instructions, tools)
 
 
 class ResponseStore:
@@ -46,7 +47,7 @@ class ResponseStore:
         """Keep `body` (and its conversation) under `response_id`, dropping the oldest while over the
         count or the size (one bigger than the whole size bound is not kept)."""
         self._expire()
-        size = _chars(messages)
+        size = _chars(messages) + _body_chars(body)
         if self.max_items <= 0 or size > self.max_chars:
             return
         self._items[response_id] = StoredResponse(body, messages, owner, self.clock(), size)
@@ -86,6 +87,12 @@ class ResponseStore:
     def _pop_oldest(self) -> None:
         _, item = self._items.popitem(last=False)
         self._chars -= item.size
+
+
+def _body_chars(body: dict[str, Any]) -> int:
+    """Characters of what a response body holds beside its conversation: instructions and tools."""
+    tools = body.get("tools") or []
+    return len(body.get("instructions") or "") + (len(json.dumps(tools)) if tools else 0)
 
 
 def _chars(messages: list[dict[str, Any]]) -> int:

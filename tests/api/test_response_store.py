@@ -55,7 +55,8 @@ def test_oldest_go_first_over_the_size_bound():
     store.put("c", {}, [{"role": "user", "content": "yyyy"}], None)  # 11 in all: "a" goes
     assert store.get("a", None) is None and len(store) == 2
     store.put("huge", {}, [{"role": "user", "content": "z" * 11}], None)  # never fits: not kept
-    assert store.get("huge", None) is None and len(store) == 2
+    store.put("told", {"instructions": "i" * 11}, [], None)  # instructions count too
+    assert store.get("huge", None) is None and store.get("told", None) is None and len(store) == 2
     assert store.delete("b", None)
     store.put("d", {}, [{"role": "user", "content": "w" * 6}], None)  # 4 + 6: fits after the delete
     assert store.get("c", None) is not None and store.get("d", None) is not None
