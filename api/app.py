@@ -67,12 +67,14 @@ def create_app(settings: ServerSettings, client_factory: Callable[[Any], Any] | 
     install_error_handlers(app)
     app.add_middleware(RateLimitHeaders)
     app.add_middleware(RequestGuard)
-    from api.routes import admin_api, chat, completions, models, system, usage_api
+    from api.routes import admin_api, chat, completions, models, responses, system, tokenize, usage_api
 
     for r in (
         usage_api.router,
         completions.router,
         chat.router,
+        responses.router,
+        tokenize.router,
         models.router,
         admin_api.router,
         admin_api.compat,

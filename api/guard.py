@@ -5,7 +5,7 @@
 2. Body size by route class (413, OpenAI error body): the `Content-Length` header is checked up front and
    the bytes are counted as they stream in (a chunked body is cut off at the limit).
    - upload (`POST /admin/api/adapters`, `POST /admin/adapters`): `max_upload_bytes` + 1 MiB of form
-   - inference (`POST /v1/*`): `max_request_bytes`
+   - inference (`POST /v1/*`, `/tokenize`, `/detokenize`): `max_request_bytes`
    - anything else: 1 MiB
 3. `/metrics` and the API docs (`/docs`, `/redoc`, `/openapi.json`) follow `metrics_access` /
    `docs_access`: "public", "api_key" (any valid API key or the admin token) or "admin" (admin token);
@@ -31,6 +31,7 @@ ADMIN_CHECKED = "loraplex_admin_checked"  # request state: the guard verified th
 OTHER_BODY_BYTES = 1024**2
 FORM_OVERHEAD_BYTES = 1024**2
 UPLOAD_ROUTES = ("/admin/api/adapters", "/admin/adapters")
+TOKENIZER_ROUTES = ("/tokenize", "/detokenize")  # inference-sized bodies, like `/v1/*`
 DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 
 
@@ -108,7 +109,7 @@ def body_limit(settings, path: str, method: str) -> int:
     """Most body bytes a request to `path` may send."""
     if method == "POST" and path in UPLOAD_ROUTES:
         return settings.max_upload_bytes + FORM_OVERHEAD_BYTES
-    if method == "POST" and path.startswith("/v1/"):
+    if method == "POST" and (path.startswith("/v1/") or path in TOKENIZER_ROUTES):
         return settings.max_request_bytes
     return OTHER_BODY_BYTES
 

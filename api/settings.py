@@ -66,6 +66,11 @@ class ServerSettings:
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(model="."))
     registry: RegistrySettings | None = None
     usage: UsageSettings = field(default_factory=UsageSettings)  # accounting + rate limits (README)
+    # `/v1/responses` kept in memory for `previous_response_id` and `GET /v1/responses/{id}`: the newest
+    # this many, each at most this long (LORAPLEX_RESPONSES_MAX_STORED, LORAPLEX_RESPONSES_MAX_AGE_SECONDS)
+    responses_max_stored: int = 1000
+    responses_max_age_seconds: float = 3600.0
+    responses_max_stored_chars: int = 64 * 1024**2  # of all kept conversations (..._MAX_STORED_CHARS)
 
     @classmethod
     def build(
@@ -94,6 +99,14 @@ class ServerSettings:
         overrides["client_wait_seconds"] = _client_wait(overrides.get("client_wait_seconds"), env)
         served = overrides.pop("served_model_name", None) or path.name
         overrides.setdefault("forwarded_allow_ips", env.get("LORAPLEX_FORWARDED_ALLOW_IPS") or None)
+        for name, kind in (
+            ("responses_max_stored", int),
+            ("responses_max_age_seconds", float),
+            ("responses_max_stored_chars", int),
+        ):
+            raw = env.get(f"LORAPLEX_{name.upper()}")
+            if name not in overrides and raw:
+                overrides[name] = _non_negative(f"LORAPLEX_{name.upper()}", raw, kind)
         return cls(
             model=path,
             served_model_name=served,
@@ -125,6 +138,17 @@ class ServerSettings:
     def client_seq_limit(self) -> int:
         """Most engine sequences one client may have in flight at once."""
         return self.max_seqs_per_client or max(1, self.engine.max_num_seqs // 2)
+
+
+def _non_negative(name: str, raw: str, kind: type) -> float:
+    """`raw` read as a non-negative `kind` (int or float); ValueError naming the variable otherwise."""
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{name} must be a non-negative number, got {raw!r}")
+    return value
 
 
 def _grace(given: float | None, env: Mapping[str, str]) -> float:

@@ -21,8 +21,15 @@ async def sse_response(
     run: RequestRun,
     render: Callable[[ChoiceUpdate], Iterable[dict]],
     tail: Callable[[], Iterable[dict]],
+    encode: Callable[[dict], str] = sse,
+    on_error: Callable[[APIError], dict] | None = None,
+    done: bool = True,
 ) -> StreamingResponse:
     """Stream `render(update)` chunks for every update, then `tail()` chunks and `[DONE]`.
+
+    `encode` writes one chunk as an event (default: `sse`), `on_error` the chunk a mid-stream error
+    becomes (default: the OpenAI error body), and `done=False` leaves out `[DONE]` (the Responses API
+    ends with its `response.completed` event instead).
 
     The first update is awaited before the response starts, so an error before the first token (bad
     adapter, engine down) still gets a proper status code; a later error becomes an error event.
@@ -38,16 +45,17 @@ async def sse_response(
         try:
             if first is not None:
                 for obj in render(first):
-                    yield sse(obj)
+                    yield encode(obj)
                 async for up in updates:
                     for obj in render(up):
-                        yield sse(obj)
+                        yield encode(obj)
             for obj in tail():
-                yield sse(obj)
+                yield encode(obj)
         except APIError as exc:
-            yield sse(error_body(exc.status, exc.message))
+            yield encode(on_error(exc) if on_error is not None else error_body(exc.status, exc.message))
         finally:
             await updates.aclose()
-        yield "data: [DONE]\n\n"
+        if done:
+            yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

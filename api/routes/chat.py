@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import msgspec
 from fastapi import APIRouter, Request
@@ -57,7 +58,21 @@ async def adapter_chat_completions(name: AdapterName, body: ChatCompletionReques
     return await _chat(body, request, name)
 
 
-async def _chat(body: ChatCompletionRequest, request: Request, adapter: str | None):
+@dataclass(slots=True)
+class ChatRun:
+    """A chat request ready to run: its `RequestRun`, tool handling, prompt size and whether it asked
+    for log-probabilities (`top`: the number of top tokens, None when not)."""
+
+    run: RequestRun
+    mode: ToolMode
+    num_prompt_tokens: int
+    top: int | None
+
+
+async def prepare_chat(body: ChatCompletionRequest, request: Request, adapter: str | None) -> ChatRun:
+    """Resolve, check, render and tokenize a chat request (off the event loop) and compile its schemas
+    once it is within its limits: everything before generation, shared by `/v1/chat/completions` and
+    `/v1/responses`."""
     state = request.app.state.loraplex
     target = await resolve_target(request, body.model, adapter)
     if state.tokenizer is None:
@@ -87,13 +102,19 @@ async def _chat(body: ChatCompletionRequest, request: Request, adapter: str | No
     if jobs:  # compiled once the request is within its limits, off the event loop
         await run.admit()
         await run.prepare(schema_checker(state).check(jobs))
-    head = {"id": f"chatcmpl-{gen.id}", "created": int(time.time()), "model": target.model_name}
+    return ChatRun(run, mode, len(ids), top)
+
+
+async def _chat(body: ChatCompletionRequest, request: Request, adapter: str | None):
+    chat = await prepare_chat(body, request, adapter)
+    run, mode, top, n_prompt, gen = chat.run, chat.mode, chat.top, chat.num_prompt_tokens, chat.run.gen
+    head = {"id": f"chatcmpl-{gen.id}", "created": int(time.time()), "model": run.target.model_name}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await _stream(run, head, include_usage, len(ids), top is not None, mode, body.return_token_ids)
+        return await _stream(run, head, include_usage, n_prompt, top is not None, mode, body.return_token_ids)
     await run.collect()
     choices = [
-        _message(mode, c.text, finish_reason(c.finish_reason))
+        reply_message(mode, c.text, finish_reason(c.finish_reason))
         | {
             "index": c.index,
             "logprobs": {"content": _content_logprobs(c.logprobs)} if top is not None else None,
@@ -101,9 +122,9 @@ async def _chat(body: ChatCompletionRequest, request: Request, adapter: str | No
         | ({"token_ids": c.token_ids} if body.return_token_ids else {})
         for c in gen.choices
     ]
-    extra = {"prompt_token_ids": ids} if body.return_token_ids else {}
+    extra = {"prompt_token_ids": gen.prompts[0]} if body.return_token_ids else {}
     return JSONResponse(
-        head | {"object": "chat.completion", "choices": choices, "usage": usage(gen, len(ids))} | extra
+        head | {"object": "chat.completion", "choices": choices, "usage": usage(gen, n_prompt)} | extra
     )
 
 
@@ -112,7 +133,7 @@ def _render_and_encode(tokenizer, messages: list[dict], tools: list[dict] | None
     return tokenizer.encode(render_chat(tokenizer, messages, tools), add_special_tokens=False)
 
 
-def _message(mode: ToolMode, text: str, finish: str | None) -> dict:
+def reply_message(mode: ToolMode, text: str, finish: str | None) -> dict:
     """`message` and `finish_reason` of a finished choice: a tool call when the tool mode finds one in a
     reply that ended by itself, else the text."""
     call = parse_call(text, mode.tools) if mode.active and finish == "stop" else None

@@ -1,6 +1,9 @@
-"""`GET /health` (liveness), `GET /ready` (readiness) and `GET /metrics` (Prometheus text format)."""
+"""`GET /health` and `GET|POST /ping` (liveness), `GET /ready` (readiness), `GET /version` and
+`GET /metrics` (Prometheus text format)."""
 
 from __future__ import annotations
+
+from importlib import metadata
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -18,6 +21,32 @@ async def health(client: EngineClientDep) -> JSONResponse:
     """Liveness: 200 while the engine process is up, 503 while it is down or restarting."""
     body = {"status": "ok" if client.healthy else "unhealthy", "engine_restarts": client.restarts}
     return JSONResponse(body, status_code=200 if client.healthy else 503)
+
+
+@router.get("/ping", responses=error_responses(503))
+async def ping(client: EngineClientDep) -> JSONResponse:
+    """vLLM's (and SageMaker's) liveness probe: the same answer as `/health`."""
+    return await health(client)
+
+
+@router.post("/ping", responses=error_responses(503))
+async def ping_post(client: EngineClientDep) -> JSONResponse:
+    """`/ping` by POST, as vLLM also answers it."""
+    return await health(client)
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    """The loraplex version serving (`{"version": "0.1.0"}`)."""
+    return {"version": loraplex_version()}
+
+
+def loraplex_version() -> str:
+    """The installed package's version ("unknown" when it is not installed)."""
+    try:
+        return metadata.version("loraplex")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 @router.get("/ready", responses=error_responses(503))

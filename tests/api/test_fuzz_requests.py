@@ -114,3 +114,91 @@ def test_fuzz_raw_bodies(server, raw):
         f"{server.url}/v1/completions", content=raw, headers={"content-type": "application/json"}, timeout=30
     )
     _check(r)
+
+
+content_part = st.fixed_dictionaries(
+    {
+        "type": field(st.sampled_from(["input_text", "output_text", "input_image"])),
+        "text": field(st.text(max_size=8)),
+    }
+)
+input_item = st.one_of(
+    st.fixed_dictionaries(
+        {"role": field(st.sampled_from(["user", "developer", "assistant"]))},
+        optional={
+            "content": field(st.text(max_size=20) | st.lists(content_part, max_size=2)),
+            "type": field(st.just("message")),
+        },
+    ),
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["function_call", "function_call_output", "reasoning"])},
+        optional={
+            "call_id": field(st.text(max_size=6)),
+            "name": field(st.text(max_size=6)),
+            "arguments": field(st.text(max_size=6)),
+            "output": field(st.text(max_size=6)),
+        },
+    ),
+)
+function_tool = st.fixed_dictionaries(
+    {
+        "type": field(st.sampled_from(["function", "web_search"])),
+        "name": field(st.sampled_from(["f", "bad name"])),
+    },
+    optional={"parameters": field(st.just({"type": "object", "properties": {"a": {"type": "integer"}}}))},
+)
+response_bodies = st.fixed_dictionaries(
+    {
+        "input": field(st.text(max_size=30) | st.lists(input_item, max_size=3)),
+        "max_output_tokens": field(st.integers(-1, 6)),
+    },
+    optional={
+        "model": COMMON["model"],
+        "temperature": COMMON["temperature"],
+        "top_p": COMMON["top_p"],
+        "stream": COMMON["stream"],
+        "instructions": field(st.text(max_size=10)),
+        "tools": field(st.lists(function_tool, max_size=2)),
+        "tool_choice": field(
+            st.sampled_from(["auto", "none", "required", {"type": "function", "name": "f"}])
+        ),
+        "previous_response_id": field(st.text(max_size=8)),
+        "store": field(st.booleans()),
+        "text": field(
+            st.fixed_dictionaries(
+                {
+                    "format": field(
+                        st.fixed_dictionaries(
+                            {"type": st.sampled_from(["text", "json_object", "json_schema"])}
+                        )
+                    )
+                }
+            )
+        ),
+        "metadata": field(st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=2)),
+    },
+)
+tokenize_bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": COMMON["model"],
+        "prompt": field(st.text(max_size=30)),
+        "messages": field(st.lists(message, max_size=3)),
+        "add_generation_prompt": field(st.booleans()),
+        "add_special_tokens": field(st.booleans()),
+        "return_token_strs": field(st.booleans()),
+        "tokens": field(st.lists(st.integers(-5, 200), max_size=8)),
+    },
+)
+
+
+@FUZZ
+@given(body=response_bodies)
+def test_fuzz_responses(server, body):
+    _check(httpx.post(f"{server.url}/v1/responses", json=body, timeout=60))
+
+
+@FUZZ
+@given(body=tokenize_bodies, path=st.sampled_from(["/tokenize", "/detokenize"]))
+def test_fuzz_tokenizer_routes(server, body, path):
+    _check(httpx.post(f"{server.url}{path}", json=body, timeout=60))
