@@ -46,7 +46,12 @@ def main(
         typer.Option("--server", envvar="LORAPLEX_SERVER", help="URL of a running server to drive."),
     ] = None,
     token: Annotated[
-        str | None, typer.Option("--token", envvar="LORAPLEX_TOKEN", help="Admin token for --server.")
+        str | None,
+        typer.Option(
+            "--token",
+            envvar=["LORAPLEX_TOKEN", "LORAPLEX_ADMIN_TOKEN"],
+            help="Admin token for --server (LORAPLEX_TOKEN, else LORAPLEX_ADMIN_TOKEN, the server's own).",
+        ),
     ] = None,
 ) -> None:
     """loraplex: many LoRA fine-tunes, one resident base model."""
