@@ -202,7 +202,7 @@ def test_metrics_carry_the_gateway_gauges(cluster: Cluster) -> None:
     for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
         assert families[name].type == "gauge" and len(families[name].samples) == 1
     (info,) = families["vllm:lora_requests_info"].samples
-    assert set(info.labels) == {"max_lora", "running_lora_adapters", "waiting_lora_adapters"}
+    assert set(info.labels) == {"max_lora", "running_lora_adapters", "waiting_lora_adapters", "model_name"}
     assert info.labels["max_lora"] == "4"
     resident = families["loraplex_lora_adapter_resident"].samples
     assert all(set(s.labels) == {"adapter", "digest", "tier", "pinned"} for s in resident)
