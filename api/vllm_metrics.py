@@ -10,7 +10,7 @@ Every family carries `model_name` (the served model name, as vLLM labels it); lo
     vllm:prompt_tokens_total              counter, prompt tokens of finished requests
     vllm:generation_tokens_total          counter, tokens generated for them
     vllm:request_success_total{finished_reason}   counter, choices that ended with stop / length /
-                                          abort (a client that went away) / tool_calls
+                                          abort (cancelled, or the client went away) / error
     vllm:num_preemptions_total            counter, the engine's preemptions
     vllm:prefix_cache_queries_total       counter, prompt tokens looked up in the prefix cache
     vllm:prefix_cache_hits_total          counter, prompt tokens served from it
