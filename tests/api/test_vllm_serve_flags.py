@@ -127,7 +127,8 @@ def test_vllm_metric_families_parse_and_carry_model_name(server: str) -> None:
     def scrape() -> bool:  # until the engine's stats (sent twice a second) include those requests
         text = httpx.get(f"{server}/metrics", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}).text
         families.update({f.name: f for f in text_string_to_metric_families(text)})
-        return families["vllm:prefix_cache_queries"].samples[0].value > 0
+        prompts = next(x.value for x in families["vllm:prompt_tokens"].samples if x.name.endswith("_total"))
+        return families["vllm:prefix_cache_queries"].samples[0].value >= prompts  # every prompt looked up
 
     assert wait_until(scrape, timeout=10)
     for name in (
