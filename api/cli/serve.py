@@ -42,7 +42,7 @@ def serve(
     api_key: Annotated[
         str | None,
         typer.Option(
-            envvar=["LORAPLEX_API_KEY", "VLLM_API_KEY"],
+            envvar="VLLM_API_KEY",
             help="vLLM's --api-key: one static key for inference (every model), beside the registry's "
             "keys; implies --require-api-key.",
         ),
