@@ -181,6 +181,8 @@ def serve(
         template = None if chat_template is None else vllm_flags.read_chat_template(chat_template)
         if tool_call_parser is not None:
             vllm_flags.check_tool_call_parser(tool_call_parser)
+        if tokenizer is not None and not tokenizer.expanduser().is_dir():
+            raise ValueError(f"--tokenizer {tokenizer}: not a directory (a local tokenizer, as the model's)")
     except ValueError as exc:  # ModelConfigError is one
         fail(str(exc))
     try:

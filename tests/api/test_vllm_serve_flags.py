@@ -182,6 +182,8 @@ def _serve(*args: str, tmp_path: Path) -> tuple[int, str]:
         (["--max-model-len", "65"], "max_model_len must be in [2, 64]"),
         (["--chat-template", "/no/such/template"], "no such file, and not a Jinja template"),
         (["--lora-modules", "ghost=/no/such/adapter"], "--lora-modules ghost=/no/such/adapter:"),
+        (["--tokenizer", "/no/such/tokenizer"], "--tokenizer /no/such/tokenizer: not a directory"),
+        (["--gpu-memory-utilization", "0"], "gpu_memory_utilization must be in (0, 1]"),
     ],
 )
 def test_flags_that_cannot_mean_what_vllm_means_are_refused(args, message, tmp_path) -> None:
