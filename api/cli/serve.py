@@ -181,8 +181,7 @@ def serve(
         template = None if chat_template is None else vllm_flags.read_chat_template(chat_template)
         if tool_call_parser is not None:
             vllm_flags.check_tool_call_parser(tool_call_parser)
-        if tokenizer is not None and not tokenizer.expanduser().is_dir():
-            raise ValueError(f"--tokenizer {tokenizer}: not a directory (a local tokenizer, as the model's)")
+        _check_tokenizer(model, tokenizer, template)
     except ValueError as exc:  # ModelConfigError is one
         fail(str(exc))
     try:
@@ -285,6 +284,18 @@ def _serve_replicas(
     where = ray_address or "a local Ray cluster"
     stderr().print(f"  Replicas     {replicas} engine replicas on {where} (Ray Serve, adapter affinity)")
     serve_cluster(settings, ClusterOptions(replicas, ray_address, num_cpus), on_serving)
+
+
+def _check_tokenizer(model: Path, tokenizer: Path | None, template: str | None) -> None:
+    """ValueError for a `--tokenizer` that is no tokenizer directory, or a `--chat-template` with no
+    tokenizer to apply it (a checkpoint directory without tokenizer files, and no `--tokenizer`)."""
+    from engine.tokenizer import has_tokenizer_files
+
+    if tokenizer is not None and not has_tokenizer_files(tokenizer.expanduser()):
+        raise ValueError(f"--tokenizer {tokenizer}: no tokenizer files there (tokenizer.json, ...)")
+    bare = model.is_dir() and not has_tokenizer_files(model) and not any(model.glob("*.gguf"))
+    if template is not None and tokenizer is None and bare:
+        raise ValueError(f"--chat-template needs a tokenizer; {model} has none (pass --tokenizer DIR)")
 
 
 def engine_options(**given: object) -> dict[str, object]:

@@ -182,7 +182,8 @@ def _serve(*args: str, tmp_path: Path) -> tuple[int, str]:
         (["--max-model-len", "65"], "max_model_len must be in [2, 64]"),
         (["--chat-template", "/no/such/template"], "no such file, and not a Jinja template"),
         (["--lora-modules", "ghost=/no/such/adapter"], "--lora-modules ghost=/no/such/adapter:"),
-        (["--tokenizer", "/no/such/tokenizer"], "--tokenizer /no/such/tokenizer: not a directory"),
+        (["--tokenizer", "/no/such/tokenizer"], "--tokenizer /no/such/tokenizer: no tokenizer files"),
+        (["--tokenizer", str(DEMO / "adapters")], "no tokenizer files there"),
         (["--gpu-memory-utilization", "0"], "gpu_memory_utilization must be in (0, 1]"),
     ],
 )
@@ -190,6 +191,14 @@ def test_flags_that_cannot_mean_what_vllm_means_are_refused(args, message, tmp_p
     code, out = _serve(str(DEMO / "base"), *args, tmp_path=tmp_path)
     assert code == 1 and message in " ".join(out.split()), out
     assert "Traceback" not in out
+
+
+def test_chat_template_without_a_tokenizer_is_refused(tmp_path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text((DEMO / "base" / "config.json").read_text())
+    code, out = _serve(str(model), "--chat-template", TEMPLATE, tmp_path=tmp_path)
+    assert code == 1 and "--chat-template needs a tokenizer" in out, out
 
 
 def test_unknown_flags_and_two_models_are_errors(tmp_path) -> None:
