@@ -98,7 +98,11 @@ async def _start(settings: ServerSettings, client_factory: Callable[[Any], Any])
     assert reg_settings is not None
     registry = await asyncio.to_thread(open_registry, reg_settings)
     admin_auth, _ = ensure_admin_token(reg_settings.data_dir, settings.admin_token)
-    tokenizer = await asyncio.to_thread(load_tokenizer, settings.model)
+    tokenizer = await asyncio.to_thread(load_tokenizer, settings.engine.tokenizer or settings.model)
+    if settings.chat_template is not None:  # `serve --chat-template`: in place of the tokenizer's own
+        if tokenizer is None:
+            raise RuntimeError("--chat-template needs a tokenizer; this model has none (pass --tokenizer)")
+        tokenizer.chat_template = settings.chat_template
     client = client_factory(settings.engine)
     try:
         await client.start()

@@ -98,7 +98,8 @@ async def check_admin_token(state, client: str, token: str) -> None:
 
 
 async def authenticate(request: Request):
-    """The caller's API key (or "admin" for the admin token); None when keys are not required.
+    """The caller's API key (or "admin" for the admin token and the static `--api-key`, which may use
+    every model); None when keys are not required.
 
     401 without a valid key when the server requires API keys.
     """
@@ -108,12 +109,18 @@ async def authenticate(request: Request):
     secret = bearer(request)
     if secret is None:
         raise APIError(401, "API key required: send 'Authorization: Bearer <key>'")
-    if state.admin_auth.check(secret):
+    if state.admin_auth.check(secret) or static_key_ok(state.settings, secret):
         return "admin"
     key = await verify_key(state, secret)
     if key is None:
         raise APIError(401, "invalid API key")
     return key
+
+
+def static_key_ok(settings, secret: str) -> bool:
+    """Whether `secret` is the server's static `--api-key` (constant time); False when none is set."""
+    key = settings.api_key
+    return bool(key) and hmac.compare_digest(_sha256(secret), _sha256(key))
 
 
 async def verify_key(state, secret: str):

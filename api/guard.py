@@ -20,7 +20,7 @@ import time
 from starlette.types import Message, Receive, Scope, Send
 
 from api.admission import ARRIVED
-from api.auth import check_admin_token, verify_key
+from api.auth import check_admin_token, static_key_ok, verify_key
 from api.errors import APIError, error_response
 from api.http_middleware import HTTPMiddleware
 from lora_registry.errors import RegistryError
@@ -148,6 +148,8 @@ async def _credentials(state, path: str, headers: dict[str, str], scope: Scope):
     if state.admin_auth.check(secret):
         return None
     if level == "api_key":
+        if static_key_ok(state.settings, secret):
+            return None
         try:
             key = await verify_key(state, secret)
         except APIError as exc:

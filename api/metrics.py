@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from api.gateway_metrics import GatewayGauges
 from api.spec_metrics import SpecMetrics
+from api.vllm_metrics import VllmMetrics
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
@@ -59,6 +60,12 @@ class Metrics:
         self.engine_restarts = g("loraplex_engine_restarts", "Engine process restarts so far")
         self.gateway = GatewayGauges(r, per_replica=per_replica)
         self.spec = SpecMetrics(r)
+        self.vllm = VllmMetrics(r)  # vLLM's names, for vLLM dashboards (api/vllm_metrics.py)
+
+    def name_model(self, model_name: str) -> None:
+        """Label the vLLM families (`model_name`) with the served model name."""
+        self.vllm.model_name = model_name
+        self.gateway.name_model(model_name)
 
     def refresh(self, client) -> None:
         """Copy the engine's latest statistics into the gauges."""
@@ -83,6 +90,7 @@ class Metrics:
         else:
             self.gateway.refresh(e, stats.adapters, client.config.max_loras)
         self.spec.refresh(e)
+        self.vllm.refresh(e)
         if stats.lora is not None:
             self.pool_pages.labels("used").set(stats.lora["pages_used"])
             self.pool_pages.labels("free").set(stats.lora["pages_free"])

@@ -306,6 +306,9 @@ class RequestRun:
             return
         m.prompt_tokens.labels(label).inc(self.num_prompt_tokens)
         m.generation_tokens.labels(label).inc(tokens)
+        ttft = None if self.first_token is None else self.first_token - self.t0
+        reasons = (c.finish_reason for c in self.gen.choices)
+        m.vllm.record(reasons, self.num_prompt_tokens, tokens, ttft, time.monotonic() - self.t0)
         if self.first_token is not None:
             m.ttft.labels(label).observe(self.first_token - self.t0)
             if tokens > 1:

@@ -41,6 +41,10 @@ class ServerSettings:
     port: int = 8000
     admin_token: str | None = None  # None: generated at first start, stored hashed in the data dir
     require_api_key: bool = False
+    # `serve --api-key` (vLLM's): one static key that may use every model, beside the registry's keys;
+    # setting it requires a key for inference.
+    api_key: str | None = None
+    chat_template: str | None = None  # Jinja text in place of the tokenizer's template (--chat-template)
     max_upload_bytes: int = 512 * 1024**2
     registry_resync_seconds: float = 5.0  # also pick up changes made without the event bus
     # Hostile-input limits (see README "Limits"): request bodies, prompt size, fan-out, fairness.
@@ -98,6 +102,8 @@ class ServerSettings:
         overrides["shutdown_grace_seconds"] = _grace(overrides.get("shutdown_grace_seconds"), env)
         overrides["client_wait_seconds"] = _client_wait(overrides.get("client_wait_seconds"), env)
         served = overrides.pop("served_model_name", None) or path.name
+        if overrides.get("api_key"):
+            overrides["require_api_key"] = True
         overrides.setdefault("forwarded_allow_ips", env.get("LORAPLEX_FORWARDED_ALLOW_IPS") or None)
         for name, kind in (
             ("responses_max_stored", int),

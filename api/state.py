@@ -46,6 +46,9 @@ class AppState:
     usage: UsageLimits | None = None  # usage accounting + rate limits (set by the lifespan)
     schemas: SchemaChecker | None = None  # compiles requests' schemas (made on first use)
 
+    def __post_init__(self) -> None:
+        self.metrics.name_model(self.settings.served_model_name)
+
     def engine_info(self) -> Ready:
         assert self.client.info is not None
         return self.client.info

@@ -17,6 +17,11 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None  # budget for the KV cache when num_kv_blocks is None
+    # CUDA: the fraction of the device's memory this engine may use in all (vLLM's meaning); the KV
+    # cache gets what the model and everything else on the device leave of it. None: 90% of free memory.
+    gpu_memory_utilization: float | None = None
+    max_model_len: int | None = None  # cap on prompt + output tokens (None: the model's positions)
+    tokenizer: str | None = None  # tokenizer directory (None: the model's own)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
@@ -67,6 +72,12 @@ class EngineConfig:
         validate_attention_backend(self.attention_backend)
         self._check_device_name()
         validate_policy(self.scheduling_policy)
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be at least 1")
         self.speculative_config()
 
     def speculative_config(self):
@@ -89,10 +100,30 @@ class EngineConfig:
         return torch.device(self.device)
 
     def kv_budget_bytes(self, device: torch.device) -> int:
-        """Memory for the KV cache: the explicit budget, 90% of free device memory on CUDA, 1 GiB on CPU."""
+        """Memory for the KV cache: the explicit budget; on CUDA what `gpu_memory_utilization` of the
+        device leaves once the model is loaded (`cuda_kv_budget`), else 90% of free device memory; on
+        CPU 1 GiB (`gpu_memory_utilization` does not apply)."""
         if self.kv_cache_memory_bytes is not None:
             return self.kv_cache_memory_bytes
         if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            return int(free * 0.9)
+            free, total = torch.cuda.mem_get_info(device)
+            if self.gpu_memory_utilization is None:
+                return int(free * 0.9)
+            return cuda_kv_budget(free, total, self.gpu_memory_utilization)
         return 1 << 30
+
+
+def cuda_kv_budget(free: int, total: int, utilization: float) -> int:
+    """Bytes for the KV cache when this engine may use `utilization` of a device of `total` bytes with
+    `free` still free (the model loaded): that share minus all that is in use; ValueError when nothing
+    is left (the share is already taken)."""
+    used = total - free
+    budget = int(total * utilization) - used
+    if budget <= 0:
+        gib = 1 << 30
+        raise ValueError(
+            f"gpu_memory_utilization {utilization:g} allows {total * utilization / gib:.2f} GiB of this "
+            f"device's {total / gib:.2f} GiB, but {used / gib:.2f} GiB is already in use (the model and "
+            "anything else on the device): raise it, or free the device"
+        )
+    return budget

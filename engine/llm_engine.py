@@ -59,11 +59,12 @@ class LLMEngine:
                 torch.set_num_threads(min(torch.get_num_threads(), available_cpus()))
             if config.adaptive_threads and torch.get_num_threads() > 1:
                 self.thread_governor = ThreadGovernor(torch.get_num_threads())
-        self.model_config = ModelConfig.from_dir(config.model)
+        checkpoint = ModelConfig.from_dir(config.model)
+        self.model_config = checkpoint.capped(config.max_model_len)  # what requests may use
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
         self.dtype_reason = dtype_reason(config.dtype, self.model_config, self.device)
-        self.tokenizer = load_tokenizer(config.model)
-        self.model = load_model(self.model_config, self.dtype, self.device)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.model = load_model(checkpoint, self.dtype, self.device)
         if config.packed_cpu_gemms:
             self.model.pack_cpu_gemms()
         self.num_kv_blocks = self._num_blocks()

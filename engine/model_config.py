@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +55,28 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None
     extra: dict[str, Any] = field(default_factory=dict)
+    context_cap: int | None = None  # `EngineConfig.max_model_len` (vLLM's --max-model-len); see `capped`
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence (prompt + output) the engine will accept for this model: its positions. A
-        sliding window does not cap it (the attention paths mask each windowed layer's rows to their
-        window, `engine.attention.backend`)."""
-        return self.max_position_embeddings
+        """Longest sequence (prompt + output) the engine will accept for this model: its positions, or
+        fewer when capped (`capped`). A sliding window does not cap it (the attention paths mask each
+        windowed layer's rows to their window, `engine.attention.backend`)."""
+        if self.context_cap is None:
+            return self.max_position_embeddings
+        return min(self.context_cap, self.max_position_embeddings)
+
+    def capped(self, max_model_len: int | None) -> ModelConfig:
+        """This config with its context capped at `max_model_len` tokens (None: uncapped); ValueError
+        when that is below 2 or beyond the model's positions (as vLLM refuses it)."""
+        if max_model_len is None:
+            return self
+        if not 2 <= max_model_len <= self.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len must be in [2, {self.max_position_embeddings}] (this model's positions), "
+                f"got {max_model_len}"
+            )
+        return replace(self, context_cap=max_model_len)
 
     @property
     def q_size(self) -> int:

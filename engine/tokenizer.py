@@ -9,6 +9,13 @@ from typing import Any
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
+def has_tokenizer_files(path: str | Path) -> bool:
+    """Whether the checkpoint directory ships Hugging Face tokenizer files (a GGUF file is not looked
+    into: its tokenizer, if any, is in its metadata)."""
+    root = Path(path)
+    return any((root / f).exists() for f in _TOKENIZER_FILES)
+
+
 def load_tokenizer(path: str | Path) -> Any | None:
     """`AutoTokenizer` for the checkpoint directory, or None when it ships no tokenizer files.
 
@@ -20,7 +27,7 @@ def load_tokenizer(path: str | Path) -> Any | None:
     gguf = find_gguf(root)
     if gguf is not None:
         return gguf_tokenizer(gguf)
-    if not any((root / f).exists() for f in _TOKENIZER_FILES):
+    if not has_tokenizer_files(root):
         return None
     from transformers import AutoTokenizer
 

@@ -121,11 +121,15 @@ class LocalBackend:
 
 
 def remote_backend(server: str, token: str | None) -> Backend:
-    """The `--server URL --token T` backend (`LORAPLEX_SERVER`, `LORAPLEX_TOKEN`)."""
+    """The `--server URL --token T` backend (`LORAPLEX_SERVER`; `LORAPLEX_TOKEN`, else
+    `LORAPLEX_ADMIN_TOKEN`)."""
     from api.cli.remote import RemoteBackend, normalize_url  # lazy: local mode does not need httpx
 
     url = normalize_url(server)
     token = (token or "").strip()
     if not token:
-        raise CliError(f"--server {url} needs the server's admin token: pass --token or set LORAPLEX_TOKEN")
+        raise CliError(
+            f"--server {url} needs the server's admin token: pass --token or set LORAPLEX_TOKEN "
+            "(or LORAPLEX_ADMIN_TOKEN)"
+        )
     return RemoteBackend(url, token)

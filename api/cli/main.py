@@ -14,6 +14,7 @@ from api.cli import adapters, bench, db, keys, limits
 from api.cli.serve import serve
 from api.cli.state import CliState
 from api.cli.usage import usage
+from api.cli.vllm_flags import ServeCommand
 
 app = typer.Typer(
     name="loraplex",
@@ -29,7 +30,7 @@ app.add_typer(adapters.app, name="adapters")
 app.add_typer(keys.app, name="keys")
 app.add_typer(db.app, name="db")
 app.add_typer(bench.app, name="bench")
-app.command("serve")(serve)
+app.command("serve", cls=ServeCommand)(serve)
 app.command("usage")(usage)
 adapters.app.command("limit")(limits.adapter_limit)
 keys.app.command("limit")(limits.key_limit)
@@ -46,7 +47,12 @@ def main(
         typer.Option("--server", envvar="LORAPLEX_SERVER", help="URL of a running server to drive."),
     ] = None,
     token: Annotated[
-        str | None, typer.Option("--token", envvar="LORAPLEX_TOKEN", help="Admin token for --server.")
+        str | None,
+        typer.Option(
+            "--token",
+            envvar=["LORAPLEX_TOKEN", "LORAPLEX_ADMIN_TOKEN"],
+            help="Admin token for --server (LORAPLEX_TOKEN, else LORAPLEX_ADMIN_TOKEN, the server's own).",
+        ),
     ] = None,
 ) -> None:
     """loraplex: many LoRA fine-tunes, one resident base model."""

@@ -147,11 +147,14 @@ class RemoteBackend:
         message = _server_message(response)
         status = response.status_code
         if status == 401:
-            return f"the server at {self.url} wants an admin token: pass --token or set LORAPLEX_TOKEN"
+            return (
+                f"the server at {self.url} wants an admin token: pass --token or set LORAPLEX_TOKEN "
+                "(or LORAPLEX_ADMIN_TOKEN)"
+            )
         if status == 403:
             return (
                 f"the server at {self.url} refused the admin token ({message or 'forbidden'}); "
-                "check --token / LORAPLEX_TOKEN"
+                "check --token / LORAPLEX_TOKEN / LORAPLEX_ADMIN_TOKEN"
             )
         if message is None or (status in (404, 405) and message in ("Not Found", "Method Not Allowed")):
             what = message or response.reason_phrase or "no error message"

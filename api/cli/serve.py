@@ -1,4 +1,8 @@
-"""`loraplex serve --model PATH`: the OpenAI-compatible server, admin API and admin UI."""
+"""`loraplex serve MODEL` (or `--model MODEL`): the OpenAI-compatible server, admin API and admin UI.
+
+`vllm serve`'s flags mean here what they mean there (README, "Coming from vLLM"); those that are not
+engine settings are read by `api.cli.vllm_flags`.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +13,18 @@ from typing import Annotated
 import typer
 
 from api.cli.output import fail, stderr
+from lora_registry.errors import RegistryError
 
 MIN_ADMIN_TOKEN_CHARS = 16
 
 
 def serve(
+    model_arg: Annotated[
+        Path | None,
+        typer.Argument(
+            metavar="MODEL", help="The base model, as --model (vLLM's positional form).", show_default=False
+        ),
+    ] = None,
     model: Annotated[
         Path | None,
         typer.Option(
@@ -28,6 +39,68 @@ def serve(
     dtype: Annotated[str | None, typer.Option(help="auto, float32, bfloat16 or float16.")] = None,
     served_model_name: Annotated[str | None, typer.Option(help="Model id of the base model.")] = None,
     require_api_key: Annotated[bool, typer.Option(help="Require an API key for inference.")] = False,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="VLLM_API_KEY",
+            help="vLLM's --api-key: one static key for inference (every model), beside the registry's "
+            "keys; implies --require-api-key.",
+        ),
+    ] = None,
+    lora_modules: Annotated[
+        list[str] | None,
+        typer.Option(
+            help='vLLM\'s --lora-modules: name=path or {"name": ..., "path": ...}, several after one flag; '
+            "each is registered (a new version if its content is new) and activated before serving.",
+        ),
+    ] = None,
+    enable_lora: Annotated[
+        bool, typer.Option("--enable-lora", help="Accepted for vLLM: LoRA is always on in loraplex.")
+    ] = False,
+    max_cpu_loras: Annotated[
+        int | None, typer.Option(help="Adapters kept in the host-memory tier (vLLM's meaning).", min=1)
+    ] = None,
+    max_model_len: Annotated[
+        int | None, typer.Option(help="Cap on prompt + output tokens (default: the model's context).", min=2)
+    ] = None,
+    gpu_memory_utilization: Annotated[
+        float | None,
+        typer.Option(
+            help="CUDA: fraction of the device's memory this server may use; the KV cache gets what the "
+            "model leaves of it (default: 90% of free memory). Accepted and unused on CPU.",
+            min=0.0,
+            max=1.0,
+        ),
+    ] = None,
+    enable_prefix_caching: Annotated[
+        bool | None,
+        typer.Option(
+            "--enable-prefix-caching/--no-enable-prefix-caching",
+            help="Reuse cached prompt prefixes (default on).",
+        ),
+    ] = None,
+    chat_template: Annotated[
+        str | None, typer.Option(help="Jinja chat template, as a file or inline, in place of the model's.")
+    ] = None,
+    tokenizer: Annotated[
+        Path | None, typer.Option(help="Tokenizer directory (default: the model's own).")
+    ] = None,
+    seed: Annotated[int | None, typer.Option(help="Engine random seed (default 0).")] = None,
+    max_num_batched_tokens: Annotated[
+        int | None, typer.Option(help="Most tokens in one engine step.", min=1)
+    ] = None,
+    enable_auto_tool_choice: Annotated[
+        bool,
+        typer.Option(
+            "--enable-auto-tool-choice", help="Accepted for vLLM: tool_choice auto is always available."
+        ),
+    ] = False,
+    tool_call_parser: Annotated[
+        str | None,
+        typer.Option(
+            help='How tool calls are read: json (a reply that is {"name", "arguments"}); others refused.'
+        ),
+    ] = None,
     max_seqs_per_client: Annotated[
         int | None,
         typer.Option(
@@ -101,17 +174,26 @@ def serve(
 
     Engine options left out take `EngineConfig`'s defaults (the one place they are written)."""
     from api.auth import ensure_admin_token, store_admin_token
+    from api.cli import vllm_flags
     from api.server import PortUnavailable, bind_socket
     from api.server import serve as run
     from api.settings import ServerSettings
 
+    if model_arg is not None and model is not None and model_arg != model:
+        fail(f"two base models: {model_arg} (positional) and --model {model}; give one")
+    model = model_arg or model
     if model is None:
-        fail("no base model: pass --model PATH or set LORAPLEX_MODEL")
-    from engine.model_config import ModelConfig, ModelConfigError
+        fail("no base model: pass MODEL (or --model MODEL), or set LORAPLEX_MODEL")
+    from engine.model_config import ModelConfig
 
     try:  # reads config.json (or a GGUF file's header) only: bad models fail here, not in the engine
-        ModelConfig.from_dir(model)
-    except ModelConfigError as exc:
+        ModelConfig.from_dir(model).capped(max_model_len)
+        modules = vllm_flags.parse_lora_modules(lora_modules or [])
+        template = None if chat_template is None else vllm_flags.read_chat_template(chat_template)
+        if tool_call_parser is not None:
+            vllm_flags.check_tool_call_parser(tool_call_parser)
+        _check_tokenizer(model, tokenizer, template)
+    except ValueError as exc:  # ModelConfigError is one
         fail(str(exc))
     try:
         settings = ServerSettings.build(
@@ -120,6 +202,8 @@ def serve(
             port=port,
             served_model_name=served_model_name,
             require_api_key=require_api_key,
+            api_key=api_key or None,
+            chat_template=template,
             max_seqs_per_client=max_seqs_per_client,
             shutdown_grace_seconds=shutdown_grace,
             engine_kwargs=engine_options(
@@ -135,6 +219,13 @@ def serve(
                 speculative=speculative,
                 num_speculative_tokens=num_speculative_tokens,
                 cuda_graphs=cuda_graphs,
+                max_cpu_loras=max_cpu_loras,
+                max_model_len=max_model_len,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enable_prefix_caching=enable_prefix_caching,
+                tokenizer=None if tokenizer is None else str(tokenizer.expanduser().absolute()),
+                seed=seed,
+                max_num_batched_tokens=max_num_batched_tokens,
             ),
         )
     except ValueError as exc:
@@ -152,6 +243,13 @@ def serve(
         fail(str(exc))
     if replicas is not None:
         sock.close()  # Ray Serve's proxy listens itself: this was only the check
+    if modules:  # before the server starts, so that it serves them from its first request
+        try:
+            for line in vllm_flags.register_lora_modules(settings.registry, modules):
+                stderr().print(f"  LoRA module  {line}", highlight=False)
+        except (vllm_flags.LoraModuleError, RegistryError) as exc:
+            sock.close()
+            fail(str(exc))
     data_dir = settings.registry.data_dir
     # A token generated now is served from memory and stored (and shown) only once the server is serving.
     _, generated = ensure_admin_token(data_dir, settings.admin_token, store=False)
@@ -209,6 +307,18 @@ def _serve_replicas(settings, layout, on_serving: Callable[[], None]) -> None:
         f"{where} (Ray Serve, adapter affinity)"
     )
     serve_cluster(settings, layout, on_serving)
+
+
+def _check_tokenizer(model: Path, tokenizer: Path | None, template: str | None) -> None:
+    """ValueError for a `--tokenizer` that is no tokenizer directory, or a `--chat-template` with no
+    tokenizer to apply it (a checkpoint directory without tokenizer files, and no `--tokenizer`)."""
+    from engine.tokenizer import has_tokenizer_files
+
+    if tokenizer is not None and not has_tokenizer_files(tokenizer.expanduser()):
+        raise ValueError(f"--tokenizer {tokenizer}: no tokenizer files there (tokenizer.json, ...)")
+    bare = model.is_dir() and not has_tokenizer_files(model) and not any(model.glob("*.gguf"))
+    if template is not None and tokenizer is None and bare:
+        raise ValueError(f"--chat-template needs a tokenizer; {model} has none (pass --tokenizer DIR)")
 
 
 def engine_options(**given: object) -> dict[str, object]:

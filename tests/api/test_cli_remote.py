@@ -29,7 +29,12 @@ pytestmark = pytest.mark.slow  # a live server
 
 REPO = Path(__file__).resolve().parents[2]
 # Never let the developer's own settings leak into either mode.
-CLEAN = {"LORAPLEX_SERVER": None, "LORAPLEX_TOKEN": None, "LORAPLEX_DEBUG": None}
+CLEAN = {
+    "LORAPLEX_SERVER": None,
+    "LORAPLEX_TOKEN": None,
+    "LORAPLEX_ADMIN_TOKEN": None,
+    "LORAPLEX_DEBUG": None,
+}
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +192,13 @@ def test_token_problems(server: LiveServer) -> None:
     assert "--token" in wrong
     missing = invoke(env | {"LORAPLEX_TOKEN": None}, "adapters", "list", code=1).stderr
     assert "needs the server's admin token: pass --token or set LORAPLEX_TOKEN" in missing
+    # The server's own variable works for the CLI too; LORAPLEX_TOKEN, when set, comes first.
+    server_var = env | {"LORAPLEX_TOKEN": None, "LORAPLEX_ADMIN_TOKEN": ADMIN_TOKEN}
+    assert invoke(server_var, "adapters", "list", "--json").stdout.startswith("[")
+    both = invoke(
+        env | {"LORAPLEX_TOKEN": "nope", "LORAPLEX_ADMIN_TOKEN": ADMIN_TOKEN}, "adapters", "list", code=1
+    )
+    assert "refused the admin token" in both.stderr
     assert "needs the server's admin token" in invoke(env, "--token", " ", "adapters", "list", code=1).stderr
     bad = invoke(env, "--token", "a\nb", "adapters", "list", code=1).stderr
     assert "cannot be sent in an HTTP header" in bad

@@ -43,7 +43,7 @@ def _requests_seen(url: str) -> int:
     seen = 0
     for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
         if line.startswith(
-            ("vllm:num_requests_running ", "vllm:num_requests_waiting ", "loraplex_requests_total{")
+            ("vllm:num_requests_running{", "vllm:num_requests_waiting{", "loraplex_requests_total{")
         ):
             seen += int(float(line.split()[-1]))
     return seen

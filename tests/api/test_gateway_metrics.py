@@ -50,7 +50,8 @@ def test_gateway_gauges_name_running_and_resident_adapters(tmp_path) -> None:
         for _ in range(40):  # stats arrive twice a second
             s = _samples(server.url)
             (info,) = s["vllm:lora_requests_info"]
-            assert set(info.labels) == {"max_lora", "running_lora_adapters", "waiting_lora_adapters"}
+            labels = {"max_lora", "running_lora_adapters", "waiting_lora_adapters", "model_name"}
+            assert set(info.labels) == labels and info.labels["model_name"] == "base"
             assert info.labels["max_lora"] == "3"
             if info.labels["running_lora_adapters"] == "upper":
                 seen_running = True
@@ -62,6 +63,7 @@ def test_gateway_gauges_name_running_and_resident_adapters(tmp_path) -> None:
         assert seen_running
         for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
             assert len(s[name]) == 1 and s[name][0].value >= 0
+            assert s[name][0].labels == {"model_name": "base"}  # as vLLM labels them
         resident = s["loraplex_lora_adapter_resident"]
         assert all(set(x.labels) == {"adapter", "digest", "tier", "pinned"} for x in resident)
         assert {"upper"} <= {x.labels["adapter"] for x in resident if x.labels["tier"] == "device"}

@@ -231,7 +231,13 @@ def test_metrics_carry_the_gateway_gauges_per_replica(cluster: Cluster) -> None:
     info = families["vllm:lora_requests_info"].samples
     assert sorted(s.labels["replica"] for s in info) == sorted(replicas)
     for s in info:
-        assert set(s.labels) == {"replica", "max_lora", "running_lora_adapters", "waiting_lora_adapters"}
+        assert set(s.labels) == {
+            "replica",
+            "max_lora",
+            "running_lora_adapters",
+            "waiting_lora_adapters",
+            "model_name",
+        }
         assert s.labels["max_lora"] == "4"  # each replica's own, not a sum
     resident = families["loraplex_lora_adapter_resident"].samples
     assert all(set(s.labels) == {"replica", "adapter", "digest", "tier", "pinned"} for s in resident)
