@@ -14,6 +14,11 @@ fit depends on their ranks. Each resident adapter has a slot; per slot the pool 
     scalings[layer, m, slot] alpha/r (or alpha/sqrt(r) with rsLoRA)
 
 Rows of a page beyond the adapter's rank are zero, so whole pages may be multiplied safely.
+
+DoRA and LoRA-bias adapters also keep, per adapted (layer, module), the two float32 vectors of their
+per-row epilogue `y ← y ⊙ f + c` (`engine/lora/dora.py`), computed once at upload from the adapter and the
+pool's `base` weights and stacked per module into one [layers, 2, out] device tensor
+(`ResidentAdapter.epilogue`); layers the adapter does not adapt hold f = 1, c = 0.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.lora.adapter_checkpoint import PROJECTIONS, AdapterCheckpoint, module_features
+from engine.lora.dora import BaseWeights, row_epilogue
 from engine.model_config import ModelConfig
 from kernels.intmath import cdiv
 
@@ -39,6 +45,8 @@ class ResidentAdapter:
     num_pages: int = 0
     last_used: int = 0
     names: set[str] = field(default_factory=set)
+    # per module index: [layers, 2, out] float32 (f, c) of DoRA / lora_bias, absent for plain LoRA modules
+    epilogue: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class AdapterPool:
@@ -52,6 +60,7 @@ class AdapterPool:
         max_lora_rank: int,
         dtype: torch.dtype,
         device: torch.device,
+        base: BaseWeights | None = None,
     ) -> None:
         if page_rank < 1:
             raise ValueError(f"lora page_rank must be >= 1, got {page_rank}")
@@ -63,6 +72,7 @@ class AdapterPool:
             )
         self.cfg, self.page_rank, self.num_pages = cfg, page_rank, num_pages
         self.dtype, self.device = dtype, device
+        self.base = base  # the base model's weights (DoRA norms, base biases); None: DoRA refused
         layers = cfg.num_layers
         self.a: list[torch.Tensor] = []
         self.b: list[torch.Tensor] = []
@@ -141,8 +151,25 @@ class AdapterPool:
                 layer_ranks[w.layer][m] = w.rank
                 layer_scalings[w.layer][m] = w.scaling
         entry = ResidentAdapter(ckpt.digest, slot, pages, layer_ranks, layer_scalings, num_pages=sum(need))
+        entry.epilogue = self._epilogues(ckpt)
         self.resident[ckpt.digest] = entry
         return entry
+
+    def _epilogues(self, ckpt: AdapterCheckpoint) -> dict[int, torch.Tensor]:
+        """The DoRA / lora_bias epilogue vectors of `ckpt` per module (host float32, then on the device)."""
+        if not (ckpt.use_dora or ckpt.lora_bias):
+            return {}
+        host: dict[int, torch.Tensor] = {}
+        for w in ckpt.modules:
+            fc = row_epilogue(w, self.base)
+            if fc is None:
+                continue
+            m = MODULE_INDEX[w.module]
+            if m not in host:
+                host[m] = torch.zeros(self.cfg.num_layers, 2, len(fc[0]))
+                host[m][:, 0] = 1.0
+            host[m][w.layer, 0], host[m][w.layer, 1] = fc
+        return {m: t.to(self.device) for m, t in host.items()}
 
     def evict(self, digest: str) -> None:
         """Return an adapter's pages and slot to the free lists (its weights are no longer served)."""

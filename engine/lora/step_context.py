@@ -18,6 +18,10 @@ every slice s of a packed projection::
 - `TritonLoRAContext` (CUDA): the SGMV shrink/expand kernels over the page tables, one launch each
   per packed projection.
 Both match `kernels.reference.lora_shrink_ref` / `lora_expand_ref`.
+
+After the LoRA pass, rows of a DoRA or lora_bias adapter get that adapter's per-row epilogue
+`y[rows, slice] ← y ⊙ f + c` (`engine/lora/dora.py`, vectors kept in the pool); base rows and plain-LoRA
+rows are not touched.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ class CpuLoRAContext:
         self.gather: GatherPlan | None = None
         self.segments: list[Segment] = []  # long runs for `_apply_segments`
         self._native_segments: list[Segment] | None = None
+        self.epilogue_segments = [s for s in segments if s.adapter.epilogue]
         if native:  # the plan is made by the first `apply`, which knows the activations' dtype
             self._native_segments = segments
             return
@@ -79,11 +84,25 @@ class CpuLoRAContext:
         mods = range(first, first + len(slice_names))
         if self._native_segments is not None:
             self._apply_native(layer_index, mods, x, y)
-            return
-        if self.segments:
-            self._apply_segments(layer_index, mods, x, y)
-        if self.gather is not None:
-            self._apply_gathered(layer_index, mods, x, y)
+        else:
+            if self.segments:
+                self._apply_segments(layer_index, mods, x, y)
+            if self.gather is not None:
+                self._apply_gathered(layer_index, mods, x, y)
+        if self.epilogue_segments:
+            self._apply_epilogues(layer_index, mods, y)
+
+    def _apply_epilogues(self, layer: int, mods: range, y: torch.Tensor) -> None:
+        """DoRA / lora_bias: `y[run rows, slice] ← y ⊙ f + c` for each run of such an adapter."""
+        for seg in self.epilogue_segments:
+            off = 0
+            for m in mods:
+                width = self.pool.b[m].shape[2]
+                vec = seg.adapter.epilogue.get(m)
+                if vec is not None and seg.adapter.layer_ranks[layer][m]:
+                    fc = vec[layer].to(y.dtype)
+                    y[seg.start : seg.end, off : off + width].mul_(fc[0]).add_(fc[1])
+                off += width
 
     def _apply_segments(self, layer: int, mods: range, x: torch.Tensor, y: torch.Tensor) -> None:
         """Long runs: per run and slice, one (x @ A_page.T) @ B_page.T GEMM pair per page.
@@ -168,6 +187,14 @@ class TritonLoRAContext:
         self.slots = slots
         self._meta = meta
         self.max_rank = pool.max_pages_per_adapter * pool.page_rank
+        by_slot = {r.slot: r for r in pool.resident.values() if r.epilogue}
+        # DoRA / lora_bias adapters of the batch and their rows (graph steps have none: see decode_graphs)
+        rows: dict[int, list[int]] = {}
+        for t, slot in enumerate(slots):
+            if slot in by_slot:
+                rows.setdefault(slot, []).append(t)
+        self.epilogue_rows = [(by_slot[slot], r) for slot, r in rows.items()]
+        self._epilogue_index: list[tuple[ResidentAdapter, torch.Tensor]] | None = None
 
     @property
     def meta(self) -> LoRABatchMeta:
@@ -189,3 +216,21 @@ class TritonLoRAContext:
         lora_shrink(x, [pool.a[m][:, layer_index] for m in mods], page_table, ranks, self.meta, v)
         scalings = pool.scalings[layer_index, first : first + len(slice_names)]
         lora_expand(v, [pool.b[m][:, layer_index] for m in mods], page_table, ranks, scalings, self.meta, y)
+        if self.epilogue_rows:
+            self._apply_epilogues(layer_index, mods, y)
+
+    def _apply_epilogues(self, layer: int, mods: range, y: torch.Tensor) -> None:
+        """DoRA / lora_bias in torch after the expand: `y[rows, slice] ← y ⊙ f + c` per such adapter."""
+        if self._epilogue_index is None:
+            dev = y.device
+            self._epilogue_index = [(r, torch.tensor(rows, device=dev)) for r, rows in self.epilogue_rows]
+        for entry, rows in self._epilogue_index:
+            off = 0
+            for m in mods:
+                width = self.pool.b[m].shape[2]
+                vec = entry.epilogue.get(m)
+                if vec is not None and entry.layer_ranks[layer][m]:
+                    fc = vec[layer].to(y.dtype)
+                    part = y.index_select(0, rows)[:, off : off + width]
+                    y[rows, off : off + width] = part * fc[0] + fc[1]
+                off += width
