@@ -139,7 +139,7 @@ class DecodeGraphs:
             return False
         # DoRA / lora_bias rows take a per-row epilogue indexed by the step's rows: run eagerly
         return lora is None or (
-            isinstance(lora, TritonLoRAContext) and self.pool is not None and not lora.epilogue_rows
+            isinstance(lora, TritonLoRAContext) and self.pool is not None and not lora.epilogue
         )
 
     @property

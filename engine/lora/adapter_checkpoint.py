@@ -29,7 +29,7 @@ import math
 import re
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +91,9 @@ class AdapterCheckpoint:
     modules: tuple[LoRAModuleWeights, ...]
     use_dora: bool = False
     lora_bias: bool = False
+    # what the engine derives from these weights and the base model (DoRA's epilogue vectors), kept with
+    # the host copy so it is computed once per load; not part of the adapter's identity
+    derived: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 def module_features(model: ModelConfig, module: str) -> tuple[int, int]:
@@ -328,9 +331,9 @@ def _check_config(config: dict[str, Any]) -> _Rules:
         raise AdapterError("lora_bias: not supported together with use_dora (PEFT refuses the combination)")
     if config.get("bias", "none") not in ("none", None):
         raise AdapterError(f"bias: {config['bias']!r} is not supported (only 'none')")
-    for field, why in _REFUSED_FIELDS.items():
-        if config.get(field):
-            raise AdapterError(f"{field}: {why}")
+    for key, why in _REFUSED_FIELDS.items():
+        if config.get(key):
+            raise AdapterError(f"{key}: {why}")
     r = config.get("r", 8)
     if not _is_int(r) or r < 1:
         raise AdapterError(f"r: expected a positive integer, got {r!r}")
@@ -341,13 +344,13 @@ def _check_config(config: dict[str, Any]) -> _Rules:
     if not isinstance(use_rslora, bool):
         raise AdapterError(f"use_rslora: expected true or false, got {use_rslora!r}")
     patterns: list[dict[str, Any]] = []
-    for field, check in (("rank_pattern", lambda v: _is_int(v) and v >= 1), ("alpha_pattern", _is_number)):
-        value = config.get(field) or {}
+    for key, check in (("rank_pattern", lambda v: _is_int(v) and v >= 1), ("alpha_pattern", _is_number)):
+        value = config.get(key) or {}
         if not isinstance(value, dict):
-            raise AdapterError(f"{field}: expected an object, got {type(value).__name__}")
+            raise AdapterError(f"{key}: expected an object, got {type(value).__name__}")
         for k, v in value.items():
             if not check(v):
-                raise AdapterError(f"{field}[{k!r}]: invalid value {v!r}")
+                raise AdapterError(f"{key}[{k!r}]: invalid value {v!r}")
         patterns.append(value)
     return _Rules(r, float(alpha), use_rslora, patterns[0], patterns[1], **flags)
 

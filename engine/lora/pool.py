@@ -16,9 +16,9 @@ fit depends on their ranks. Each resident adapter has a slot; per slot the pool 
 Rows of a page beyond the adapter's rank are zero, so whole pages may be multiplied safely.
 
 DoRA and LoRA-bias adapters also keep, per adapted (layer, module), the two float32 vectors of their
-per-row epilogue `y ← y ⊙ f + c` (`engine/lora/dora.py`), computed once at upload from the adapter and the
-pool's `base` weights and stacked per module into one [layers, 2, out] device tensor
-(`ResidentAdapter.epilogue`); layers the adapter does not adapt hold f = 1, c = 0.
+per-row epilogue `y ← y ⊙ f + c` (`engine/lora/dora.py`), computed at upload from the adapter and the
+pool's `base` weights (host side, float32; cached with the host copy, so once per load) and held in the
+pool's `epilogues` store (`engine/lora/epilogue.py`) under the adapter's `epi_slot`.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import torch
 
 from engine.lora.adapter_checkpoint import PROJECTIONS, AdapterCheckpoint, module_features
 from engine.lora.dora import BaseWeights, row_epilogue
+from engine.lora.epilogue import EpilogueStore
 from engine.model_config import ModelConfig
 from kernels.intmath import cdiv
 
@@ -45,8 +46,8 @@ class ResidentAdapter:
     num_pages: int = 0
     last_used: int = 0
     names: set[str] = field(default_factory=set)
-    # per module index: [layers, 2, out] float32 (f, c) of DoRA / lora_bias, absent for plain LoRA modules
-    epilogue: dict[int, torch.Tensor] = field(default_factory=dict)
+    epi_slot: int = -1  # slot in the pool's epilogue store (DoRA / lora_bias adapters), -1: none
+    epi_modules: frozenset[int] = frozenset()  # module indices with epilogue vectors
 
 
 class AdapterPool:
@@ -87,6 +88,7 @@ class AdapterPool:
         )
         self.ranks = torch.zeros(layers, n_mod, self.max_slots, dtype=torch.int32, device=device)
         self.scalings = torch.zeros(layers, n_mod, self.max_slots, dtype=torch.float32, device=device)
+        self.epilogues = EpilogueStore(layers, [module_features(cfg, m)[1] for m in PROJECTIONS], device)
         self._free_pages = [list(range(num_pages)) for _ in PROJECTIONS]
         self._free_slots = list(range(self.max_slots))
         self.resident: dict[str, ResidentAdapter] = {}
@@ -151,14 +153,19 @@ class AdapterPool:
                 layer_ranks[w.layer][m] = w.rank
                 layer_scalings[w.layer][m] = w.scaling
         entry = ResidentAdapter(ckpt.digest, slot, pages, layer_ranks, layer_scalings, num_pages=sum(need))
-        entry.epilogue = self._epilogues(ckpt)
+        epi = self._epilogues(ckpt)
+        if epi:
+            entry.epi_slot, entry.epi_modules = self.epilogues.add(epi), frozenset(epi)
         self.resident[ckpt.digest] = entry
         return entry
 
     def _epilogues(self, ckpt: AdapterCheckpoint) -> dict[int, torch.Tensor]:
-        """The DoRA / lora_bias epilogue vectors of `ckpt` per module (host float32, then on the device)."""
+        """The DoRA / lora_bias epilogue vectors of `ckpt` per module index ([layers, 2, out], host
+        float32), computed on its first upload and cached with its host copy."""
         if not (ckpt.use_dora or ckpt.lora_bias):
             return {}
+        if "epilogue" in ckpt.derived:
+            return ckpt.derived["epilogue"]
         host: dict[int, torch.Tensor] = {}
         for w in ckpt.modules:
             fc = row_epilogue(w, self.base)
@@ -169,7 +176,8 @@ class AdapterPool:
                 host[m] = torch.zeros(self.cfg.num_layers, 2, len(fc[0]))
                 host[m][:, 0] = 1.0
             host[m][w.layer, 0], host[m][w.layer, 1] = fc
-        return {m: t.to(self.device) for m, t in host.items()}
+        ckpt.derived["epilogue"] = host
+        return host
 
     def evict(self, digest: str) -> None:
         """Return an adapter's pages and slot to the free lists (its weights are no longer served)."""
@@ -178,6 +186,8 @@ class AdapterPool:
         self.ranks[:, :, entry.slot] = 0
         self.scalings[:, :, entry.slot] = 0
         self.page_table[:, entry.slot] = 0
+        if entry.epi_slot >= 0:
+            self.epilogues.remove(entry.epi_slot)
         for m, plist in enumerate(entry.pages):
             self._free_pages[m].extend(plist)
         self._free_slots.append(entry.slot)

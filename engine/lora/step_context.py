@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.lora.cpu_plans import GatherPlan, NativePlan, Segment, cached_plan, gather_plan, native_plan
+from engine.lora.epilogue import RowEpilogue
 from engine.lora.pool import MODULE_INDEX, AdapterPool, ResidentAdapter
 from kernels.lora_meta import LoRABatchMeta, build_lora_batch_meta
 
@@ -69,7 +70,9 @@ class CpuLoRAContext:
         self.gather: GatherPlan | None = None
         self.segments: list[Segment] = []  # long runs for `_apply_segments`
         self._native_segments: list[Segment] | None = None
-        self.epilogue_segments = [s for s in segments if s.adapter.epilogue]
+        self.epilogue = RowEpilogue(
+            pool.epilogues, [(s.adapter, range(s.start, s.end)) for s in segments if s.adapter.epi_slot >= 0]
+        )
         if native:  # the plan is made by the first `apply`, which knows the activations' dtype
             self._native_segments = segments
             return
@@ -89,20 +92,8 @@ class CpuLoRAContext:
                 self._apply_segments(layer_index, mods, x, y)
             if self.gather is not None:
                 self._apply_gathered(layer_index, mods, x, y)
-        if self.epilogue_segments:
-            self._apply_epilogues(layer_index, mods, y)
-
-    def _apply_epilogues(self, layer: int, mods: range, y: torch.Tensor) -> None:
-        """DoRA / lora_bias: `y[run rows, slice] ← y ⊙ f + c` for each run of such an adapter."""
-        for seg in self.epilogue_segments:
-            off = 0
-            for m in mods:
-                width = self.pool.b[m].shape[2]
-                vec = seg.adapter.epilogue.get(m)
-                if vec is not None and seg.adapter.layer_ranks[layer][m]:
-                    fc = vec[layer].to(y.dtype)
-                    y[seg.start : seg.end, off : off + width].mul_(fc[0]).add_(fc[1])
-                off += width
+        if self.epilogue:
+            self.epilogue.apply(layer_index, mods, y)
 
     def _apply_segments(self, layer: int, mods: range, x: torch.Tensor, y: torch.Tensor) -> None:
         """Long runs: per run and slice, one (x @ A_page.T) @ B_page.T GEMM pair per page.
@@ -187,14 +178,15 @@ class TritonLoRAContext:
         self.slots = slots
         self._meta = meta
         self.max_rank = pool.max_pages_per_adapter * pool.page_rank
-        by_slot = {r.slot: r for r in pool.resident.values() if r.epilogue}
-        # DoRA / lora_bias adapters of the batch and their rows (graph steps have none: see decode_graphs)
-        rows: dict[int, list[int]] = {}
+        by_slot = {r.slot: r for r in pool.resident.values() if r.epi_slot >= 0}
+        runs: list[tuple[ResidentAdapter, range]] = []  # DoRA / lora_bias rows (graph steps have none)
         for t, slot in enumerate(slots):
             if slot in by_slot:
-                rows.setdefault(slot, []).append(t)
-        self.epilogue_rows = [(by_slot[slot], r) for slot, r in rows.items()]
-        self._epilogue_index: list[tuple[ResidentAdapter, torch.Tensor]] | None = None
+                if runs and runs[-1][0] is by_slot[slot] and runs[-1][1].stop == t:
+                    runs[-1] = (by_slot[slot], range(runs[-1][1].start, t + 1))
+                else:
+                    runs.append((by_slot[slot], range(t, t + 1)))
+        self.epilogue = RowEpilogue(pool.epilogues, runs)
 
     @property
     def meta(self) -> LoRABatchMeta:
@@ -216,21 +208,5 @@ class TritonLoRAContext:
         lora_shrink(x, [pool.a[m][:, layer_index] for m in mods], page_table, ranks, self.meta, v)
         scalings = pool.scalings[layer_index, first : first + len(slice_names)]
         lora_expand(v, [pool.b[m][:, layer_index] for m in mods], page_table, ranks, scalings, self.meta, y)
-        if self.epilogue_rows:
-            self._apply_epilogues(layer_index, mods, y)
-
-    def _apply_epilogues(self, layer: int, mods: range, y: torch.Tensor) -> None:
-        """DoRA / lora_bias in torch after the expand: `y[rows, slice] ← y ⊙ f + c` per such adapter."""
-        if self._epilogue_index is None:
-            dev = y.device
-            self._epilogue_index = [(r, torch.tensor(rows, device=dev)) for r, rows in self.epilogue_rows]
-        for entry, rows in self._epilogue_index:
-            off = 0
-            for m in mods:
-                width = self.pool.b[m].shape[2]
-                vec = entry.epilogue.get(m)
-                if vec is not None and entry.layer_ranks[layer][m]:
-                    fc = vec[layer].to(y.dtype)
-                    part = y.index_select(0, rows)[:, off : off + width]
-                    y[rows, off : off + width] = part * fc[0] + fc[1]
-                off += width
+        if self.epilogue:
+            self.epilogue.apply(layer_index, mods, y)
