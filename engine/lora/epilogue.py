@@ -2,9 +2,10 @@
 
 `EpilogueStore` (part of the adapter pool) keeps, for each resident adapter that has epilogue vectors
 (`engine/lora/dora.py`), one epilogue slot: per module m a float32 tensor `vec[m]`
-[layers, capacity, 2, out_m] holds (f, c) at `[:, slot]`; slots of other adapters, layers an adapter does
-not adapt and modules it does not target hold f = 1, c = 0. Only DoRA / lora_bias adapters take a slot,
-and the capacity doubles when full, so plain-LoRA pools pay nothing.
+[layers, 2, capacity, out_m] holds f at `[:, 0, slot]` and c at `[:, 1, slot]`; free slots, layers an
+adapter does not adapt and modules it does not target hold f = 1, c = 0. Only DoRA / lora_bias adapters
+take a slot, and the capacity doubles when full, so plain-LoRA pools pay nothing. The store's memory is
+not counted in the pool's page budget: per DoRA adapter, layers x 2 x (sum of out widths) x 4 bytes.
 
 `RowEpilogue` is a step's application over the runs of rows of such adapters: per module it records each
 row's epilogue slot once, so one layer's slice costs one gather of the rows' (f, c) and one fused update,
@@ -33,8 +34,8 @@ class EpilogueStore:
         self._free: list[int] = []
 
     def _identity(self, m: int, capacity: int) -> torch.Tensor:
-        t = torch.zeros(self.num_layers, capacity, 2, self.widths[m], device=self.device)
-        t[:, :, 0] = 1.0
+        t = torch.zeros(self.num_layers, 2, capacity, self.widths[m], device=self.device)
+        t[:, 0] = 1.0
         return t
 
     def add(self, host: dict[int, torch.Tensor]) -> int:
@@ -44,7 +45,7 @@ class EpilogueStore:
             for m, old in enumerate(self.vec):
                 if old is not None:
                     new = self._identity(m, grown)
-                    new[:, : self.capacity] = old
+                    new[:, :, : self.capacity] = old
                     self.vec[m] = new
             self._free = list(range(self.capacity, grown))
             self.capacity = grown
@@ -53,14 +54,14 @@ class EpilogueStore:
             store = self.vec[m]
             if store is None:
                 store = self.vec[m] = self._identity(m, self.capacity)
-            store[:, slot] = t.to(self.device)
+            store[:, :, slot] = t.to(self.device)
         return slot
 
     def remove(self, slot: int) -> None:
         """Reset an evicted adapter's slot to the identity and free it."""
         for t in self.vec:
             if t is not None:
-                t[:, slot, 0], t[:, slot, 1] = 1.0, 0.0
+                t[:, 0, slot], t[:, 1, slot] = 1.0, 0.0
         self._free.append(slot)
 
     def memory_bytes(self) -> int:
@@ -68,12 +69,16 @@ class EpilogueStore:
 
 
 class _ModuleRows:
-    """One module's rows in a step: their epilogue slots (or the single run's slot and span)."""
+    """One module's rows in a step: their epilogue slots, whether they form one block of the batch
+    (then updated in place), and per layer whether any of their adapters adapts the module there."""
 
-    def __init__(self, runs: list[tuple[ResidentAdapter, range]], device: torch.device) -> None:
-        self.adapters = [ad for ad, _ in runs]
+    def __init__(self, runs: list[tuple[ResidentAdapter, range]], m: int, device: torch.device) -> None:
+        layers = len(runs[0][0].layer_ranks)
+        self.active = [any(ad.layer_ranks[layer][m] for ad, _ in runs) for layer in range(layers)]
         self.span: tuple[range, int] | None = (runs[0][1], runs[0][0].epi_slot) if len(runs) == 1 else None
-        self.rows = torch.tensor([r for _, run in runs for r in run], dtype=torch.long, device=device)
+        rows = [r for _, run in runs for r in run]
+        self.block = range(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1)) else None
+        self.rows = torch.tensor(rows, dtype=torch.long, device=device)
         slots = [ad.epi_slot for ad, run in runs for _ in run]
         self.slots = torch.tensor(slots, dtype=torch.long, device=device)
 
@@ -96,20 +101,24 @@ class RowEpilogue:
             width = self.store.widths[m]
             if m not in self._modules:
                 runs = [(ad, rows) for ad, rows in self._runs if m in ad.epi_modules]
-                self._modules[m] = _ModuleRows(runs, y.device) if runs else None
+                self._modules[m] = _ModuleRows(runs, m, y.device) if runs else None
             mr = self._modules[m]
             vec = self.store.vec[m]
-            if mr is not None and vec is not None and any(ad.layer_ranks[layer][m] for ad in mr.adapters):
+            if mr is not None and vec is not None and mr.active[layer]:
                 self._apply_module(mr, vec[layer], y, off, width)
             off += width
 
     @staticmethod
     def _apply_module(mr: _ModuleRows, vec: torch.Tensor, y: torch.Tensor, off: int, width: int) -> None:
+        """`vec`: this layer's [2, capacity, out] (f, c) of every slot."""
+        cols = y[:, off : off + width]
         if mr.span is not None:
             span, slot = mr.span
-            fc = vec[slot].to(y.dtype)
-            y[span.start : span.stop, off : off + width].mul_(fc[0]).add_(fc[1])
+            cols[span.start : span.stop].mul_(vec[0, slot].to(y.dtype)).add_(vec[1, slot].to(y.dtype))
             return
-        fc = vec.index_select(0, mr.slots).to(y.dtype)  # [R, 2, out]
-        part = y[:, off : off + width].index_select(0, mr.rows)
-        y[mr.rows, off : off + width] = torch.addcmul(fc[:, 1], part, fc[:, 0])
+        f = vec[0].index_select(0, mr.slots).to(y.dtype)  # [R, out], contiguous
+        c = vec[1].index_select(0, mr.slots).to(y.dtype)
+        if mr.block is not None:  # the rows are one block of the batch (e.g. runs of DoRA adapters only)
+            cols[mr.block.start : mr.block.stop].mul_(f).add_(c)
+            return
+        cols.index_copy_(0, mr.rows, torch.addcmul(c, cols.index_select(0, mr.rows), f))

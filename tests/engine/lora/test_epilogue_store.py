@@ -26,15 +26,15 @@ def test_slots_grow_and_evicted_slots_are_identity_again() -> None:
             assert t is not None
             want = vecs.get(m)
             if want is None:  # a module the adapter does not target: f = 1, c = 0
-                assert torch.equal(t[:, slot, 0], torch.ones(2, widths[m])) and not t[:, slot, 1].any()
+                assert torch.equal(t[:, 0, slot], torch.ones(2, widths[m])) and not t[:, 1, slot].any()
             else:
-                assert torch.equal(t[:, slot], want)
+                assert torch.equal(t[:, :, slot], want)
     store.remove(slots[3])
     assert all(
-        torch.equal(t[:, slots[3], 0], torch.ones(2, w)) for t, w in zip(store.vec, widths, strict=True)
+        torch.equal(t[:, 0, slots[3]], torch.ones(2, w)) for t, w in zip(store.vec, widths, strict=True)
     )
     again = store.add(stored[3])
-    assert again not in slots[:3] + slots[4:] and torch.equal(store.vec[0][:, again], stored[3][0])
+    assert again not in slots[:3] + slots[4:] and torch.equal(store.vec[0][:, :, again], stored[3][0])
 
 
 def test_step_epilogue_updates_only_its_rows() -> None:
@@ -50,11 +50,11 @@ def test_step_epilogue_updates_only_its_rows() -> None:
     want = y.clone()
     epi = RowEpilogue(store, [(a, range(0, 2)), (b, range(3, 4)), (a, range(5, 7))])
     epi.apply(0, range(0, 2), y)
-    f, c = store.vec[0][0, a.epi_slot]
+    f, c = store.vec[0][0, :, a.epi_slot]
     for r in (0, 1, 5, 6):
         want[r, :4] = want[r, :4] * f + c
-    f, c = store.vec[0][0, b.epi_slot]
+    f, c = store.vec[0][0, :, b.epi_slot]
     want[3, :4] = want[3, :4] * f + c
-    f, c = store.vec[1][0, b.epi_slot]
+    f, c = store.vec[1][0, :, b.epi_slot]
     want[3, 4:] = want[3, 4:] * f + c
     torch.testing.assert_close(y, want)
