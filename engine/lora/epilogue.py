@@ -7,10 +7,11 @@ adapter does not adapt and modules it does not target hold f = 1, c = 0. Only Do
 take a slot, and the capacity doubles when full, so plain-LoRA pools pay nothing. The store's memory is
 not counted in the pool's page budget: per DoRA adapter, layers x 2 x (sum of out widths) x 4 bytes.
 
-`RowEpilogue` is a step's application over the runs of rows of such adapters: per module it records each
-row's epilogue slot once, so one layer's slice costs one gather of the rows' (f, c) and one fused update,
-however many adapters the batch mixes; a single run (a prefill chunk) is updated in place. Base rows and
-plain-LoRA rows are never touched.
+`RowEpilogue` is a step's application over the runs of rows of such adapters. Per module it records, once
+per step, each short run's rows (decode tokens) with their epilogue slots, so one layer's slice costs one
+gather of those rows' (f, c) and one fused update however many adapters the batch mixes; long runs
+(prefill chunks) are updated in place, their adapter's vectors broadcast. Base rows and plain-LoRA rows
+are never touched.
 """
 
 from __future__ import annotations
@@ -68,18 +69,28 @@ class EpilogueStore:
         return sum(t.numel() * t.element_size() for t in self.vec if t is not None)
 
 
+# Runs at least this long (prefill chunks) are updated in place with their adapter's vectors broadcast;
+# shorter ones (decode rows) are gathered and updated together. Gathering long runs would materialize
+# [rows, out] copies of f and c, which costs more than the update itself.
+LONG_RUN = 4
+
+
 class _ModuleRows:
-    """One module's rows in a step: their epilogue slots, whether they form one block of the batch
-    (then updated in place), and per layer whether any of their adapters adapts the module there."""
+    """One module's rows in a step: long runs (span, slot) updated in place, and the short runs' rows
+    with their epilogue slots (updated in place too when they form one block of the batch); per layer,
+    whether any of their adapters adapts the module there."""
 
     def __init__(self, runs: list[tuple[ResidentAdapter, range]], m: int, device: torch.device) -> None:
         layers = len(runs[0][0].layer_ranks)
         self.active = [any(ad.layer_ranks[layer][m] for ad, _ in runs) for layer in range(layers)]
-        self.span: tuple[range, int] | None = (runs[0][1], runs[0][0].epi_slot) if len(runs) == 1 else None
-        rows = [r for _, run in runs for r in run]
-        self.block = range(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1)) else None
-        self.rows = torch.tensor(rows, dtype=torch.long, device=device)
-        slots = [ad.epi_slot for ad, run in runs for _ in run]
+        self.long = [(run, ad.epi_slot) for ad, run in runs if len(run) >= LONG_RUN]
+        short = [(ad, run) for ad, run in runs if len(run) < LONG_RUN]
+        rows = [r for _, run in short for r in run]
+        self.block = (
+            range(rows[0], rows[-1] + 1) if rows and rows == list(range(rows[0], rows[-1] + 1)) else None
+        )
+        self.rows = torch.tensor(rows, dtype=torch.long, device=device) if rows else None
+        slots = [ad.epi_slot for ad, run in short for _ in run]
         self.slots = torch.tensor(slots, dtype=torch.long, device=device)
 
 
@@ -112,13 +123,15 @@ class RowEpilogue:
     def _apply_module(mr: _ModuleRows, vec: torch.Tensor, y: torch.Tensor, off: int, width: int) -> None:
         """`vec`: this layer's [2, capacity, out] (f, c) of every slot."""
         cols = y[:, off : off + width]
-        if mr.span is not None:
-            span, slot = mr.span
-            cols[span.start : span.stop].mul_(vec[0, slot].to(y.dtype)).add_(vec[1, slot].to(y.dtype))
+        for span, slot in mr.long:
+            run = cols[span.start : span.stop]
+            torch.addcmul(vec[1, slot].to(y.dtype), run, vec[0, slot].to(y.dtype), out=run)
+        if mr.rows is None:
             return
         f = vec[0].index_select(0, mr.slots).to(y.dtype)  # [R, out], contiguous
         c = vec[1].index_select(0, mr.slots).to(y.dtype)
-        if mr.block is not None:  # the rows are one block of the batch (e.g. runs of DoRA adapters only)
-            cols[mr.block.start : mr.block.stop].mul_(f).add_(c)
+        if mr.block is not None:  # the short rows are one block of the batch (e.g. a decode group)
+            block = cols[mr.block.start : mr.block.stop]
+            torch.addcmul(c, block, f, out=block)
             return
         cols.index_copy_(0, mr.rows, torch.addcmul(c, cols.index_select(0, mr.rows), f))

@@ -38,7 +38,8 @@ def test_slots_grow_and_evicted_slots_are_identity_again() -> None:
 
 
 def test_step_epilogue_updates_only_its_rows() -> None:
-    """Rows of two epilogue adapters (one split in two runs) get y*f + c of their own slot; others stay."""
+    """Rows of two epilogue adapters (one in a short run and a long one) get y*f + c of their own slot;
+    others stay."""
     gen = torch.Generator().manual_seed(1)
     widths = [4, 3]
     store = EpilogueStore(1, widths, torch.device("cpu"))
@@ -46,12 +47,12 @@ def test_step_epilogue_updates_only_its_rows() -> None:
     a = SimpleNamespace(epi_slot=store.add({0: va}), epi_modules=frozenset({0}), layer_ranks=[[4, 0]])
     b = SimpleNamespace(epi_slot=store.add({0: vb0, 1: vb1}), epi_modules=frozenset({0, 1}))
     b.layer_ranks = [[4, 4]]
-    y = torch.randn(7, 7, generator=gen)
+    y = torch.randn(12, 7, generator=gen)
     want = y.clone()
-    epi = RowEpilogue(store, [(a, range(0, 2)), (b, range(3, 4)), (a, range(5, 7))])
+    epi = RowEpilogue(store, [(a, range(0, 2)), (b, range(3, 4)), (a, range(5, 12))])
     epi.apply(0, range(0, 2), y)
     f, c = store.vec[0][0, :, a.epi_slot]
-    for r in (0, 1, 5, 6):
+    for r in (0, 1, *range(5, 12)):
         want[r, :4] = want[r, :4] * f + c
     f, c = store.vec[0][0, :, b.epi_slot]
     want[3, :4] = want[3, :4] * f + c
