@@ -77,12 +77,23 @@ def _best_of(fns: list[Callable[[], None]], repeats: int) -> list[float]:
     return [b * 1e3 for b in best]
 
 
-def run(adapters: int = 32, prefill_rows: int = 16, repeats: int = 15, rank: int = 16) -> list[str]:
+def run(
+    adapters: int = 32,
+    prefill_rows: int = 16,
+    repeats: int = 15,
+    rank: int = 16,
+    spec: ModelSpec | None = None,
+) -> list[str]:
     """One line per step: projections + LoRA, plain vs DoRA (ms, ratio), and the epilogue alone."""
-    cfg = _config(ModelSpec())
+    cfg = _config(spec or ModelSpec())
     gen = torch.Generator().manual_seed(1)
     base = _RandomBase(cfg, gen)
     pools = {dora: _pool(cfg, adapters, rank, dora, base) for dora in (False, True)}
+    packed = {  # each packed projection's base weight (q|k|v, gate|up), as the engine holds it
+        (layer, g): torch.cat([base.w[(layer, m)] for m in g])
+        for layer in range(cfg.num_layers)
+        for g in SLICE_GROUPS
+    }
     lines = []
     for step, per in (("decode", 1), ("prefill", prefill_rows)):
         rows = adapters * per
@@ -96,8 +107,7 @@ def run(adapters: int = 32, prefill_rows: int = 16, repeats: int = 15, rank: int
             def fn() -> None:
                 for layer in range(cfg.num_layers):
                     for g in SLICE_GROUPS:
-                        w = torch.cat([base.w[(layer, m)] for m in g])
-                        ctx.apply(layer, g, xs[g], torch.nn.functional.linear(xs[g], w))
+                        ctx.apply(layer, g, xs[g], torch.nn.functional.linear(xs[g], packed[(layer, g)]))
 
             return fn
 
@@ -123,9 +133,15 @@ def main(argv: list[str] | None = None) -> list[str]:
     ap.add_argument("--prefill-rows", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--hidden-size", type=int, default=ModelSpec().hidden_size)
+    ap.add_argument("--intermediate-size", type=int, default=ModelSpec().intermediate_size)
+    ap.add_argument("--layers", type=int, default=ModelSpec().num_layers)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    lines = run(args.adapters, args.prefill_rows, args.repeats)
+    spec = ModelSpec(
+        hidden_size=args.hidden_size, intermediate_size=args.intermediate_size, num_layers=args.layers
+    )
+    lines = run(args.adapters, args.prefill_rows, args.repeats, spec=spec)
     print("\n".join(lines))
     return lines
 
