@@ -1,8 +1,9 @@
 """DoRA (`use_dora`) and LoRA-bias (`lora_bias`) adapters serve in mixed batches equal to PEFT's merge-free
 forward (float32): base rows, plain LoRA rows and DoRA rows in one batch, on Llama (no projection biases),
-Qwen2 (q/k/v biases, the terms DoRA must not scale) and Phi-3 (DoRA on the fused qkv_proj / gate_up_proj,
-whose norms and magnitudes split per slice); both CPU LoRA backends; chunked prefill; the norm itself
-equals PEFT's, on dense and packed weights."""
+Qwen2 (q/k/v biases, the terms DoRA must not scale), Phi-3 (DoRA on the fused qkv_proj / gate_up_proj,
+whose norms and magnitudes split per slice), Granite and Gemma 2; both CPU LoRA backends, the Triton path
+(interpreted) with and without decode graphs; chunked prefill; the norm itself equals PEFT's, on dense and
+packed weights."""
 
 from __future__ import annotations
 
@@ -38,6 +39,14 @@ SPECS = {
         "plain-r4": dict(r=4, lora_alpha=8, target_modules="all-linear"),
         "dora-r4": dict(r=4, lora_alpha=8, target_modules=ALL7, use_dora=True),
         "bias-r8": dict(r=8, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"], lora_bias=True),
+    },
+    "granite": {
+        "plain-r4": dict(r=4, lora_alpha=8, target_modules="all-linear"),
+        "dora-r4": dict(r=4, lora_alpha=8, target_modules=ALL7, use_dora=True),
+    },
+    "gemma2": {
+        "plain-r4": dict(r=4, lora_alpha=8, target_modules="all-linear"),
+        "dora-r4": dict(r=4, lora_alpha=8, target_modules=ALL7, use_dora=True),
     },
     "phi3": {
         "plain-r4": dict(r=4, lora_alpha=8, target_modules="all-linear"),
@@ -91,7 +100,16 @@ def _llm(base, **kwargs) -> LLM:
 
 @pytest.mark.parametrize(
     ("arch", "backend"),
-    [("llama", "native"), ("llama", "torch"), ("qwen2", "native"), ("qwen2", "torch"), ("phi3", "native")],
+    [
+        ("llama", "native"),
+        ("llama", "torch"),
+        ("qwen2", "native"),
+        ("qwen2", "torch"),
+        ("phi3", "native"),
+        ("phi3", "torch"),
+        ("granite", "native"),
+        ("gemma2", "native"),
+    ],
 )
 def test_mixed_batch_with_dora_matches_peft(arch, backend, adapters):
     base, dirs, oracle = adapters[arch]
@@ -150,6 +168,27 @@ def test_triton_path_applies_dora_after_the_expand(adapters):
     loras = [LoRARequest(n, str(dirs[n])) if n else None for n in names]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     llm = _llm(base, attention_backend="triton", lora_backend="triton", max_num_batched_tokens=12)
+    outs = llm.generate(prompts, params, lora_request=loras)
+    for prompt, name, out in zip(prompts, names, outs, strict=True):
+        assert out.outputs[0].token_ids == oracle.greedy(prompt, 4, dirs[name] if name else None), name
+
+
+def test_decode_graphs_leave_dora_steps_eager(adapters):
+    """With decode graphs on, steps that carry DoRA / lora_bias rows run eagerly (their epilogue indexes
+    the step's rows) and still equal PEFT; plain-LoRA decode steps still replay graphs."""
+    from engine.decode_graphs import EagerReplay
+
+    base, dirs, oracle = adapters["qwen2"]
+    llm = _llm(base, attention_backend="triton", lora_backend="triton")
+    eng = llm.engine
+    eng.runner.use_decode_graphs(EagerReplay(), eng.lora.pool, max_batch=8)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    plain = llm.generate([[5, 6, 7]], params, lora_request=[LoRARequest("plain-r4", str(dirs["plain-r4"]))])
+    assert eng.runner.graphs is not None and any(lo for _, lo in eng.runner.graphs.captured)
+    assert plain[0].outputs[0].token_ids == oracle.greedy([5, 6, 7], 4, dirs["plain-r4"])
+    names = ["dora-r4", "plain-r4", None, "bias-r8"]
+    prompts = [[9, 10, 11, 12], [13, 14], [15, 16, 17], [18, 19, 20, 21, 22]]
+    loras = [LoRARequest(n, str(dirs[n])) if n else None for n in names]
     outs = llm.generate(prompts, params, lora_request=loras)
     for prompt, name, out in zip(prompts, names, outs, strict=True):
         assert out.outputs[0].token_ids == oracle.greedy(prompt, 4, dirs[name] if name else None), name
