@@ -192,3 +192,19 @@ def test_decode_graphs_leave_dora_steps_eager(adapters):
     outs = llm.generate(prompts, params, lora_request=loras)
     for prompt, name, out in zip(prompts, names, outs, strict=True):
         assert out.outputs[0].token_ids == oracle.greedy(prompt, 4, dirs[name] if name else None), name
+
+
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_speculative_decoding_with_dora_matches_peft(backend, adapters):
+    """n-gram speculation: verification runs score several rows per DoRA sequence; greedy tokens equal
+    PEFT's. Repetitive prompts so proposals are made (and some accepted)."""
+    base, dirs, oracle = adapters["llama"]
+    llm = _llm(base, lora_backend=backend, speculative="ngram", num_speculative_tokens=3)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 9, 10, 9, 10], [3, 4, 3, 4, 3]]
+    names = ["dora-r4", "dora-r8-rslora", None]
+    loras = [LoRARequest(n, str(dirs[n])) if n else None for n in names]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params, lora_request=loras)
+    for prompt, name, out in zip(prompts, names, outs, strict=True):
+        assert out.outputs[0].token_ids == oracle.greedy(prompt, 8, dirs[name] if name else None), name
+    assert llm.engine.get_stats().spec_proposed_tokens > 0
