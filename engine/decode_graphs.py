@@ -137,7 +137,10 @@ class DecodeGraphs:
         or the Triton LoRA path."""
         if not inp.is_plain_decode or self.bucket(len(inp.seq_lens)) is None:
             return False
-        return lora is None or (isinstance(lora, TritonLoRAContext) and self.pool is not None)
+        # DoRA / lora_bias rows take a per-row epilogue indexed by the step's rows: run eagerly
+        return lora is None or (
+            isinstance(lora, TritonLoRAContext) and self.pool is not None and not lora.epilogue
+        )
 
     @property
     def captured(self) -> list[tuple[int, bool]]:

@@ -21,6 +21,7 @@ from engine.decode_graphs import enable_decode_graphs
 from engine.engine_adapters import EngineAdapters, SequenceError
 from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheManager
+from engine.lora.dora import ProjectionBaseWeights
 from engine.lora.manager import LoRAInfo, LoRAManager, LoRAPoolStats
 from engine.lora_request import LoRARequest
 from engine.metrics import EngineStats
@@ -83,6 +84,7 @@ class LLMEngine:
                 page_rank=config.lora_page_rank,
                 max_loras=config.max_loras,
                 backend=config.lora_backend,
+                base=ProjectionBaseWeights(self.model),
             )
         self.scheduler = Scheduler(
             SchedulerConfig.from_engine_config(config),

@@ -139,6 +139,7 @@ KNOWN: dict[str, Callable[[str, Any], None]] = {
     "layers_pattern": lambda f, v: _modules(f, v) if isinstance(v, list) else _string(f, v, MAX_MODULE_NAME),
     "use_rslora": _boolean,
     "use_dora": _boolean,
+    "lora_bias": _boolean,
     "fan_in_fan_out": _boolean,
     "inference_mode": _boolean,
     "init_lora_weights": _bool_or_string,

@@ -8,6 +8,11 @@ Tensor names are those of the base model's family (`engine/model/family.py`, `lo
 `q_proj` … `down_proj`, or Phi-3's fused `qkv_proj` / `gate_up_proj`, whose lora_B rows are split into
 the engine's slices (q|k|v, gate|up) here: `(x @ A.T) @ B_s.T` is the rows of slice s of the fused delta.
 
+DoRA adapters (`use_dora`) carry a `lora_magnitude_vector` per module (one entry per output row) and
+`lora_bias` adapters a `lora_B.bias`; both are split per slice like lora_B's rows and kept with the
+slice's weights (`LoRAModuleWeights.magnitude`, `.bias_b`). The DoRA weight norm needs the base weight, so
+it is computed by the engine's pool (`engine/lora/dora.py`), not here.
+
 An adapter directory holds `adapter_config.json` + `adapter_model.safetensors`. Its identity is
 
     digest = sha256(canonical_config_json_bytes ‖ safetensors_bytes)
@@ -24,7 +29,7 @@ import math
 import re
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +49,12 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 _EMBEDDING_NAMES = ("embed_tokens", "lm_head", "wte", "embed_in", "embed_out")
 _FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
-# base_model.model.<module path>.lora_A[.<adapter name>].weight
-_TENSOR_RE = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+?)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
+# base_model.model.<module path>.lora_A[.<adapter name>].weight, lora_B[...].bias (lora_bias) and
+# lora_magnitude_vector[.<adapter name>][.weight] (DoRA)
+_TENSOR_RE = re.compile(
+    r"^(?:base_model\.model\.)?(?P<module>.+?)\."
+    r"(?:lora_(?P<ab>[AB])(?:\.[^.]+)?\.(?P<kind>weight|bias)|lora_magnitude_vector(?:\.[^.]+)?)$"
+)
 _MODULE_RE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<parent>\w+)\.(?P<proj>\w+)$")
 
 
@@ -64,6 +73,8 @@ class LoRAModuleWeights:
     scaling: float
     lora_a: torch.Tensor | None  # [rank, in_features]; None when inspected without weights
     lora_b: torch.Tensor | None  # [out_features, rank]
+    magnitude: torch.Tensor | None = None  # DoRA: [out_features] (None: plain LoRA, or no weights loaded)
+    bias_b: torch.Tensor | None = None  # lora_bias: lora_B's bias [out_features] (added times scaling)
 
 
 @dataclass(slots=True, frozen=True)
@@ -78,6 +89,11 @@ class AdapterCheckpoint:
     size_bytes: int
     base_model_name: str | None
     modules: tuple[LoRAModuleWeights, ...]
+    use_dora: bool = False
+    lora_bias: bool = False
+    # what the engine derives from these weights and the base model (DoRA's epilogue vectors), kept with
+    # the host copy so it is computed once per load; not part of the adapter's identity
+    derived: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 def module_features(model: ModelConfig, module: str) -> tuple[int, int]:
@@ -186,6 +202,10 @@ def inspect_adapter(
         if parsed is None:  # e.g. a vision tower's LoRA: text-only passes never run it
             continue
         layer, module, ab = parsed
+        if ab == "M" and not rules.use_dora:
+            raise AdapterError(f"tensor {name!r}: a DoRA magnitude vector, but use_dora is not set")
+        if ab == "b" and not rules.lora_bias:
+            raise AdapterError(f"tensor {name!r}: a lora_B bias, but lora_bias is not set")
         if targeted is not None and (layer, module) not in targeted:
             raise AdapterError(
                 f"tensor {name!r}: module not selected by target_modules/layers_to_transform/exclude_modules"
@@ -201,10 +221,11 @@ def inspect_adapter(
     modules: list[LoRAModuleWeights] = []
     order = list(targets)
     for (layer, module), slot in sorted(pairs.items(), key=lambda kv: (kv[0][0], order.index(kv[0][1]))):
-        for ab in "AB":
+        for ab in "AB" + ("M" if rules.use_dora else "") + ("b" if rules.lora_bias else ""):
             if ab not in slot:
                 other = next(iter(slot.values()))
-                raise AdapterError(f"tensor {other!r}: its lora_{ab} partner is missing")
+                what = {"M": "use_dora: DoRA's lora_magnitude_vector", "b": "lora_bias: its lora_B bias"}
+                raise AdapterError(f"tensor {other!r}: {what.get(ab, f'its lora_{ab}')} partner is missing")
         target = targets[module]
         key = f"model.layers.{layer}.{target.parent}.{module}"
         rank, r_field = rules.rank_for(key)
@@ -216,18 +237,27 @@ def inspect_adapter(
         in_f, out_f = target_features(model, target)
         _check_shape(slot["A"], header[slot["A"]], (rank, in_f), module)
         _check_shape(slot["B"], header[slot["B"]], (out_f, rank), module)
-        a = b = None
+        for vec in "Mb":
+            if vec in slot:
+                _check_shape(slot[vec], header[slot[vec]], (out_f,), module)
+        a = b = mag = bias_b = None
         if load_weights:
             a, b = tensors[slot["A"]], tensors[slot["B"]]
-            for name, t in ((slot["A"], a), (slot["B"], b)):
-                if not torch.isfinite(t).all():
+            mag, bias_b = tensors.get(slot.get("M", "")), tensors.get(slot.get("b", ""))
+            for name in slot.values():
+                if not torch.isfinite(tensors[name]).all():
                     raise AdapterError(f"tensor {name!r}: contains NaN or Inf values")
         scaling = alpha / math.sqrt(rank) if rules.use_rslora else alpha / rank
         row = 0
         for piece in target.slices:  # a fused target's B rows: one block per engine slice, in order
             width = module_features(model, piece)[1]
-            b_rows = None if b is None else b[row : row + width]
-            modules.append(LoRAModuleWeights(layer, piece, rank, alpha, scaling, a, b_rows))
+            rows = slice(row, row + width)
+            b_rows = None if b is None else b[rows]
+            m_rows = None if mag is None else mag[rows]
+            bias_rows = None if bias_b is None else bias_b[rows]
+            modules.append(
+                LoRAModuleWeights(layer, piece, rank, alpha, scaling, a, b_rows, m_rows, bias_rows)
+            )
             row += width
 
     present = {module for _, module in pairs}
@@ -240,6 +270,8 @@ def inspect_adapter(
         size_bytes=len(raw_config) + len(data),
         base_model_name=config.get("base_model_name_or_path"),
         modules=tuple(modules),
+        use_dora=rules.use_dora,
+        lora_bias=rules.lora_bias,
     )
 
 
@@ -252,6 +284,8 @@ class _Rules:
     use_rslora: bool
     rank_pattern: dict[str, int]
     alpha_pattern: dict[str, float]
+    use_dora: bool = False
+    lora_bias: bool = False
 
     def rank_for(self, key: str) -> tuple[int, str]:
         """(rank, config field that set it) for module `key`, matched the PEFT way (first suffix match)."""
@@ -276,7 +310,6 @@ def _pattern_key(patterns: dict[str, Any], key: str) -> str | None:
 
 _REFUSED_FIELDS = {
     "modules_to_save": "modules_to_save is not supported (it would replace base-model weights)",
-    "lora_bias": "a bias on lora_B is not supported",
     "trainable_token_indices": "trainable token embeddings are not supported",
     "target_parameters": "target_parameters (raw parameter adapters) are not supported",
     "layer_replication": "layer_replication is not supported",
@@ -288,13 +321,19 @@ def _check_config(config: dict[str, Any]) -> _Rules:
     peft_type = config.get("peft_type", "LORA")
     if peft_type != "LORA":
         raise AdapterError(f"peft_type: {peft_type!r} is not supported (only LORA)")
-    if config.get("use_dora"):
-        raise AdapterError("use_dora: DoRA is not supported yet")
+    flags = {}
+    for flag in ("use_dora", "lora_bias"):
+        value = config.get(flag, False)
+        if not isinstance(value, bool):
+            raise AdapterError(f"{flag}: expected true or false, got {value!r}")
+        flags[flag] = value
+    if flags["use_dora"] and flags["lora_bias"]:
+        raise AdapterError("lora_bias: not supported together with use_dora (PEFT refuses the combination)")
     if config.get("bias", "none") not in ("none", None):
         raise AdapterError(f"bias: {config['bias']!r} is not supported (only 'none')")
-    for field, why in _REFUSED_FIELDS.items():
-        if config.get(field):
-            raise AdapterError(f"{field}: {why}")
+    for key, why in _REFUSED_FIELDS.items():
+        if config.get(key):
+            raise AdapterError(f"{key}: {why}")
     r = config.get("r", 8)
     if not _is_int(r) or r < 1:
         raise AdapterError(f"r: expected a positive integer, got {r!r}")
@@ -305,15 +344,15 @@ def _check_config(config: dict[str, Any]) -> _Rules:
     if not isinstance(use_rslora, bool):
         raise AdapterError(f"use_rslora: expected true or false, got {use_rslora!r}")
     patterns: list[dict[str, Any]] = []
-    for field, check in (("rank_pattern", lambda v: _is_int(v) and v >= 1), ("alpha_pattern", _is_number)):
-        value = config.get(field) or {}
+    for key, check in (("rank_pattern", lambda v: _is_int(v) and v >= 1), ("alpha_pattern", _is_number)):
+        value = config.get(key) or {}
         if not isinstance(value, dict):
-            raise AdapterError(f"{field}: expected an object, got {type(value).__name__}")
+            raise AdapterError(f"{key}: expected an object, got {type(value).__name__}")
         for k, v in value.items():
             if not check(v):
-                raise AdapterError(f"{field}[{k!r}]: invalid value {v!r}")
+                raise AdapterError(f"{key}[{k!r}]: invalid value {v!r}")
         patterns.append(value)
-    return _Rules(r, float(alpha), use_rslora, patterns[0], patterns[1])
+    return _Rules(r, float(alpha), use_rslora, patterns[0], patterns[1], **flags)
 
 
 def _target_set(
@@ -458,8 +497,6 @@ def _parse_tensor_name(
 ) -> tuple[int, str, str] | None:
     """(layer, target module, "A"|"B") of a LoRA tensor name; None for a module outside the served text
     model (`checkpoint_key` of the family: Gemma 3's vision tower); `AdapterError` for anything else."""
-    if "lora_magnitude_vector" in name:
-        raise AdapterError(f"tensor {name!r}: DoRA is not supported yet")
     if "lora_embedding_" in name or any(f"{e}." in name for e in _EMBEDDING_NAMES):
         raise AdapterError(f"tensor {name!r}: embedding/lm_head adapters are not supported")
     m = _TENSOR_RE.match(name)
@@ -476,10 +513,13 @@ def _parse_tensor_name(
         raise AdapterError(
             f"tensor {name!r}: layer {layer} out of range (model has {model.num_layers} layers)"
         )
-    return layer, mm["proj"], m["ab"]
+    kind = "M" if m["ab"] is None else ("b" if m["kind"] == "bias" else m["ab"])
+    if kind == "b" and m["ab"] != "B":
+        raise AdapterError(f"tensor {name!r}: a bias on lora_A (only lora_B has one, with lora_bias)")
+    return layer, mm["proj"], kind
 
 
-def _check_shape(name: str, entry: tuple[str, tuple[int, ...]], want: tuple[int, int], module: str) -> None:
+def _check_shape(name: str, entry: tuple[str, tuple[int, ...]], want: tuple[int, ...], module: str) -> None:
     shape = entry[1]
     if shape != want:
         raise AdapterError(

@@ -28,6 +28,7 @@ import torch
 from engine.lora.adapter_checkpoint import AdapterCheckpoint
 from engine.lora.backend import select_lora_backend
 from engine.lora.cpu_cache import CpuAdapterCache
+from engine.lora.dora import BaseWeights
 from engine.lora.held_files import AdapterFilesGone
 from engine.lora.loader import AdapterLoader
 from engine.lora.pool import AdapterPool
@@ -90,11 +91,13 @@ class LoRAManager:
         page_rank: int,
         max_loras: int,
         backend: str,
+        base: BaseWeights | None = None,
     ) -> LoRAManager:
         """The engine's manager: a pool of `num_pages` pages per projection
         (`EngineConfig.adapter_pool_pages`), a host cache of `max_cpu_loras` adapters (default
-        `max(64, 4 * max_loras)`). `dtype` is the pool's (adapter weights), `compute_dtype` the model's."""
-        pool = AdapterPool(model, num_pages, page_rank, max_lora_rank, dtype, device)
+        `max(64, 4 * max_loras)`). `dtype` is the pool's (adapter weights), `compute_dtype` the model's;
+        `base`: the model's projection weights, which DoRA adapters need (`engine/lora/dora.py`)."""
+        pool = AdapterPool(model, num_pages, page_rank, max_lora_rank, dtype, device, base)
         cpu = CpuAdapterCache(max_cpu_loras or max(64, 4 * max_loras))
         chosen = select_lora_backend(backend, device, dtype, compute_dtype)
         loader = AdapterLoader(model, max_lora_rank, pin_memory=device.type == "cuda")

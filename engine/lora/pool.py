@@ -14,6 +14,11 @@ fit depends on their ranks. Each resident adapter has a slot; per slot the pool 
     scalings[layer, m, slot] alpha/r (or alpha/sqrt(r) with rsLoRA)
 
 Rows of a page beyond the adapter's rank are zero, so whole pages may be multiplied safely.
+
+DoRA and LoRA-bias adapters also keep, per adapted (layer, module), the two float32 vectors of their
+per-row epilogue `y ← y ⊙ f + c` (`engine/lora/dora.py`), computed at upload from the adapter and the
+pool's `base` weights (host side, float32; cached with the host copy, so once per load) and held in the
+pool's `epilogues` store (`engine/lora/epilogue.py`) under the adapter's `epi_slot`.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.lora.adapter_checkpoint import PROJECTIONS, AdapterCheckpoint, module_features
+from engine.lora.dora import BaseWeights, row_epilogue
+from engine.lora.epilogue import EpilogueStore
 from engine.model_config import ModelConfig
 from kernels.intmath import cdiv
 
@@ -39,6 +46,8 @@ class ResidentAdapter:
     num_pages: int = 0
     last_used: int = 0
     names: set[str] = field(default_factory=set)
+    epi_slot: int = -1  # slot in the pool's epilogue store (DoRA / lora_bias adapters), -1: none
+    epi_modules: frozenset[int] = frozenset()  # module indices with epilogue vectors
 
 
 class AdapterPool:
@@ -52,6 +61,7 @@ class AdapterPool:
         max_lora_rank: int,
         dtype: torch.dtype,
         device: torch.device,
+        base: BaseWeights | None = None,
     ) -> None:
         if page_rank < 1:
             raise ValueError(f"lora page_rank must be >= 1, got {page_rank}")
@@ -63,6 +73,7 @@ class AdapterPool:
             )
         self.cfg, self.page_rank, self.num_pages = cfg, page_rank, num_pages
         self.dtype, self.device = dtype, device
+        self.base = base  # the base model's weights (DoRA norms, base biases); None: DoRA refused
         layers = cfg.num_layers
         self.a: list[torch.Tensor] = []
         self.b: list[torch.Tensor] = []
@@ -77,6 +88,7 @@ class AdapterPool:
         )
         self.ranks = torch.zeros(layers, n_mod, self.max_slots, dtype=torch.int32, device=device)
         self.scalings = torch.zeros(layers, n_mod, self.max_slots, dtype=torch.float32, device=device)
+        self.epilogues = EpilogueStore(layers, [module_features(cfg, m)[1] for m in PROJECTIONS], device)
         self._free_pages = [list(range(num_pages)) for _ in PROJECTIONS]
         self._free_slots = list(range(self.max_slots))
         self.resident: dict[str, ResidentAdapter] = {}
@@ -141,8 +153,31 @@ class AdapterPool:
                 layer_ranks[w.layer][m] = w.rank
                 layer_scalings[w.layer][m] = w.scaling
         entry = ResidentAdapter(ckpt.digest, slot, pages, layer_ranks, layer_scalings, num_pages=sum(need))
+        epi = self._epilogues(ckpt)
+        if epi:
+            entry.epi_slot, entry.epi_modules = self.epilogues.add(epi), frozenset(epi)
         self.resident[ckpt.digest] = entry
         return entry
+
+    def _epilogues(self, ckpt: AdapterCheckpoint) -> dict[int, torch.Tensor]:
+        """The DoRA / lora_bias epilogue vectors of `ckpt` per module index ([layers, 2, out], host
+        float32), computed on its first upload and cached with its host copy."""
+        if not (ckpt.use_dora or ckpt.lora_bias):
+            return {}
+        if "epilogue" in ckpt.derived:
+            return ckpt.derived["epilogue"]
+        host: dict[int, torch.Tensor] = {}
+        for w in ckpt.modules:
+            fc = row_epilogue(w, self.base)
+            if fc is None:
+                continue
+            m = MODULE_INDEX[w.module]
+            if m not in host:
+                host[m] = torch.zeros(self.cfg.num_layers, 2, len(fc[0]))
+                host[m][:, 0] = 1.0
+            host[m][w.layer, 0], host[m][w.layer, 1] = fc
+        ckpt.derived["epilogue"] = host
+        return host
 
     def evict(self, digest: str) -> None:
         """Return an adapter's pages and slot to the free lists (its weights are no longer served)."""
@@ -151,6 +186,8 @@ class AdapterPool:
         self.ranks[:, :, entry.slot] = 0
         self.scalings[:, :, entry.slot] = 0
         self.page_table[:, entry.slot] = 0
+        if entry.epi_slot >= 0:
+            self.epilogues.remove(entry.epi_slot)
         for m, plist in enumerate(entry.pages):
             self._free_pages[m].extend(plist)
         self._free_slots.append(entry.slot)

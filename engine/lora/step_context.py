@@ -18,6 +18,10 @@ every slice s of a packed projection::
 - `TritonLoRAContext` (CUDA): the SGMV shrink/expand kernels over the page tables, one launch each
   per packed projection.
 Both match `kernels.reference.lora_shrink_ref` / `lora_expand_ref`.
+
+After the LoRA pass, rows of a DoRA or lora_bias adapter get that adapter's per-row epilogue
+`y[rows, slice] ← y ⊙ f + c` (`engine/lora/dora.py`, vectors kept in the pool); base rows and plain-LoRA
+rows are not touched.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.lora.cpu_plans import GatherPlan, NativePlan, Segment, cached_plan, gather_plan, native_plan
+from engine.lora.epilogue import RowEpilogue
 from engine.lora.pool import MODULE_INDEX, AdapterPool, ResidentAdapter
 from kernels.lora_meta import LoRABatchMeta, build_lora_batch_meta
 
@@ -65,6 +70,9 @@ class CpuLoRAContext:
         self.gather: GatherPlan | None = None
         self.segments: list[Segment] = []  # long runs for `_apply_segments`
         self._native_segments: list[Segment] | None = None
+        self.epilogue = RowEpilogue(
+            pool.epilogues, [(s.adapter, range(s.start, s.end)) for s in segments if s.adapter.epi_slot >= 0]
+        )
         if native:  # the plan is made by the first `apply`, which knows the activations' dtype
             self._native_segments = segments
             return
@@ -79,11 +87,13 @@ class CpuLoRAContext:
         mods = range(first, first + len(slice_names))
         if self._native_segments is not None:
             self._apply_native(layer_index, mods, x, y)
-            return
-        if self.segments:
-            self._apply_segments(layer_index, mods, x, y)
-        if self.gather is not None:
-            self._apply_gathered(layer_index, mods, x, y)
+        else:
+            if self.segments:
+                self._apply_segments(layer_index, mods, x, y)
+            if self.gather is not None:
+                self._apply_gathered(layer_index, mods, x, y)
+        if self.epilogue:
+            self.epilogue.apply(layer_index, mods, y)
 
     def _apply_segments(self, layer: int, mods: range, x: torch.Tensor, y: torch.Tensor) -> None:
         """Long runs: per run and slice, one (x @ A_page.T) @ B_page.T GEMM pair per page.
@@ -168,6 +178,15 @@ class TritonLoRAContext:
         self.slots = slots
         self._meta = meta
         self.max_rank = pool.max_pages_per_adapter * pool.page_rank
+        by_slot = {r.slot: r for r in pool.resident.values() if r.epi_slot >= 0}
+        runs: list[tuple[ResidentAdapter, range]] = []  # DoRA / lora_bias rows (graph steps have none)
+        for t, slot in enumerate(slots):
+            if slot in by_slot:
+                if runs and runs[-1][0] is by_slot[slot] and runs[-1][1].stop == t:
+                    runs[-1] = (by_slot[slot], range(runs[-1][1].start, t + 1))
+                else:
+                    runs.append((by_slot[slot], range(t, t + 1)))
+        self.epilogue = RowEpilogue(pool.epilogues, runs)
 
     @property
     def meta(self) -> LoRABatchMeta:
@@ -189,3 +208,5 @@ class TritonLoRAContext:
         lora_shrink(x, [pool.a[m][:, layer_index] for m in mods], page_table, ranks, self.meta, v)
         scalings = pool.scalings[layer_index, first : first + len(slice_names)]
         lora_expand(v, [pool.b[m][:, layer_index] for m in mods], page_table, ranks, scalings, self.meta, y)
+        if self.epilogue:
+            self.epilogue.apply(layer_index, mods, y)

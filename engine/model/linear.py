@@ -46,6 +46,7 @@ class ProjectionLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
         self.packed = False  # True: `weight` is in oneDNN's blocked layout (`pack_weight`, CPU float32)
+        self._row_sq: torch.Tensor | None = None  # squared row norms (taken before packing), for DoRA
 
     def forward(self, x: torch.Tensor, lora: LoRAStepContext | None = None) -> torch.Tensor:
         if self.packed:
@@ -59,8 +60,24 @@ class ProjectionLinear(nn.Module):
     def pack_weight(self) -> None:
         """Replace the dense weight by its packed form (`engine/model/cpu_gemm.py`); once, after loading."""
         if not self.packed:
+            self.row_sq_norms()  # the packed layout has no rows to read them from later
             self.weight = nn.Parameter(pack(self.weight), requires_grad=False)
             self.packed = True
+
+    def row_sq_norms(self) -> torch.Tensor:
+        """float32 [out] on the host: the squared L2 norm of each output row of the (dense) weight."""
+        if self._row_sq is None:
+            assert not self.packed, "row norms are taken before packing"
+            self._row_sq = self.weight.detach().float().pow(2).sum(1).cpu()
+        return self._row_sq
+
+    def times_weight_t(self, a: torch.Tensor) -> torch.Tensor:
+        """`a @ W.T` (no bias) for `a` [r, in], in the weight's dtype on its device (packed or not)."""
+        a = a.to(self.weight.device, self.weight.dtype)
+        with torch.no_grad():
+            return (
+                packed_linear(a, self.weight, None) if self.packed else nn.functional.linear(a, self.weight)
+            )
 
     def slice_offsets(self) -> tuple[int, ...]:
         """Start column of each slice in the packed output."""

@@ -73,6 +73,31 @@ def test_upload_zip_activate_serves_without_restart(server, text_model):
     assert again.status_code == 200 and again.json()["created"] is False
 
 
+def test_dora_upload_serves_equal_to_peft(server, text_model, tmp_path):
+    """A PEFT DoRA adapter uploaded through the admin API serves through the openai client, equal to PEFT."""
+    from transformers import AutoTokenizer
+
+    from tests.helpers.tiny_adapters import build_adapter
+
+    base, _, oracle = text_model
+    dora = build_adapter(
+        base, tmp_path / "dora", seed=7, r=4, lora_alpha=8, target_modules="all-linear", use_dora=True
+    )
+    admin = server.admin()
+    files = {"file": ("dora.zip", _zip(dora), "application/zip")}
+    r = admin.post("/admin/api/adapters", data={"name": "dora-bot", "activate": "true"}, files=files)
+    assert r.status_code == 201, r.text
+    assert wait_until(lambda: "dora-bot" in server.state.follower.snapshot())
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    out = client.completions.create(
+        model="dora-bot", prompt="hello", max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
+    tok = AutoTokenizer.from_pretrained(base)
+    expected = oracle.greedy(tok.encode("hello"), 6, dora)
+    assert out.choices[0].text == tok.decode(expected)
+    assert _complete(server, "dora-bot") == expected
+
+
 def test_upload_two_files_new_version_and_rollback(server, text_model):
     _, adapters, oracle = text_model
     admin = server.admin()

@@ -71,7 +71,15 @@ CASES = {
     ),
     "nan": (_set(f"{PREFIX}.1.self_attn.v_proj.lora_B.weight", _nan), "contains NaN or Inf"),
     "truncated": (_truncate, "truncated"),
-    "dora": (lambda d: edit_config(d, use_dora=True), "DoRA is not supported yet"),
+    "dora-without-magnitudes": (
+        lambda d: edit_config(d, use_dora=True),
+        "use_dora: DoRA's lora_magnitude_vector partner is missing",
+    ),
+    "dora-with-lora-bias": (
+        lambda d: edit_config(d, use_dora=True, lora_bias=True),
+        "lora_bias: not supported together with use_dora",
+    ),
+    "modules-to-save": (lambda d: edit_config(d, modules_to_save=["lm_head"]), "modules_to_save"),
 }
 
 

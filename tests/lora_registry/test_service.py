@@ -15,6 +15,7 @@ from lora_registry.events import RegistryEvent
 from lora_registry.models import AdapterVersion
 from lora_registry.registry import Registry, open_registry
 from lora_registry.settings import RegistrySettings
+from tests.engine.lora.peft_factory import make_adapter
 
 
 def _types(events: list[RegistryEvent]) -> list[str]:
@@ -35,6 +36,14 @@ def test_register_stores_version_blobs_and_audit(registry: Registry, adapter_dir
     assert events[0].digest == res.version.digest and events[0].version == 1
     assert [(a.action, a.target) for a in svc.audit_log()] == [("adapter.registered", "support-bot")]
     assert svc.active_adapters() == []
+
+
+def test_register_accepts_a_dora_adapter(registry: Registry, tmp_path: Path) -> None:
+    """A PEFT DoRA adapter (`use_dora`, magnitude vectors) registers like any LoRA adapter."""
+    make_adapter(tmp_path / "dora", seed=4, use_dora=True, target_modules="all-linear")
+    res = registry.adapters.register("dora-bot", tmp_path / "dora")
+    assert res.created and res.version.digest == adapter_digest(tmp_path / "dora")
+    assert res.version.rank == 4 and len(res.version.target_modules) == 7
 
 
 def test_same_content_is_a_noop_and_new_content_a_new_version(

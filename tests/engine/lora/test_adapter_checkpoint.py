@@ -72,6 +72,24 @@ def test_all_linear_with_rank_and_alpha_patterns(tmp_path: Path, model: ModelCon
     )
 
 
+def test_dora_magnitudes_read_per_module(tmp_path: Path, model: ModelConfig) -> None:
+    """A DoRA adapter's magnitude vectors come with their module's weights; a wrong length is refused."""
+    state = make_adapter(tmp_path, seed=2, use_dora=True)
+    ck = inspect_adapter(tmp_path, model)
+    assert ck.use_dora and not ck.lora_bias
+    for m in ck.modules:
+        mag = state[f"{PREFIX}.{m.layer}.self_attn.{m.module}.lora_magnitude_vector.default.weight"]
+        assert m.magnitude is not None and torch.equal(m.magnitude, mag) and m.bias_b is None
+    assert inspect_adapter(tmp_path, model, load_weights=False).modules[0].magnitude is None
+    tensors = read_tensors(tmp_path)
+    key = f"{PREFIX}.1.self_attn.v_proj.lora_magnitude_vector"
+    tensors[key] = tensors[key][:-1]
+    write_tensors(tmp_path, tensors)
+    _refused(
+        tmp_path, model, r"v_proj.lora_magnitude_vector': shape \[31\] does not fit .* \(expected \[32\]\)"
+    )
+
+
 def test_rslora_scaling(tmp_path: Path, model: ModelConfig) -> None:
     make_adapter(tmp_path, r=16, lora_alpha=8, use_rslora=True, target_modules=["o_proj", "up_proj"])
     ck = inspect_adapter(tmp_path, model)
@@ -148,7 +166,10 @@ def test_missing_files(tmp_path: Path, model: ModelConfig) -> None:
 @pytest.mark.parametrize(
     ("changes", "match"),
     [
-        ({"use_dora": True}, "use_dora: DoRA is not supported yet"),
+        ({"use_dora": True}, "use_dora: DoRA's lora_magnitude_vector partner is missing"),
+        ({"use_dora": "yes"}, "use_dora: expected true or false"),
+        ({"lora_bias": True}, "lora_bias: its lora_B bias partner is missing"),
+        ({"use_dora": True, "lora_bias": True}, "lora_bias: not supported together with use_dora"),
         ({"bias": "all"}, "bias: 'all' is not supported"),
         ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
         ({"peft_type": "PREFIX_TUNING"}, "peft_type: 'PREFIX_TUNING' is not supported"),
@@ -237,7 +258,11 @@ def test_tensor_level_refusals(tmp_path: Path, model: ModelConfig) -> None:
         (lambda t: t.__setitem__(a0, t[a0].to(torch.int32)), "dtype I32 is not a floating-point type"),
         (
             lambda t: t.__setitem__(f"{PREFIX}.0.self_attn.q_proj.lora_magnitude_vector", t[a0].clone()),
-            "DoRA",
+            "a DoRA magnitude vector, but use_dora is not set",
+        ),
+        (
+            lambda t: t.__setitem__(b0.replace(".weight", ".bias"), t[a0][0].clone()),
+            "a lora_B bias, but lora_bias is not set",
         ),
     ]
     for fn, match in cases:
