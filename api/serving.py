@@ -217,6 +217,7 @@ class RequestRun:
         self.client_gone = False  # set when the client disconnected before a non-streamed answer
         self.grant: Grant | None = None
         self.finished = False
+        self._last_token: dict[int, float] = {}  # choice index -> when its latest tokens came
 
     async def admit(self) -> None:
         """Charge the caller's limits now, before costly preparation (compiling schemas): a 429 (or a
@@ -249,8 +250,8 @@ class RequestRun:
                 async for up in self.gen.stream():
                     if up.choice.error:
                         raise _choice_error(self.target, up.choice.error_status, up.choice.error)
-                    if self.first_token is None and up.choice.token_ids:
-                        self.first_token = time.monotonic()
+                    if up.token_ids:
+                        self._note_tokens(up.choice.index)
                     yield up
             status = "ok"
         except EngineDeadError as exc:
@@ -273,6 +274,17 @@ class RequestRun:
             raise
         finally:
             self._finish(status)
+
+    def _note_tokens(self, choice: int) -> None:
+        """Time choice `choice`'s new tokens: the request's first token, and the gap since the choice's
+        previous update (vLLM's inter-token latency)."""
+        now = time.monotonic()
+        if self.first_token is None:
+            self.first_token = now
+        last = self._last_token.get(choice)
+        if last is not None:
+            self.state.metrics.vllm.inter_token(now - last)
+        self._last_token[choice] = now
 
     def _finish(self, status: str) -> None:
         """Release the grant (refunding unused tokens) and record the request, once."""

@@ -5,7 +5,8 @@ Every family carries `model_name` (the served model name, as vLLM labels it); lo
 
     vllm:time_to_first_token_seconds      histogram, per request: arrival to first token
     vllm:time_per_output_token_seconds    histogram, per request: mean gap between output tokens
-    vllm:inter_token_latency_seconds      histogram, likewise (one observation per request: its mean gap)
+    vllm:inter_token_latency_seconds      histogram, per output-token gap: time between a choice's
+                                          successive updates (one per engine step that gave it tokens)
     vllm:e2e_request_latency_seconds      histogram, per request: arrival to finish
     vllm:prompt_tokens_total              counter, prompt tokens of finished requests
     vllm:generation_tokens_total          counter, tokens generated for them
@@ -65,7 +66,7 @@ class VllmMetrics:
 
         self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS)
         self.tpot = hist("vllm:time_per_output_token_seconds", "Mean time per output token", TPOT_BUCKETS)
-        self.itl = hist("vllm:inter_token_latency_seconds", "Inter-token latency (mean)", TPOT_BUCKETS)
+        self.itl = hist("vllm:inter_token_latency_seconds", "Inter-token latency", TPOT_BUCKETS)
         self.e2e = hist("vllm:e2e_request_latency_seconds", "End-to-end request latency", E2E_BUCKETS)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed", label, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generation tokens", label, registry=r)
@@ -101,7 +102,10 @@ class VllmMetrics:
         if generation_tokens > 1:
             gap = (duration - ttft) / (generation_tokens - 1)
             self.tpot.labels(name).observe(gap)
-            self.itl.labels(name).observe(gap)
+
+    def inter_token(self, seconds: float) -> None:
+        """Record one gap between a choice's successive token updates."""
+        self.itl.labels(self.model_name).observe(seconds)
 
     def refresh(self, engine: dict[str, Any]) -> None:
         """Take the engine's running totals from one stats snapshot (`EngineStats` as a dict)."""

@@ -30,9 +30,9 @@ def test_one_request_fills_every_family_under_the_model_name() -> None:
     ttft = s["vllm:time_to_first_token_seconds"]
     assert _value(ttft, "vllm:time_to_first_token_seconds_count", model_name="m") == 1
     assert _value(ttft, "vllm:time_to_first_token_seconds_sum") == 0.2
-    for name in ("vllm:time_per_output_token_seconds", "vllm:inter_token_latency_seconds"):
-        assert _value(s[name], f"{name}_count") == 1
-        assert abs(_value(s[name], f"{name}_sum") - 0.1) < 1e-9
+    name = "vllm:time_per_output_token_seconds"
+    assert _value(s[name], f"{name}_count") == 1
+    assert abs(_value(s[name], f"{name}_sum") - 0.1) < 1e-9
     e2e = s["vllm:e2e_request_latency_seconds"]
     assert _value(e2e, "vllm:e2e_request_latency_seconds_count") == 2
     assert _value(e2e, "vllm:e2e_request_latency_seconds_bucket", le="0.3") == 1
@@ -44,3 +44,15 @@ def test_one_request_fills_every_family_under_the_model_name() -> None:
     assert _value(s["vllm:num_preemptions"], "vllm:num_preemptions_total", model_name="m") == 2
     assert _value(s["vllm:prefix_cache_queries"], "vllm:prefix_cache_queries_total") == 40
     assert _value(s["vllm:prefix_cache_hits"], "vllm:prefix_cache_hits_total") == 16
+
+
+def test_inter_token_latency_is_one_observation_per_gap() -> None:
+    registry = CollectorRegistry()
+    m = VllmMetrics(registry, "m")
+    for gap in (0.01, 0.02, 0.2):
+        m.inter_token(gap)
+    name = "vllm:inter_token_latency_seconds"
+    s = _samples(registry)[name]
+    assert _value(s, f"{name}_count", model_name="m") == 3
+    assert abs(_value(s, f"{name}_sum") - 0.23) < 1e-9
+    assert _value(s, f"{name}_bucket", le="0.025") == 2
