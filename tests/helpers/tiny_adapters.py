@@ -37,6 +37,21 @@ PHI3_ADAPTER_SPECS: dict[str, dict[str, Any]] = {
     "gate-up-layer1-r32": dict(r=32, lora_alpha=16, target_modules=["gate_up_proj"], layers_to_transform=[1]),
 }
 
+# LoRA on the vocabulary modules (PEFT's `Embedding` LoRA on embed_tokens, a Linear LoRA on lm_head), with
+# and without projection targets; on Qwen2 the two stay independent though the weights are tied.
+VOCAB_ADAPTER_SPECS: dict[str, dict[str, Any]] = {
+    "embed-q-r4": dict(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"]),
+    "head-v-r8": dict(r=8, lora_alpha=8, target_modules=["lm_head", "v_proj", "down_proj"]),
+    "both-only-rslora": dict(
+        r=8,
+        lora_alpha=8,
+        target_modules=["embed_tokens", "lm_head"],
+        use_rslora=True,
+        rank_pattern={"lm_head": 2},
+        alpha_pattern={"embed_tokens": 4},
+    ),
+}
+
 
 def build_adapter(base_dir: Path, out_dir: Path, seed: int = 0, scale: float = 0.3, **lora_kwargs) -> Path:
     """Wrap the base model with a PEFT LoRA config, give A and B random weights, save it to `out_dir`."""

@@ -90,6 +90,75 @@ def test_dora_magnitudes_read_per_module(tmp_path: Path, model: ModelConfig) -> 
     )
 
 
+VOCAB = ["q_proj", "embed_tokens", "lm_head"]
+
+
+def test_embedding_and_lm_head_lora_read_as_peft_saves_them(tmp_path: Path, model: ModelConfig) -> None:
+    """PEFT's `lora_embedding_A/B` of embed_tokens and lm_head's lora_A/B come out with their scaling and
+    the projections' weights beside them; `target_modules` lists the two; the saved base-layer copies
+    (PEFT's `save_embedding_layers`) are only shape-checked."""
+    state = make_adapter(tmp_path, r=4, lora_alpha=8, target_modules=VOCAB, rank_pattern={"lm_head": 2})
+    ck = inspect_adapter(tmp_path, model)
+    assert ck.target_modules == ("q_proj", "embed_tokens", "lm_head") and len(ck.modules) == 2
+    embed, head = ck.vocab
+    assert (embed.module, embed.rank, embed.scaling, head.module, head.rank, head.scaling) == (
+        "embed_tokens",
+        4,
+        2.0,
+        "lm_head",
+        2,
+        4.0,
+    )
+    emb = "base_model.model.model.embed_tokens"
+    assert torch.equal(embed.lora_a, state[f"{emb}.lora_embedding_A.default"])
+    assert torch.equal(embed.lora_b, state[f"{emb}.lora_embedding_B.default"])
+    assert torch.equal(head.lora_b, state["base_model.model.lm_head.lora_B.default.weight"])
+    assert "base_model.model.lm_head.base_layer.weight" in read_tensors(tmp_path)
+    assert inspect_adapter(tmp_path, model, load_weights=False).vocab[1].lora_a is None
+
+
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        (
+            lambda t: t.pop("base_model.model.model.embed_tokens.lora_embedding_B"),
+            "its embed_tokens lora_B partner is missing",
+        ),
+        (
+            lambda t: t.__setitem__("base_model.model.lm_head.lora_B.weight", torch.zeros(127, 4)),
+            r"lm_head.lora_B.weight': shape \[127, 4\] does not fit the base model's lm_head "
+            r"\(expected \[128, 4\]\)",
+        ),
+        (
+            lambda t: t.__setitem__("base_model.model.lm_head.base_layer.weight", torch.zeros(130, 64)),
+            r"lm_head.base_layer.weight': shape \[130, 64\] does not fit .* \(expected \[128, 64\]\)",
+        ),
+    ],
+)
+def test_vocab_lora_tensor_refusals(tmp_path: Path, model: ModelConfig, mutate, match: str) -> None:
+    make_adapter(tmp_path, target_modules=VOCAB)
+    _mutate(tmp_path, mutate)
+    _refused(tmp_path, model, match)
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"use_dora": True}, "use_dora: DoRA on (lm_head|embed_tokens) is not supported"),
+        ({"lora_bias": True}, "lora_bias: a bias on (lm_head|embed_tokens)'s LoRA is not supported"),
+        ({"layers_to_transform": [0, 1]}, "lm_head.lora_A.weight': module not selected"),
+        ({"r": 64}, "r: rank 64 of lm_head exceeds max_lora_rank 32"),
+    ],
+)
+def test_vocab_lora_config_refusals(tmp_path: Path, model: ModelConfig, changes: dict, match: str) -> None:
+    if "r" in changes:
+        make_adapter(tmp_path, r=64, target_modules=["lm_head"])
+    else:
+        make_adapter(tmp_path, target_modules=VOCAB)
+    edit_config(tmp_path, **changes)
+    _refused(tmp_path, model, match, max_lora_rank=32)
+
+
 def test_rslora_scaling(tmp_path: Path, model: ModelConfig) -> None:
     make_adapter(tmp_path, r=16, lora_alpha=8, use_rslora=True, target_modules=["o_proj", "up_proj"])
     ck = inspect_adapter(tmp_path, model)
@@ -173,10 +242,14 @@ def test_missing_files(tmp_path: Path, model: ModelConfig) -> None:
         ({"bias": "all"}, "bias: 'all' is not supported"),
         ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
         ({"peft_type": "PREFIX_TUNING"}, "peft_type: 'PREFIX_TUNING' is not supported"),
-        ({"target_modules": ["q_proj", "v_proj", "lm_head"]}, "target_modules: 'lm_head' is an embedding"),
-        ({"target_modules": ["q_proj", "v_proj", "embed_tokens"]}, "target_modules: 'embed_tokens'"),
+        (
+            {"target_modules": ["q_proj", "v_proj", "wte"]},
+            r"'wte' is an embedding.*only embed_tokens and lm_head",
+        ),
+        ({"ensure_weight_tying": True}, "ensure_weight_tying .* is not supported"),
+        ({"trainable_token_indices": [5, 6]}, "trainable_token_indices: trainable token embeddings"),
         ({"target_modules": ["q_proj", "v_proj", "c_attn"]}, "target_modules: unknown module name 'c_attn'"),
-        ({"target_modules": ".*"}, "targets embeddings/lm_head"),
+        ({"target_modules": "model.embed_tokens"}, r"q_proj.*not selected by target_modules"),
         ({"target_modules": ["q_proj"]}, r"v_proj.*not selected by target_modules"),
         ({"layers_to_transform": [7]}, "layers_to_transform: layer 7 out of range"),
         ({"r": 0}, "r: expected a positive integer"),
@@ -252,7 +325,11 @@ def test_tensor_level_refusals(tmp_path: Path, model: ModelConfig) -> None:
         (lambda t: t.__setitem__(f"{PREFIX}.0.mlp.q_proj.lora_A.weight", t[a0].clone()), "unknown module"),
         (
             lambda t: t.__setitem__("base_model.model.lm_head.lora_A.weight", t[a0].clone()),
-            "embedding/lm_head",
+            "lm_head.lora_A.weight': module not selected by target_modules",
+        ),
+        (
+            lambda t: t.__setitem__("base_model.model.transformer.wte.lora_A.weight", t[a0].clone()),
+            "embedding/lm_head adapters are not supported",
         ),
         (lambda t: t.__setitem__(a0 + "_x", t[a0].clone()), "not a LoRA A/B weight"),
         (lambda t: t.__setitem__(a0, t[a0].to(torch.int32)), "dtype I32 is not a floating-point type"),
