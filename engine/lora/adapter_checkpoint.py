@@ -40,7 +40,15 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
-from engine.lora.vocab_checkpoint import VocabLoRAWeights, vocab_shape, vocab_tensor
+from engine.lora.adapter_error import AdapterError as AdapterError
+from engine.lora.vocab_checkpoint import (
+    TrainableTokens,
+    VocabLoRAWeights,
+    token_tensor,
+    trainable_tokens,
+    vocab_shape,
+    vocab_tensor,
+)
 from engine.model.family import LoRATarget
 from engine.model.registry import model_family
 from engine.model_config import ModelConfig
@@ -60,10 +68,6 @@ _TENSOR_RE = re.compile(
     r"(?:lora_(?P<ab>[AB])(?:\.[^.]+)?\.(?P<kind>weight|bias)|lora_magnitude_vector(?:\.[^.]+)?)$"
 )
 _MODULE_RE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<parent>\w+)\.(?P<proj>\w+)$")
-
-
-class AdapterError(ValueError):
-    """The adapter is malformed or unsupported; the message names the offending field or tensor."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -96,6 +100,7 @@ class AdapterCheckpoint:
     use_dora: bool = False
     lora_bias: bool = False
     vocab: tuple[VocabLoRAWeights, ...] = ()  # LoRA on embed_tokens / lm_head
+    tokens: tuple[TrainableTokens, ...] = ()  # trainable_token_indices: replaced rows of embed / head
     # what the engine derives from these weights and the base model (DoRA's epilogue vectors), kept with
     # the host copy so it is computed once per load; not part of the adapter's identity
     derived: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -204,8 +209,16 @@ def inspect_adapter(
 
     pairs: dict[tuple[int, str], dict[str, str]] = {}
     vocab_pairs: dict[str, dict[str, str]] = {}
+    token_names: dict[str, str] = {}
     for name in header:
-        vt = vocab_tensor(name, _engine_module(name, family.checkpoint_key))
+        engine_module = _engine_module(name, family.checkpoint_key)
+        tok = token_tensor(name, engine_module)
+        if tok is not None:
+            if tok in token_names:
+                raise AdapterError(f"tensor {name!r}: duplicate trainable tokens of {tok}")
+            token_names[tok] = name
+            continue
+        vt = vocab_tensor(name, engine_module)
         if vt is not None:
             _add_vocab_tensor(name, vt, vocab_pairs, vocab_targeted, rules)
             continue
@@ -225,7 +238,7 @@ def inspect_adapter(
         if ab in slot:
             raise AdapterError(f"tensor {name!r}: duplicate lora_{ab} for layer {layer} {module}")
         slot[ab] = name
-    if not pairs and not any(set(v) - {"base"} for v in vocab_pairs.values()):
+    if not pairs and not token_names and not any(set(v) - {"base"} for v in vocab_pairs.values()):
         raise AdapterError(f"{WEIGHTS_FILE}: contains no LoRA tensors")
 
     tensors = _load_tensors(data) if load_weights else {}
@@ -236,6 +249,12 @@ def inspect_adapter(
         for module in ("embed_tokens", "lm_head")
         if module in vocab_pairs and set(vocab_pairs[module]) - {"base"}
     )
+    tokens = trainable_tokens(config, token_names, header, tensors, model, load_weights)
+    if tokens and vocab:
+        raise AdapterError(
+            "trainable_token_indices: not supported together with LoRA on embed_tokens/lm_head "
+            f"({', '.join(v.module for v in vocab)})"
+        )
     modules: list[LoRAModuleWeights] = []
     order = list(targets)
     for (layer, module), slot in sorted(pairs.items(), key=lambda kv: (kv[0][0], order.index(kv[0][1]))):
@@ -291,12 +310,13 @@ def inspect_adapter(
         use_dora=rules.use_dora,
         lora_bias=rules.lora_bias,
         vocab=vocab,
+        tokens=tokens,
     )
 
 
 def _engine_module(name: str, checkpoint_key: Any) -> str | None:
     """The engine's name (without ".weight") of the module a LoRA tensor belongs to, or None."""
-    m = re.match(r"^(?:base_model\.model\.)?(?P<module>.+?)\.(?:lora_|base_layer\.)", name)
+    m = re.match(r"^(?:base_model\.model\.)?(?P<module>.+?)\.(?:lora_|base_layer\.|token_adapter\.)", name)
     if m is None:
         return None
     key = checkpoint_key(m["module"] + ".weight")
@@ -393,7 +413,6 @@ def _pattern_key(patterns: dict[str, Any], key: str) -> str | None:
 
 _REFUSED_FIELDS = {
     "modules_to_save": "modules_to_save is not supported (it would replace base-model weights)",
-    "trainable_token_indices": "trainable token embeddings are not supported",
     "target_parameters": "target_parameters (raw parameter adapters) are not supported",
     "layer_replication": "layer_replication is not supported",
     "ensure_weight_tying": "ensure_weight_tying (LoRA tied across embed_tokens, lm_head) is not supported",

@@ -20,8 +20,9 @@ per-row epilogue `y ← y ⊙ f + c` (`engine/lora/dora.py`), computed at upload
 pool's `base` weights (host side, float32; cached with the host copy, so once per load) and held in the
 pool's `epilogues` store (`engine/lora/epilogue.py`) under the adapter's `epi_slot`.
 
-An adapter with LoRA on embed_tokens / lm_head keeps its device copy of those at vocabulary width in
-`ResidentAdapter.vocab` (`engine/lora/vocab_step.py`), outside the pages; dropped on eviction.
+An adapter with LoRA on embed_tokens / lm_head, or trainable tokens, keeps its device copy of those
+(at vocabulary width) in `ResidentAdapter.vocab` (`engine/lora/vocab_step.py`), outside the pages;
+dropped on eviction.
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ class AdapterPool:
         epi = self._epilogues(ckpt)
         if epi:
             entry.epi_slot, entry.epi_modules = self.epilogues.add(epi), frozenset(epi)
-        entry.vocab = device_vocab_lora(ckpt, self.dtype, self.device)
+        entry.vocab = device_vocab_lora(ckpt, self.cfg.vocab_size, self.dtype, self.device)
         self.resident[ckpt.digest] = entry
         return entry
 

@@ -13,6 +13,11 @@ token's row of A is one gather.
 - `head`: for the logits rows (`logits_indices`) that fall in an adapter's run,
   `logits[i] += s · (h[i] @ Aᵀ) @ Bᵀ` at vocabulary width, before soft-caps and logit scaling.
 
+Trainable tokens (`trainable_token_indices`) replace instead: an adapted row whose token id has a new
+embedding row gets that row (before family scaling, as PEFT's `F.embedding` on the merged weight), and
+the logits columns of tokens with new head rows (tied models: the embedding's new rows) become
+`h @ rowsᵀ` on that adapter's logits rows.
+
 Base rows and other adapters' rows are never touched. With tied embeddings the head LoRA applies to the
 shared matrix's logits only, the embedding LoRA to the lookups only, as PEFT keeps them.
 """
@@ -40,15 +45,22 @@ class VocabLoRA:
     head_a: torch.Tensor | None = None  # [r, hidden]
     head_b: torch.Tensor | None = None  # [vocab, r]
     head_scaling: float = 0.0
+    tok_pos: torch.Tensor | None = None  # [vocab] int64: row of `tok_embed` holding token t's row, or -1
+    tok_embed: torch.Tensor | None = None  # [n, hidden]: the new embedding rows
+    tok_head_ids: torch.Tensor | None = None  # [m] int64: token ids whose LM-head rows are new
+    tok_head: torch.Tensor | None = None  # [m, hidden]: those rows
 
     def memory_bytes(self) -> int:
-        ts = (self.embed_at, self.embed_b, self.head_a, self.head_b)
+        ts = [self.embed_at, self.embed_b, self.head_a, self.head_b]
+        ts += [self.tok_pos, self.tok_embed, self.tok_head_ids, self.tok_head]
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
-def device_vocab_lora(ckpt: AdapterCheckpoint, dtype: torch.dtype, device: torch.device) -> VocabLoRA | None:
-    """The device copy of `ckpt`'s vocabulary LoRA (None when it has none)."""
-    if not ckpt.vocab:
+def device_vocab_lora(
+    ckpt: AdapterCheckpoint, vocab_size: int, dtype: torch.dtype, device: torch.device
+) -> VocabLoRA | None:
+    """The device copy of `ckpt`'s vocabulary LoRA and trainable tokens (None when it has neither)."""
+    if not ckpt.vocab and not ckpt.tokens:
         return None
     out = VocabLoRA()
     for w in ckpt.vocab:
@@ -58,6 +70,15 @@ def device_vocab_lora(ckpt: AdapterCheckpoint, dtype: torch.dtype, device: torch
             out.embed_at, out.embed_b, out.embed_scaling = a.T.contiguous(), b, w.scaling
         else:
             out.head_a, out.head_b, out.head_scaling = a, b, w.scaling
+    for t in ckpt.tokens:
+        assert t.values is not None, "uploading an adapter needs its weights"
+        ids = torch.tensor(t.indices, dtype=torch.long, device=device)
+        if t.module == "embed_tokens":
+            out.tok_pos = torch.full((vocab_size,), -1, dtype=torch.long, device=device)
+            out.tok_pos[ids] = torch.arange(len(t.indices), device=device)
+            out.tok_embed = t.values.to(device, dtype)
+        else:
+            out.tok_head_ids, out.tok_head = ids, t.values.to(device, dtype)
     return out
 
 
@@ -89,20 +110,30 @@ class VocabLoRAStep:
     def embed(self, input_ids: torch.Tensor, x: torch.Tensor) -> None:
         """`x[t] += s · Aᵀ[input_ids[t]] @ Bᵀ` on each embedding-LoRA adapter's rows (in place)."""
         for v, rows in self._runs:
-            if v.embed_at is None or v.embed_b is None:
-                continue
-            after_a = v.embed_at.index_select(0, input_ids[rows.start : rows.stop]).to(x.dtype)
-            x[rows.start : rows.stop].add_((after_a @ v.embed_b.to(x.dtype).T).mul_(v.embed_scaling))
+            ids = input_ids[rows.start : rows.stop]
+            if v.embed_at is not None and v.embed_b is not None:
+                after_a = v.embed_at.index_select(0, ids).to(x.dtype)
+                x[rows.start : rows.stop].add_((after_a @ v.embed_b.to(x.dtype).T).mul_(v.embed_scaling))
+            if v.tok_pos is not None and v.tok_embed is not None:
+                pos = v.tok_pos.index_select(0, ids)
+                hit = (pos >= 0).nonzero().squeeze(1)
+                if hit.numel():
+                    new = v.tok_embed.index_select(0, pos.index_select(0, hit)).to(x.dtype)
+                    x.index_copy_(0, hit + rows.start, new)
 
     def head(self, h: torch.Tensor, logits: torch.Tensor, logits_indices: torch.Tensor) -> None:
         """`logits[i] += s · (h[i] @ Aᵀ) @ Bᵀ` for each logits row i whose flat row is in an LM-head-LoRA
         adapter's run (in place); `h` [S, hidden] final-normed rows, `logits` [S, vocab]."""
         for v, rows in self._runs:
-            if v.head_a is None or v.head_b is None:
+            if v.head_a is None and v.tok_head is None:
                 continue
             sel = ((logits_indices >= rows.start) & (logits_indices < rows.stop)).nonzero().squeeze(1)
             if sel.numel() == 0:
                 continue
             hs = h.index_select(0, sel)
-            d = ((hs @ v.head_a.to(h.dtype).T) @ v.head_b.to(h.dtype).T).mul_(v.head_scaling)
-            logits.index_add_(0, sel, d.to(logits.dtype))
+            if v.head_a is not None and v.head_b is not None:
+                d = ((hs @ v.head_a.to(h.dtype).T) @ v.head_b.to(h.dtype).T).mul_(v.head_scaling)
+                logits.index_add_(0, sel, d.to(logits.dtype))
+            if v.tok_head is not None and v.tok_head_ids is not None:
+                cols = (hs @ v.tok_head.to(h.dtype).T).to(logits.dtype)  # [rows, m]
+                logits.index_put_((sel.unsqueeze(1), v.tok_head_ids.unsqueeze(0)), cols)

@@ -82,7 +82,7 @@ CASES = {
     "modules-to-save": (lambda d: edit_config(d, modules_to_save=["lm_head"]), "modules_to_save"),
     "trainable-tokens": (
         lambda d: edit_config(d, trainable_token_indices=[3, 4]),
-        "trainable_token_indices: trainable token embeddings are not supported",
+        r"trainable_token_indices\['embed_tokens'\]: its trainable_tokens_delta is missing",
     ),
     "tied-vocab-loras": (lambda d: edit_config(d, ensure_weight_tying=True), "ensure_weight_tying"),
     "other-embedding-target": (

@@ -159,6 +159,57 @@ def test_vocab_lora_config_refusals(tmp_path: Path, model: ModelConfig, changes:
     _refused(tmp_path, model, match, max_lora_rank=32)
 
 
+TOKENS = "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta"
+
+
+def test_trainable_tokens_read_as_peft_saves_them(tmp_path: Path, model: ModelConfig) -> None:
+    """The dict form: new embedding rows and new LM-head rows of their own (the tiny Llama is untied)."""
+    tti = {"embed_tokens": [5, 9], "lm_head": [9, 3, 100]}
+    make_adapter(tmp_path, trainable_token_indices=tti)
+    ck = inspect_adapter(tmp_path, model)
+    embed, head = ck.tokens
+    assert (embed.module, embed.indices, head.module, head.indices) == (
+        "embed_tokens",
+        (5, 9),
+        "lm_head",
+        (9, 3, 100),
+    )
+    assert ck.target_modules == ("q_proj", "v_proj") and not ck.vocab
+    make_adapter(tmp_path / "b", seed=1, trainable_token_indices=[4, 8, 15])
+    ck = inspect_adapter(tmp_path / "b", model)
+    assert [(t.module, t.indices) for t in ck.tokens] == [("embed_tokens", (4, 8, 15))]  # untied: no head
+    assert torch.equal(ck.tokens[0].values, read_tensors(tmp_path / "b")[TOKENS])
+
+
+@pytest.mark.parametrize(
+    ("changes", "mutate", "match"),
+    [
+        ({"trainable_token_indices": [5, 128]}, None, r"token id 128 out of range \(vocabulary of 128\)"),
+        ({"trainable_token_indices": [5, 5]}, None, "duplicate token ids"),
+        ({"trainable_token_indices": {"norm": [5]}}, None, "only embed_tokens and lm_head"),
+        ({"trainable_token_indices": [5, 6, 7]}, None, r"shape \[2, 64\] does not fit 3 tokens"),
+        ({"trainable_token_indices": None}, None, "not in trainable_token_indices"),
+        ({}, lambda t: t.__setitem__(TOKENS, torch.full((2, 64), float("nan"))), "contains NaN or Inf"),
+        (
+            {"target_modules": ["q_proj", "v_proj", "embed_tokens"]},
+            lambda t: t.update(
+                {
+                    "base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(4, 128),
+                    "base_model.model.model.embed_tokens.lora_embedding_B": torch.zeros(64, 4),
+                }
+            ),
+            "trainable_token_indices: not supported together with LoRA on embed_tokens",
+        ),
+    ],
+)
+def test_trainable_tokens_refusals(tmp_path: Path, model: ModelConfig, changes, mutate, match: str) -> None:
+    make_adapter(tmp_path, trainable_token_indices=[5, 9])
+    edit_config(tmp_path, **changes)
+    if mutate is not None:
+        _mutate(tmp_path, mutate)
+    _refused(tmp_path, model, match)
+
+
 def test_rslora_scaling(tmp_path: Path, model: ModelConfig) -> None:
     make_adapter(tmp_path, r=16, lora_alpha=8, use_rslora=True, target_modules=["o_proj", "up_proj"])
     ck = inspect_adapter(tmp_path, model)
@@ -247,7 +298,10 @@ def test_missing_files(tmp_path: Path, model: ModelConfig) -> None:
             r"'wte' is an embedding.*only embed_tokens and lm_head",
         ),
         ({"ensure_weight_tying": True}, "ensure_weight_tying .* is not supported"),
-        ({"trainable_token_indices": [5, 6]}, "trainable_token_indices: trainable token embeddings"),
+        (
+            {"trainable_token_indices": [5, 6]},
+            r"indices\['embed_tokens'\]: its trainable_tokens_delta is missing",
+        ),
         ({"target_modules": ["q_proj", "v_proj", "c_attn"]}, "target_modules: unknown module name 'c_attn'"),
         ({"target_modules": "model.embed_tokens"}, r"q_proj.*not selected by target_modules"),
         ({"target_modules": ["q_proj"]}, r"v_proj.*not selected by target_modules"),
