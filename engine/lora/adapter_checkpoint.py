@@ -465,8 +465,9 @@ def _target_set(
     targets; (None, None) when it names no targets.
 
     `target_modules`: a list (a module is targeted when its full name equals an entry or ends with
-    `.entry`, then filtered by `layers_to_transform`, which, as in PEFT, drops the layer-less
-    embed_tokens / lm_head), a regex (full match), or "all-linear" (projections only, as PEFT).
+    `.entry`, then filtered by `layers_to_transform`, which, as in PEFT, keeps modules named by their
+    full key, such as `lm_head`, and drops the other layer-less ones, such as `model.embed_tokens` named
+    `embed_tokens`), a regex (full match), or "all-linear" (projections only, as PEFT).
     `exclude_modules` (list or regex) removes modules. Other embedding names and names that match no
     module of the model are refused.
     """
@@ -526,7 +527,8 @@ def _target_set(
                     raise AdapterError(
                         f"layers_to_transform: layer {x} out of range (model has {model.num_layers})"
                     )
-            chosen = {k for k in chosen if k in keys and keys[k][0] in layers}
+            # as PEFT: an entry naming a module's full key is kept whatever its layer (lm_head)
+            chosen = {k for k in chosen if k in targets or (k in keys and keys[k][0] in layers)}
     else:
         raise AdapterError(
             f"target_modules: expected a list of names, a regex or 'all-linear', got {targets!r}"

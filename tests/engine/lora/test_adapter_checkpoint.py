@@ -117,6 +117,14 @@ def test_embedding_and_lm_head_lora_read_as_peft_saves_them(tmp_path: Path, mode
     assert inspect_adapter(tmp_path, model, load_weights=False).vocab[1].lora_a is None
 
 
+def test_layers_to_transform_keeps_lm_head_as_peft_does(tmp_path: Path, model: ModelConfig) -> None:
+    """PEFT keeps a target named by its full key (`lm_head`) whatever `layers_to_transform` says, and
+    drops `embed_tokens` (its key is `model.embed_tokens`, which has no layer index)."""
+    make_adapter(tmp_path, target_modules=VOCAB, layers_to_transform=[0])
+    ck = inspect_adapter(tmp_path, model)
+    assert ck.target_modules == ("q_proj", "lm_head") and {m.layer for m in ck.modules} == {0}
+
+
 @pytest.mark.parametrize(
     ("mutate", "match"),
     [
@@ -146,7 +154,7 @@ def test_vocab_lora_tensor_refusals(tmp_path: Path, model: ModelConfig, mutate, 
     [
         ({"use_dora": True}, "use_dora: DoRA on (lm_head|embed_tokens) is not supported"),
         ({"lora_bias": True}, "lora_bias: a bias on (lm_head|embed_tokens)'s LoRA is not supported"),
-        ({"layers_to_transform": [0, 1]}, "lm_head.lora_A.weight': module not selected"),
+        ({"layers_to_transform": [0, 1]}, "embed_tokens.lora_embedding_A': module not selected"),
         ({"r": 64}, "r: rank 64 of lm_head exceeds max_lora_rank 32"),
     ],
 )
