@@ -137,9 +137,13 @@ class DecodeGraphs:
         or the Triton LoRA path."""
         if not inp.is_plain_decode or self.bucket(len(inp.seq_lens)) is None:
             return False
-        # DoRA / lora_bias rows take a per-row epilogue indexed by the step's rows: run eagerly
+        # DoRA / lora_bias rows take a per-row epilogue, embedding / LM-head LoRA rows a per-run update,
+        # both indexed by the step's rows: run eagerly
         return lora is None or (
-            isinstance(lora, TritonLoRAContext) and self.pool is not None and not lora.epilogue
+            isinstance(lora, TritonLoRAContext)
+            and self.pool is not None
+            and not lora.epilogue
+            and not lora.vocab
         )
 
     @property

@@ -13,6 +13,9 @@ DoRA adapters (`use_dora`) carry a `lora_magnitude_vector` per module (one entry
 slice's weights (`LoRAModuleWeights.magnitude`, `.bias_b`). The DoRA weight norm needs the base weight, so
 it is computed by the engine's pool (`engine/lora/dora.py`), not here.
 
+LoRA on `embed_tokens` / `lm_head` (`engine/lora/vocab_checkpoint.py`) is kept apart from the
+projections' (`AdapterCheckpoint.vocab`): its shapes are at vocabulary width.
+
 An adapter directory holds `adapter_config.json` + `adapter_model.safetensors`. Its identity is
 
     digest = sha256(canonical_config_json_bytes ‖ safetensors_bytes)
@@ -37,6 +40,15 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
+from engine.lora.adapter_error import AdapterError as AdapterError
+from engine.lora.vocab_checkpoint import (
+    TrainableTokens,
+    VocabLoRAWeights,
+    token_tensor,
+    trainable_tokens,
+    vocab_shape,
+    vocab_tensor,
+)
 from engine.model.family import LoRATarget
 from engine.model.registry import model_family
 from engine.model_config import ModelConfig
@@ -56,10 +68,6 @@ _TENSOR_RE = re.compile(
     r"(?:lora_(?P<ab>[AB])(?:\.[^.]+)?\.(?P<kind>weight|bias)|lora_magnitude_vector(?:\.[^.]+)?)$"
 )
 _MODULE_RE = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<parent>\w+)\.(?P<proj>\w+)$")
-
-
-class AdapterError(ValueError):
-    """The adapter is malformed or unsupported; the message names the offending field or tensor."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -91,6 +99,8 @@ class AdapterCheckpoint:
     modules: tuple[LoRAModuleWeights, ...]
     use_dora: bool = False
     lora_bias: bool = False
+    vocab: tuple[VocabLoRAWeights, ...] = ()  # LoRA on embed_tokens / lm_head
+    tokens: tuple[TrainableTokens, ...] = ()  # trainable_token_indices: replaced rows of embed / head
     # what the engine derives from these weights and the base model (DoRA's epilogue vectors), kept with
     # the host copy so it is computed once per load; not part of the adapter's identity
     derived: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -191,13 +201,27 @@ def inspect_adapter(
     raw_config, data = contents
     config = parse_adapter_config(raw_config)
     rules = _check_config(config)
-    targets = model_family(model.architecture).lora_targets
-    targeted = _target_set(config, model, targets)
+    family = model_family(model.architecture)
+    targets = family.lora_targets
+    targeted, vocab_targeted = _target_set(config, model, targets)
     header = _parse_safetensors_header(data)
     digest = hashlib.sha256(canonical_config_bytes(config) + data).hexdigest()
 
     pairs: dict[tuple[int, str], dict[str, str]] = {}
+    vocab_pairs: dict[str, dict[str, str]] = {}
+    token_names: dict[str, str] = {}
     for name in header:
+        engine_module = _engine_module(name, family.checkpoint_key)
+        tok = token_tensor(name, engine_module)
+        if tok is not None:
+            if tok in token_names:
+                raise AdapterError(f"tensor {name!r}: duplicate trainable tokens of {tok}")
+            token_names[tok] = name
+            continue
+        vt = vocab_tensor(name, engine_module)
+        if vt is not None:
+            _add_vocab_tensor(name, vt, vocab_pairs, vocab_targeted, rules)
+            continue
         parsed = _parse_tensor_name(name, model, targets)
         if parsed is None:  # e.g. a vision tower's LoRA: text-only passes never run it
             continue
@@ -214,10 +238,23 @@ def inspect_adapter(
         if ab in slot:
             raise AdapterError(f"tensor {name!r}: duplicate lora_{ab} for layer {layer} {module}")
         slot[ab] = name
-    if not pairs:
+    if not pairs and not token_names and not any(set(v) - {"base"} for v in vocab_pairs.values()):
         raise AdapterError(f"{WEIGHTS_FILE}: contains no LoRA tensors")
 
     tensors = _load_tensors(data) if load_weights else {}
+    vocab = tuple(
+        _vocab_weights(
+            module, vocab_pairs[module], header, tensors, rules, model, max_lora_rank, load_weights
+        )
+        for module in ("embed_tokens", "lm_head")
+        if module in vocab_pairs and set(vocab_pairs[module]) - {"base"}
+    )
+    tokens = trainable_tokens(config, token_names, header, tensors, model, load_weights)
+    if tokens and vocab:
+        raise AdapterError(
+            "trainable_token_indices: not supported together with LoRA on embed_tokens/lm_head "
+            f"({', '.join(v.module for v in vocab)})"
+        )
     modules: list[LoRAModuleWeights] = []
     order = list(targets)
     for (layer, module), slot in sorted(pairs.items(), key=lambda kv: (kv[0][0], order.index(kv[0][1]))):
@@ -263,16 +300,82 @@ def inspect_adapter(
     present = {module for _, module in pairs}
     return AdapterCheckpoint(
         digest=digest,
-        rank=max(m.rank for m in modules),
+        rank=max([m.rank for m in modules] + [v.rank for v in vocab]),
         alpha=rules.alpha,
-        target_modules=tuple(p for p in targets if p in present),
+        target_modules=tuple(p for p in targets if p in present) + tuple(v.module for v in vocab),
         use_rslora=rules.use_rslora,
         size_bytes=len(raw_config) + len(data),
         base_model_name=config.get("base_model_name_or_path"),
         modules=tuple(modules),
         use_dora=rules.use_dora,
         lora_bias=rules.lora_bias,
+        vocab=vocab,
+        tokens=tokens,
     )
+
+
+def _engine_module(name: str, checkpoint_key: Any) -> str | None:
+    """The engine's name (without ".weight") of the module a LoRA tensor belongs to, or None."""
+    m = re.match(r"^(?:base_model\.model\.)?(?P<module>.+?)\.(?:lora_|base_layer\.|token_adapter\.)", name)
+    if m is None:
+        return None
+    key = checkpoint_key(m["module"] + ".weight")
+    return None if key is None else str(key).removesuffix(".weight")
+
+
+def _add_vocab_tensor(
+    name: str,
+    vt: tuple[str, str],
+    pairs: dict[str, dict[str, str]],
+    targeted: set[str] | None,
+    rules: _Rules,
+) -> None:
+    """Record an embed_tokens / lm_head tensor, refusing what the engine does not compute with it."""
+    module, kind = vt
+    if kind != "base":
+        if targeted is not None and module not in targeted:
+            raise AdapterError(f"tensor {name!r}: module not selected by target_modules/exclude_modules")
+        if rules.use_dora:
+            raise AdapterError(f"use_dora: DoRA on {module} is not supported (tensor {name!r})")
+        if rules.lora_bias:
+            raise AdapterError(f"lora_bias: a bias on {module}'s LoRA is not supported (tensor {name!r})")
+    slot = pairs.setdefault(module, {})
+    if kind in slot:
+        raise AdapterError(f"tensor {name!r}: duplicate {kind} tensor of {module}")
+    slot[kind] = name
+
+
+def _vocab_weights(
+    module: str,
+    slot: dict[str, str],
+    header: dict[str, tuple[str, tuple[int, ...]]],
+    tensors: dict[str, torch.Tensor],
+    rules: _Rules,
+    model: ModelConfig,
+    max_lora_rank: int,
+    load_weights: bool,
+) -> VocabLoRAWeights:
+    """The validated LoRA of `module` (embed_tokens / lm_head) from its tensors `slot` (kind -> name)."""
+    for ab in "AB":
+        if ab not in slot:
+            raise AdapterError(
+                f"tensor {next(iter(slot.values()))!r}: its {module} lora_{ab} partner is missing"
+            )
+    key = "model.embed_tokens" if module == "embed_tokens" else "lm_head"
+    rank, r_field = rules.rank_for(key)
+    if rank > max_lora_rank:
+        raise AdapterError(f"{r_field}: rank {rank} of {module} exceeds max_lora_rank {max_lora_rank}")
+    for kind, name in slot.items():
+        _check_shape(name, header[name], vocab_shape(model, module, kind, rank), module)
+    a = b = None
+    if load_weights:
+        a, b = tensors[slot["A"]], tensors[slot["B"]]
+        for name in (slot["A"], slot["B"]):
+            if not torch.isfinite(tensors[name]).all():
+                raise AdapterError(f"tensor {name!r}: contains NaN or Inf values")
+    alpha = rules.alpha_for(key)
+    scaling = alpha / math.sqrt(rank) if rules.use_rslora else alpha / rank
+    return VocabLoRAWeights(module, rank, alpha, scaling, a, b)
 
 
 @dataclass(slots=True, frozen=True)
@@ -310,9 +413,9 @@ def _pattern_key(patterns: dict[str, Any], key: str) -> str | None:
 
 _REFUSED_FIELDS = {
     "modules_to_save": "modules_to_save is not supported (it would replace base-model weights)",
-    "trainable_token_indices": "trainable token embeddings are not supported",
     "target_parameters": "target_parameters (raw parameter adapters) are not supported",
     "layer_replication": "layer_replication is not supported",
+    "ensure_weight_tying": "ensure_weight_tying (LoRA tied across embed_tokens, lm_head) is not supported",
 }
 
 
@@ -357,23 +460,26 @@ def _check_config(config: dict[str, Any]) -> _Rules:
 
 def _target_set(
     config: dict[str, Any], model: ModelConfig, modules: Mapping[str, LoRATarget]
-) -> set[tuple[int, str]] | None:
-    """The (layer, projection) pairs the config targets, or None when it names no targets.
+) -> tuple[set[tuple[int, str]] | None, set[str] | None]:
+    """The (layer, projection) pairs and the vocabulary modules (embed_tokens, lm_head) the config
+    targets; (None, None) when it names no targets.
 
     `target_modules`: a list (a module is targeted when its full name equals an entry or ends with
-    `.entry`, then filtered by `layers_to_transform`), a regex (full match), or "all-linear".
-    `exclude_modules` (list or regex) removes modules. Embedding/lm_head targets and names that match
-    no projection of the model are refused.
+    `.entry`, then filtered by `layers_to_transform`, which, as in PEFT, keeps modules named by their
+    full key, such as `lm_head`, and drops the other layer-less ones, such as `model.embed_tokens` named
+    `embed_tokens`), a regex (full match), or "all-linear" (projections only, as PEFT).
+    `exclude_modules` (list or regex) removes modules. Other embedding names and names that match no
+    module of the model are refused.
     """
     keys = {
         f"model.layers.{i}.{t.parent}.{p}": (i, p)
         for i in range(model.num_layers)
         for p, t in modules.items()
     }
-    other = ["model.embed_tokens", "lm_head"]
+    vocab_keys = {"model.embed_tokens": "embed_tokens", "lm_head": "lm_head"}
     targets = config.get("target_modules")
     if targets is None:
-        return None
+        return None, None
     if targets == "all-linear":
         chosen = set(keys)
     elif isinstance(targets, str):
@@ -381,12 +487,10 @@ def _target_set(
             rx = re.compile(targets)
         except re.error as exc:
             raise AdapterError(f"target_modules: invalid regex {targets!r} ({exc})") from exc
-        if any(rx.fullmatch(k) for k in other):
-            raise AdapterError(
-                f"target_modules: {targets!r} targets embeddings/lm_head, which is not supported"
-            )
+        vocab_chosen = {k for k in vocab_keys if rx.fullmatch(k)}
         aliases = model_family(model.architecture).module_aliases
         chosen = {k for k in keys if any(rx.fullmatch(n) for n in (k, *aliases(model.architecture, k)))}
+        chosen |= vocab_chosen
         if not chosen:
             raise AdapterError(f"target_modules: regex {targets!r} matches no supported projection")
     elif isinstance(targets, list) and all(isinstance(t, str) for t in targets):
@@ -396,10 +500,15 @@ def _target_set(
             model_family(model.architecture).module_aliases(model.architecture, next(iter(keys)))
         )
         for t in targets:
-            if t.split(".")[-1] in _EMBEDDING_NAMES:
+            if t.split(".")[-1] in _EMBEDDING_NAMES and t.split(".")[-1] not in vocab_keys.values():
                 raise AdapterError(
-                    f"target_modules: {t!r} is an embedding/lm_head target, which is not supported"
+                    f"target_modules: {t!r} is an embedding/lm_head target, which is not supported "
+                    "(only embed_tokens and lm_head)"
                 )
+            hits = {k for k in vocab_keys if k == t or k.endswith("." + t)}
+            if hits:
+                chosen |= hits
+                continue
             hits = {k for k in keys if k == t or k.endswith("." + t)}
             if not hits and outside:  # e.g. `fc1` of a vision tower the engine does not serve
                 continue
@@ -418,7 +527,8 @@ def _target_set(
                     raise AdapterError(
                         f"layers_to_transform: layer {x} out of range (model has {model.num_layers})"
                     )
-            chosen = {k for k in chosen if keys[k][0] in layers}
+            # as PEFT: an entry naming a module's full key is kept whatever its layer (lm_head)
+            chosen = {k for k in chosen if k in targets or (k in keys and keys[k][0] in layers)}
     else:
         raise AdapterError(
             f"target_modules: expected a list of names, a regex or 'all-linear', got {targets!r}"
@@ -429,11 +539,13 @@ def _target_set(
         chosen = {
             k
             for k in chosen
-            if not any(re.fullmatch(excluded, n) for n in (k, *names(model.architecture, k)))
+            if not any(
+                re.fullmatch(excluded, n) for n in ((k, *names(model.architecture, k)) if k in keys else (k,))
+            )
         }
     elif isinstance(excluded, list):
         chosen = {k for k in chosen if not any(k == e or k.endswith("." + e) for e in excluded)}
-    return {keys[k] for k in chosen}
+    return {keys[k] for k in chosen if k in keys}, {vocab_keys[k] for k in chosen if k in vocab_keys}
 
 
 def _is_int(v: Any) -> bool:

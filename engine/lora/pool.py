@@ -19,6 +19,10 @@ DoRA and LoRA-bias adapters also keep, per adapted (layer, module), the two floa
 per-row epilogue `y ← y ⊙ f + c` (`engine/lora/dora.py`), computed at upload from the adapter and the
 pool's `base` weights (host side, float32; cached with the host copy, so once per load) and held in the
 pool's `epilogues` store (`engine/lora/epilogue.py`) under the adapter's `epi_slot`.
+
+An adapter with LoRA on embed_tokens / lm_head, or trainable tokens, keeps its device copy of those
+(at vocabulary width) in `ResidentAdapter.vocab` (`engine/lora/vocab_step.py`), outside the pages;
+dropped on eviction.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 from engine.lora.adapter_checkpoint import PROJECTIONS, AdapterCheckpoint, module_features
 from engine.lora.dora import BaseWeights, row_epilogue
 from engine.lora.epilogue import EpilogueStore
+from engine.lora.vocab_step import VocabLoRA, device_vocab_lora
 from engine.model_config import ModelConfig
 from kernels.intmath import cdiv
 
@@ -48,6 +53,7 @@ class ResidentAdapter:
     names: set[str] = field(default_factory=set)
     epi_slot: int = -1  # slot in the pool's epilogue store (DoRA / lora_bias adapters), -1: none
     epi_modules: frozenset[int] = frozenset()  # module indices with epilogue vectors
+    vocab: VocabLoRA | None = None  # its embed_tokens / lm_head LoRA on the device (`vocab_step.py`)
 
 
 class AdapterPool:
@@ -156,6 +162,7 @@ class AdapterPool:
         epi = self._epilogues(ckpt)
         if epi:
             entry.epi_slot, entry.epi_modules = self.epilogues.add(epi), frozenset(epi)
+        entry.vocab = device_vocab_lora(ckpt, self.cfg.vocab_size, self.dtype, self.device)
         self.resident[ckpt.digest] = entry
         return entry
 

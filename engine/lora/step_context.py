@@ -22,6 +22,9 @@ Both match `kernels.reference.lora_shrink_ref` / `lora_expand_ref`.
 After the LoRA pass, rows of a DoRA or lora_bias adapter get that adapter's per-row epilogue
 `y[rows, slice] ← y ⊙ f + c` (`engine/lora/dora.py`, vectors kept in the pool); base rows and plain-LoRA
 rows are not touched.
+
+Both contexts also carry the step's embedding / LM-head LoRA (`vocab`, `engine/lora/vocab_step.py`),
+which the model applies to its lookups and logits.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 from engine.lora.cpu_plans import GatherPlan, NativePlan, Segment, cached_plan, gather_plan, native_plan
 from engine.lora.epilogue import RowEpilogue
 from engine.lora.pool import MODULE_INDEX, AdapterPool, ResidentAdapter
+from engine.lora.vocab_step import VocabLoRAStep, adapter_runs
 from kernels.lora_meta import LoRABatchMeta, build_lora_batch_meta
 
 __all__ = ["CpuLoRAContext", "Segment", "TritonLoRAContext", "token_segments"]
@@ -73,6 +77,7 @@ class CpuLoRAContext:
         self.epilogue = RowEpilogue(
             pool.epilogues, [(s.adapter, range(s.start, s.end)) for s in segments if s.adapter.epi_slot >= 0]
         )
+        self.vocab = VocabLoRAStep([(s.adapter, range(s.start, s.end)) for s in segments])
         if native:  # the plan is made by the first `apply`, which knows the activations' dtype
             self._native_segments = segments
             return
@@ -187,6 +192,8 @@ class TritonLoRAContext:
                 else:
                     runs.append((by_slot[slot], range(t, t + 1)))
         self.epilogue = RowEpilogue(pool.epilogues, runs)
+        vocab = {r.slot: r for r in pool.resident.values() if r.vocab is not None}
+        self.vocab = VocabLoRAStep(adapter_runs(slots, vocab) if vocab else [])
 
     @property
     def meta(self) -> LoRABatchMeta:

@@ -21,7 +21,7 @@ from torch import nn
 from engine.attention import AttentionBackend
 from engine.model.cpu_fused import use_fused
 from engine.model.cpu_gemm import can_pack, pack, packed_linear
-from engine.model.layers import ForwardBatch, RMSNorm
+from engine.model.layers import ForwardBatch, RMSNorm, vocab_lora
 from engine.model.linear import LoRAStepContext, ProjectionLinear
 from engine.model.rope import RotaryEmbedding, apply_rope, rotary_dim
 from engine.model_config import ModelConfig
@@ -188,20 +188,36 @@ class DecoderForCausalLM(nn.Module):
         self.fused_problem: str | None = None
         self._fallback_logged = False
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
         """The token embeddings the first layer reads."""
-        return self.embed_tokens(input_ids)
+        return self.lookup(input_ids, batch)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The LM head applied to the final-normed rows `x`, in the model's dtype."""
+    def lookup(self, input_ids: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
+        """The embedding rows of `input_ids`, plus the step's embedding-LoRA deltas on adapted rows (the
+        `embed_tokens` module's output, before any family scaling)."""
+        x = self.embed_tokens(input_ids)
+        vocab = vocab_lora(batch)
+        if vocab is not None:
+            vocab.embed(input_ids, x)
+        return x
+
+    def logits(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
+        """The LM head applied to the final-normed rows `x` (`batch.logits_indices`' rows), in the
+        model's dtype, plus the step's LM-head-LoRA deltas on adapted rows."""
         if self.packed_head is not None:
-            return packed_linear(x, self.packed_head, None)
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
-        return nn.functional.linear(x, head)
+            out = packed_linear(x, self.packed_head, None)
+        else:
+            head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
+            out = nn.functional.linear(x, head)
+        vocab = vocab_lora(batch)
+        if vocab is not None:
+            assert batch is not None, "a vocabulary LoRA comes with its batch"
+            vocab.head(x, out, batch.logits_indices)
+        return out
 
-    def head(self, x: torch.Tensor) -> torch.Tensor:
+    def head(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
         """float32 logits of the final-normed rows `x`."""
-        return self.logits(x).float()
+        return self.logits(x, batch).float()
 
     def forward(
         self,
@@ -209,7 +225,7 @@ class DecoderForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        x = self.embed(batch.input_ids)
+        x = self.embed(batch.input_ids, batch)
         if self.fused_problem is None and use_fused(x, self.fused_cpu_ops):
             step = FusedStep(x.dtype, batch.positions, self.rope.cos, self.rope.sin)
             x = self._layers_fused(step, x, batch, kv_caches, backend)
@@ -222,7 +238,7 @@ class DecoderForCausalLM(nn.Module):
             for layer, kv in zip(self.layers, kv_caches, strict=True):
                 x = layer(x, rope_tables, kv, batch, backend)
             x = self.norm(x[batch.logits_indices])
-        return self.head(x)
+        return self.head(x, batch)
 
     def pack_cpu_gemms(self) -> bool:
         """On a CPU in float32 (or bfloat16 the CPU computes natively), pack every projection's weight and

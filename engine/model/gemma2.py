@@ -106,12 +106,12 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
         self.final_softcap = float(cfg.extra.get("final_softcap") or 0.0)
         self.fused_problem = "Gemma's (1 + w) RMSNorm, post-norms and GeGLU have no fused CPU op"
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+    def embed(self, input_ids: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
+        x = self.lookup(input_ids, batch)
         return x * torch.tensor(self.embed_scale, dtype=x.dtype)  # the scale rounded to the dtype, as HF
 
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.logits(x)
+    def head(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
+        logits = self.logits(x, batch)
         if self.final_softcap > 0:  # in the model's dtype, as HF
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits.float()
@@ -127,14 +127,14 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        x = self.embed(batch.input_ids)
+        x = self.embed(batch.input_ids, batch)
         if not self._fallback_logged and use_fused(x, self.fused_cpu_ops):
             log.warning("fused CPU ops fall back to torch ops for this model: %s", self.fused_problem)
             self._fallback_logged = True
         tables = self.rope_tables(batch.positions)  # gathered once, shared by every layer
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x = layer(x, tables, kv, batch, backend)
-        return self.head(self.norm(x[batch.logits_indices]))
+        return self.head(self.norm(x[batch.logits_indices]), batch)
 
 
 def layer_kinds(raw: dict[str, Any], pattern: int) -> tuple[str, ...]:

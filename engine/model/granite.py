@@ -17,6 +17,7 @@ import torch
 
 from engine.model.decoder import Attention, DecoderForCausalLM, DecoderLayer
 from engine.model.family import GGUFMeta, GGUFVector, ModelFamily
+from engine.model.layers import ForwardBatch
 from engine.model.rope import RotaryEmbedding
 from engine.model_config import ModelConfig, ModelConfigError
 
@@ -42,12 +43,12 @@ class GraniteForCausalLM(DecoderForCausalLM):
         self.embedding_multiplier = float(cfg.extra["embedding_multiplier"])
         self.logits_scaling = float(cfg.extra["logits_scaling"])
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids) * self.embedding_multiplier
+    def embed(self, input_ids: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
+        return self.lookup(input_ids, batch) * self.embedding_multiplier
 
-    def head(self, x: torch.Tensor) -> torch.Tensor:
+    def head(self, x: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:
         """The LM head's logits divided by `logits_scaling` in the model's dtype (as HF), as float32."""
-        return (self.logits(x) / self.logits_scaling).float()
+        return (self.logits(x, batch) / self.logits_scaling).float()
 
 
 def configure(arch: str, raw: dict[str, Any]) -> dict[str, Any]:

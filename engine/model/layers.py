@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -21,6 +22,24 @@ class ForwardBatch:
     attn: AttentionMetadata
     logits_indices: torch.Tensor  # [S] int64: rows of the flat batch whose next-token logits are needed
     lora: LoRAStepContext | None = None  # None when no request in the step uses an adapter
+
+
+class VocabLoRAHook(Protocol):
+    """A step's embedding / LM-head LoRA (`engine/lora/vocab_step.py`, `VocabLoRAStep`)."""
+
+    def embed(self, input_ids: torch.Tensor, x: torch.Tensor) -> None:
+        """Add each adapted token's embedding-LoRA delta into the lookups `x` in place."""
+        ...
+
+    def head(self, h: torch.Tensor, logits: torch.Tensor, logits_indices: torch.Tensor) -> None:
+        """Add the LM-head-LoRA delta into the logits rows of adapted requests in place."""
+        ...
+
+
+def vocab_lora(batch: ForwardBatch | None) -> VocabLoRAHook | None:
+    """The step's embedding / LM-head LoRA, or None when no adapter of the step has one."""
+    hook = getattr(batch.lora, "vocab", None) if batch is not None else None
+    return hook if hook else None
 
 
 class RMSNorm(nn.Module):

@@ -98,6 +98,36 @@ def test_dora_upload_serves_equal_to_peft(server, text_model, tmp_path):
     assert _complete(server, "dora-bot") == expected
 
 
+def test_vocab_lora_and_trainable_tokens_uploads_serve_equal_to_peft(server, text_model, tmp_path):
+    """Adapters with LoRA on embed_tokens / lm_head, and with trainable tokens for the prompt's own token
+    ids, uploaded through the admin API, serve through the openai client equal to PEFT."""
+    from transformers import AutoTokenizer
+
+    from tests.helpers.tiny_adapters import build_adapter
+
+    base, _, oracle = text_model
+    tok = AutoTokenizer.from_pretrained(base)
+    prompt = tok.encode("hello")
+    kinds = {
+        "vocab-bot": dict(target_modules=["embed_tokens", "lm_head", "q_proj"]),
+        "tokens-bot": dict(target_modules=["v_proj"], trainable_token_indices=sorted(set(prompt))),
+    }
+    admin = server.admin()
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    for i, (name, kw) in enumerate(kinds.items()):
+        d = build_adapter(base, tmp_path / name, seed=11 + i, r=4, lora_alpha=8, **kw)
+        files = {"file": (f"{name}.zip", _zip(d), "application/zip")}
+        r = admin.post("/admin/api/adapters", data={"name": name, "activate": "true"}, files=files)
+        assert r.status_code == 201, r.text
+        assert wait_until(lambda n=name: n in server.state.follower.snapshot())
+        out = client.completions.create(
+            model=name, prompt="hello", max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+        )
+        expected = oracle.greedy(prompt, 6, d)
+        assert out.choices[0].text == tok.decode(expected, skip_special_tokens=True), name
+        assert _complete(server, name) == expected
+
+
 def test_upload_two_files_new_version_and_rollback(server, text_model):
     _, adapters, oracle = text_model
     admin = server.admin()

@@ -37,9 +37,39 @@ PHI3_ADAPTER_SPECS: dict[str, dict[str, Any]] = {
     "gate-up-layer1-r32": dict(r=32, lora_alpha=16, target_modules=["gate_up_proj"], layers_to_transform=[1]),
 }
 
+# LoRA on the vocabulary modules (PEFT's `Embedding` LoRA on embed_tokens, a Linear LoRA on lm_head), with
+# and without projection targets; on Qwen2 the two stay independent though the weights are tied.
+VOCAB_ADAPTER_SPECS: dict[str, dict[str, Any]] = {
+    "embed-q-r4": dict(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"]),
+    "head-v-r8": dict(r=8, lora_alpha=8, target_modules=["lm_head", "v_proj", "down_proj"]),
+    "both-only-rslora": dict(
+        r=8,
+        lora_alpha=8,
+        target_modules=["embed_tokens", "lm_head"],
+        use_rslora=True,
+        rank_pattern={"lm_head": 2},
+        alpha_pattern={"embed_tokens": 4},
+    ),
+}
+
+# Trainable tokens (PEFT's TrainableTokens through LoraConfig.trainable_token_indices): new embedding rows
+# (and, tied, head rows) for some ids; the dict form also names lm_head rows of its own.
+TOKEN_ADAPTER_SPECS: dict[str, dict[str, Any]] = {
+    "tokens-list": dict(
+        r=4, lora_alpha=8, target_modules=["q_proj"], trainable_token_indices=[5, 9, 17, 33, 60]
+    ),
+    "tokens-dict": dict(
+        r=2,
+        lora_alpha=4,
+        target_modules=["o_proj"],
+        trainable_token_indices={"embed_tokens": [7, 12, 40], "lm_head": [12, 50, 3, 71]},
+    ),
+}
+
 
 def build_adapter(base_dir: Path, out_dir: Path, seed: int = 0, scale: float = 0.3, **lora_kwargs) -> Path:
-    """Wrap the base model with a PEFT LoRA config, give A and B random weights, save it to `out_dir`."""
+    """Wrap the base model with a PEFT LoRA config, give A and B (and trainable tokens' rows) random
+    weights, save it to `out_dir`."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -48,7 +78,7 @@ def build_adapter(base_dir: Path, out_dir: Path, seed: int = 0, scale: float = 0
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "lora_" in name:
+            if "lora_" in name or "trainable_tokens_delta" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * scale)
     model.save_pretrained(out_dir)
     return out_dir

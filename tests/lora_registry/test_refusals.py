@@ -80,6 +80,15 @@ CASES = {
         "lora_bias: not supported together with use_dora",
     ),
     "modules-to-save": (lambda d: edit_config(d, modules_to_save=["lm_head"]), "modules_to_save"),
+    "trainable-tokens": (
+        lambda d: edit_config(d, trainable_token_indices=[3, 4]),
+        r"trainable_token_indices\['embed_tokens'\]: its trainable_tokens_delta is missing",
+    ),
+    "tied-vocab-loras": (lambda d: edit_config(d, ensure_weight_tying=True), "ensure_weight_tying"),
+    "other-embedding-target": (
+        lambda d: edit_config(d, target_modules=["q_proj", "v_proj", "wte"]),
+        "'wte' is an embedding/lm_head target, which is not supported",
+    ),
 }
 
 

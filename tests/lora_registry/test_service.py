@@ -46,6 +46,23 @@ def test_register_accepts_a_dora_adapter(registry: Registry, tmp_path: Path) -> 
     assert res.version.rank == 4 and len(res.version.target_modules) == 7
 
 
+def test_register_accepts_embedding_and_lm_head_lora(registry: Registry, tmp_path: Path) -> None:
+    """A PEFT adapter with LoRA on embed_tokens and lm_head (and a projection) registers; its version
+    lists the two among its target modules."""
+    targets = ["q_proj", "embed_tokens", "lm_head"]
+    make_adapter(tmp_path / "vocab", seed=5, target_modules=targets)
+    res = registry.adapters.register("vocab-bot", tmp_path / "vocab")
+    assert res.created and res.version.digest == adapter_digest(tmp_path / "vocab")
+    assert res.version.rank == 4 and list(res.version.target_modules) == targets
+
+
+def test_register_accepts_trainable_tokens(registry: Registry, tmp_path: Path) -> None:
+    """A PEFT adapter with `trainable_token_indices` (new rows for some token ids) registers."""
+    make_adapter(tmp_path / "tok", seed=6, trainable_token_indices=[5, 9, 17])
+    res = registry.adapters.register("tokens-bot", tmp_path / "tok")
+    assert res.created and res.version.digest == adapter_digest(tmp_path / "tok")
+
+
 def test_same_content_is_a_noop_and_new_content_a_new_version(
     registry: Registry, adapter_dirs, adapter_copy, events
 ) -> None:

@@ -1,0 +1,53 @@
+"""Trainable tokens (`trainable_token_indices`) serve in mixed batches equal to PEFT (float32): new
+embedding rows for some token ids, and new LM-head rows (of their own, or on tied models the embedding's),
+on that adapter's rows only; together with base rows, plain LoRA and embedding/LM-head LoRA in one
+batch; Llama (untied: the dict form with rows of each), Qwen2 and Gemma 2 (tied: the head follows the
+embedding, Gemma's √hidden scale applies to the new rows); both CPU backends, chunked prefill."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine.test_vocab_lora import _check, _llm
+from tests.helpers.tiny_adapters import (
+    TOKEN_ADAPTER_SPECS,
+    VOCAB_ADAPTER_SPECS,
+    PeftGreedyOracle,
+    build_adapter,
+)
+
+pytestmark = pytest.mark.slow  # the PEFT oracle on tiny models
+
+SPECS = (
+    {"plain-r4": dict(r=4, lora_alpha=8, target_modules="all-linear")}
+    | TOKEN_ADAPTER_SPECS
+    | {"embed-q-r4": VOCAB_ADAPTER_SPECS["embed-q-r4"]}
+)
+
+
+@pytest.fixture(scope="module")
+def adapters(checkpoint, tmp_path_factory):
+    """Per family: (base dir, {name: adapter dir}, PEFT oracle); new rows, A and B random."""
+    out = {}
+    for arch in ("llama", "qwen2", "gemma2"):
+        base = checkpoint(arch)
+        root = tmp_path_factory.mktemp(f"tokens_{arch}")
+        dirs = {n: build_adapter(base, root / n, seed=30 + i, **s) for i, (n, s) in enumerate(SPECS.items())}
+        out[arch] = (base, dirs, PeftGreedyOracle(base))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("arch", "backend"),
+    [("llama", "native"), ("llama", "torch"), ("qwen2", "native"), ("qwen2", "torch"), ("gemma2", "torch")],
+)
+def test_mixed_batch_with_trainable_tokens_matches_peft(arch, backend, adapters):
+    base, dirs, oracle = adapters[arch]
+    llm = _llm(base, lora_backend=backend)
+    _check(llm, dirs, oracle, seed=3, n=3 * (len(dirs) + 1), logprobs=True)
+
+
+def test_trainable_tokens_under_chunked_prefill_and_a_small_pool(adapters):
+    base, dirs, oracle = adapters["qwen2"]
+    llm = _llm(base, max_num_batched_tokens=7, max_loras=2, num_kv_blocks=40)
+    _check(llm, dirs, oracle, seed=4, n=10)
