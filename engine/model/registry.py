@@ -24,6 +24,8 @@ FAMILY_MODULES = {
     "Gemma3ForConditionalGeneration": "engine.model.gemma3",
     "GraniteForCausalLM": "engine.model.granite",
     "Phi3ForCausalLM": "engine.model.phi3",
+    "Qwen3MoeForCausalLM": "engine.model.qwen3_moe",
+    "MixtralForCausalLM": "engine.model.mixtral",
 }
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILY_MODULES)
