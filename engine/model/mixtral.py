@@ -5,7 +5,8 @@ renormalized (transformers' `MixtralTopKRouter`).
 Checkpoints: transformers 5's fused 3-D `mlp.experts.gate_up_proj` / `down_proj`, or the per-expert
 `block_sparse_moe.experts.N.w1/w3/w2` with the router `block_sparse_moe.gate` (what transformers 5
 writes, and older checkpoints; `checkpoint_key` maps `block_sparse_moe` to `mlp`).
-LoRA: attention projections only (`moe.MOE_LORA_TARGETS`).
+LoRA: attention projections only (`moe.MOE_LORA_TARGETS`); adapters on the router or experts are
+refused (`moe.MOE_REFUSED_TARGETS`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.model.family import ModelFamily
-from engine.model.moe import MOE_LORA_TARGETS, MoEForCausalLM, moe_settings
+from engine.model.moe import MOE_LORA_TARGETS, MOE_REFUSED_TARGETS, MoEForCausalLM, moe_settings
 
 
 def configure(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
@@ -35,4 +36,5 @@ FAMILY = ModelFamily(
     configure=configure,
     checkpoint_key=checkpoint_key,
     lora_targets=MOE_LORA_TARGETS,
+    lora_refused=MOE_REFUSED_TARGETS,
 )

@@ -172,21 +172,18 @@ class MoEForCausalLM(DecoderForCausalLM):
 MOE_LORA_TARGETS: Mapping[str, LoRATarget] = {
     p: t for p, t in LLAMA_LORA_TARGETS.items() if t.parent == "self_attn"
 }
-# module names of a MoE model's feed-forward blocks (any layout) an adapter may name
-MOE_REFUSED_TARGETS = (
-    "gate",
-    "experts",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-    "w1",
-    "w2",
-    "w3",
-    "shared_expert",
-    "shared_expert_gate",
-    "gate_up_proj",
-    "block_sparse_moe",
+_MOE_WHY = (
+    "is part of the mixture-of-experts feed-forward block (router, experts, shared expert, dense MLP); "
+    "LoRA on it is not supported yet (only the attention projections q_proj, k_proj, v_proj, o_proj)"
 )
+# module names of a MoE model's feed-forward blocks (any layout) an adapter may name, refused
+MOE_REFUSED_TARGETS: Mapping[str, str] = dict.fromkeys(
+    (
+        "mlp", "gate", "experts", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3",
+        "shared_expert", "shared_expert_gate", "gate_up_proj", "block_sparse_moe",
+    ),
+    _MOE_WHY,
+)  # fmt: skip
 
 
 def moe_settings(raw: dict[str, Any], norm_topk_prob: bool | None = None) -> dict[str, Any]:

@@ -4,7 +4,8 @@ q and k head), the MoE block of `engine/model/moe.py` in every `decoder_sparse_s
 
 Checkpoints: transformers 5's fused 3-D `mlp.experts.gate_up_proj` / `down_proj`, or the per-expert
 `mlp.experts.N.gate_proj/up_proj/down_proj` (what transformers 5 still writes, and older checkpoints).
-LoRA: attention projections only (`moe.MOE_LORA_TARGETS`).
+LoRA: attention projections only (`moe.MOE_LORA_TARGETS`); adapters on the router or experts are
+refused (`moe.MOE_REFUSED_TARGETS`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.model.family import ModelFamily
-from engine.model.moe import MOE_LORA_TARGETS, MoEForCausalLM, moe_settings
+from engine.model.moe import MOE_LORA_TARGETS, MOE_REFUSED_TARGETS, MoEForCausalLM, moe_settings
 
 
 def configure(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
@@ -25,4 +26,5 @@ FAMILY = ModelFamily(
     build=MoEForCausalLM,
     configure=configure,
     lora_targets=MOE_LORA_TARGETS,
+    lora_refused=MOE_REFUSED_TARGETS,
 )
