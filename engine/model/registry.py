@@ -26,6 +26,7 @@ FAMILY_MODULES = {
     "Phi3ForCausalLM": "engine.model.phi3",
     "Qwen3MoeForCausalLM": "engine.model.qwen3_moe",
     "MixtralForCausalLM": "engine.model.mixtral",
+    "Qwen2MoeForCausalLM": "engine.model.qwen2_moe",
 }
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILY_MODULES)

@@ -150,3 +150,14 @@ def test_router_and_expert_adapters_are_refused(adapters, tmp_path):
     good = dirs["attn-r4"]
     out = llm.generate([[5, 6, 7]], params, lora_request=LoRARequest("good", str(good)))[0]
     assert out.outputs[0].token_ids == oracle.greedy([5, 6, 7], NEW, good)
+
+
+def test_shared_expert_adapter_is_refused(adapters, tmp_path):
+    """Qwen2-MoE: an adapter on the shared expert's projections is refused, naming the module."""
+    base, dirs, _ = adapters["qwen2_moe"]
+    model = ModelConfig.from_dir(base)
+    h, r, pre = model.hidden_size, 2, "base_model.model.model.layers.1.mlp.shared_expert.up_proj"
+    tensors = {f"{pre}.lora_A.weight": torch.ones(r, h), f"{pre}.lora_B.weight": torch.ones(48, r)}
+    path = _variant(dirs["attn-r4"], tmp_path / "shared", {"target_modules": r".*_proj"}, tensors)
+    with pytest.raises(InvalidAdapter, match=r"module 'model.layers.1.mlp.shared_expert.up_proj' is part of"):
+        validate_adapter(path, model, 16)

@@ -13,7 +13,7 @@ GEMMA_ARCHS = ("gemma2", "gemma3")
 MORE_ARCHS = ("granite", "phi3", "phi3-longrope")
 # Mixture-of-experts families (tests/engine/test_moe_models.py); "-fused": transformers 5's fused 3-D
 # expert tensors in the safetensors file instead of the per-expert layout save_pretrained writes
-MOE_ARCHS = ("qwen3_moe", "mixtral")
+MOE_ARCHS = ("qwen3_moe", "mixtral", "qwen2_moe")
 LONGROPE_ORIGINAL = 32  # phi3-longrope's original_max_position_embeddings (of 256)
 
 _BASE = dict(
@@ -40,7 +40,9 @@ def build_checkpoint(out_dir: Path, arch: str, seed: int = 0, dtype=torch.float3
     weights and partial rotary (half of each head); phi3-longrope has LongRoPE with short/long factors
     (original length `LONGROPE_ORIGINAL`) on full heads; qwen3_moe has 8 experts (top-2, renormalized)
     in layers 0 and 2 and a dense MLP in layer 1 (`mlp_only_layers`); mixtral has 4 experts (top-2) in
-    both layers; `fused_experts=True` rewrites the weights with the fused 3-D expert tensors.
+    both layers; qwen2_moe has 6 experts (top-3, not renormalized) with a gated shared expert, q/k/v
+    bias, and a dense MLP in layer 0; `fused_experts=True` rewrites the weights with the fused 3-D
+    expert tensors.
     """
     import transformers as tf
 
@@ -100,6 +102,10 @@ def build_checkpoint(out_dir: Path, arch: str, seed: int = 0, dtype=torch.float3
     elif arch == "mixtral":
         kw |= dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64)
         cfg_cls, model_cls = tf.MixtralConfig, tf.MixtralForCausalLM
+    elif arch == "qwen2_moe":
+        kw |= dict(num_hidden_layers=3, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=24)
+        kw |= dict(shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[0])
+        cfg_cls, model_cls = tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM
     else:
         raise ValueError(arch)
     fused_experts = overrides.pop("fused_experts", False)
