@@ -27,6 +27,7 @@ FAMILY_MODULES = {
     "Qwen3MoeForCausalLM": "engine.model.qwen3_moe",
     "MixtralForCausalLM": "engine.model.mixtral",
     "Qwen2MoeForCausalLM": "engine.model.qwen2_moe",
+    "OlmoeForCausalLM": "engine.model.olmoe",
 }
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILY_MODULES)

@@ -13,7 +13,7 @@ GEMMA_ARCHS = ("gemma2", "gemma3")
 MORE_ARCHS = ("granite", "phi3", "phi3-longrope")
 # Mixture-of-experts families (tests/engine/test_moe_models.py); "-fused": transformers 5's fused 3-D
 # expert tensors in the safetensors file instead of the per-expert layout save_pretrained writes
-MOE_ARCHS = ("qwen3_moe", "mixtral", "qwen2_moe")
+MOE_ARCHS = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe")
 LONGROPE_ORIGINAL = 32  # phi3-longrope's original_max_position_embeddings (of 256)
 
 _BASE = dict(
@@ -41,7 +41,8 @@ def build_checkpoint(out_dir: Path, arch: str, seed: int = 0, dtype=torch.float3
     (original length `LONGROPE_ORIGINAL`) on full heads; qwen3_moe has 8 experts (top-2, renormalized)
     in layers 0 and 2 and a dense MLP in layer 1 (`mlp_only_layers`); mixtral has 4 experts (top-2) in
     both layers; qwen2_moe has 6 experts (top-3, not renormalized) with a gated shared expert, q/k/v
-    bias, and a dense MLP in layer 0; `fused_experts=True` rewrites the weights with the fused 3-D
+    bias, and a dense MLP in layer 0; olmoe has 8 experts (top-2) in both layers, q/k norms over whole
+    rows and `clip_qkv` small enough to clamp; `fused_experts=True` rewrites the weights with the fused 3-D
     expert tensors.
     """
     import transformers as tf
@@ -106,6 +107,9 @@ def build_checkpoint(out_dir: Path, arch: str, seed: int = 0, dtype=torch.float3
         kw |= dict(num_hidden_layers=3, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=24)
         kw |= dict(shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[0])
         cfg_cls, model_cls = tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM
+    elif arch == "olmoe":
+        kw |= dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32, clip_qkv=2.0)
+        cfg_cls, model_cls = tf.OlmoeConfig, tf.OlmoeForCausalLM
     else:
         raise ValueError(arch)
     fused_experts = overrides.pop("fused_experts", False)
