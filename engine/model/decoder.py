@@ -194,6 +194,8 @@ class DecoderForCausalLM(nn.Module):
         self.packed_head: torch.Tensor | None = None  # the LM head in oneDNN's layout (`pack_cpu_gemms`)
         # why the fused CPU ops cannot run this model (None: they can); a family sets it for what they lack
         self.fused_problem: str | None = None
+        # why plain decode steps cannot replay from CUDA graphs (None: they can; `engine/decode_graphs.py`)
+        self.graph_problem: str | None = None
         self._fallback_logged = False
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

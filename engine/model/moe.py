@@ -166,6 +166,10 @@ class MoEForCausalLM(DecoderForCausalLM):
 
     layer_cls = MoEDecoderLayer
 
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.graph_problem = "the MoE block reads its experts' token counts on the host each step"
+
 
 # MoE families' PEFT targets: the attention projections (LoRA on experts, router, shared expert and the
 # dense layers' MLP is refused at validation, naming the module: `MOE_REFUSED_TARGETS`)

@@ -101,3 +101,17 @@ def test_sparse_layers_follow_transformers():
         ours = model_family(cfg.architecture).build(cfg)
     assert [isinstance(layer.mlp, SparseMoE) for layer in ours.layers] == want
     assert want == [False, True, False, False, False, True]
+
+
+def test_moe_decode_steps_stay_eager(checkpoint, caplog):
+    """The MoE block's host-side expert counts cannot be captured: decode graphs are not enabled for a
+    MoE model even on the paths that capture (Triton attention), and the log says why; a dense model on
+    the same paths gets them."""
+    from engine.decode_graphs import enable_decode_graphs
+
+    kw = dict(device="cpu", dtype="float32", block_size=4, attention_backend="triton")
+    moe, dense = LLM(str(checkpoint("qwen3_moe")), **kw), LLM(str(checkpoint("qwen3")), **kw)
+    with caplog.at_level("INFO", logger="engine.decode_graphs"):
+        assert not enable_decode_graphs(moe.engine.runner, None, 8)
+    assert "MoE block reads its experts' token counts" in caplog.text
+    assert enable_decode_graphs(dense.engine.runner, None, 8)
