@@ -161,3 +161,26 @@ def test_shared_expert_adapter_is_refused(adapters, tmp_path):
     path = _variant(dirs["attn-r4"], tmp_path / "shared", {"target_modules": r".*_proj"}, tensors)
     with pytest.raises(InvalidAdapter, match=r"module 'model.layers.1.mlp.shared_expert.up_proj' is part of"):
         validate_adapter(path, model, 16)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_prefix_cache_and_ngram_speculation_match_peft(arch, adapters):
+    """Repetitive prompts with a shared prefix, on attention adapters and base rows: prefix-cache hits,
+    accepted and rolled-back n-gram drafts through the MoE layers, and PEFT's tokens."""
+    base, dirs, oracle = adapters[arch]
+    rng = random.Random(5)
+    shared = [rng.randrange(3, 96) for _ in range(9)]
+    names = [*dirs, None, None]
+    reqs = []
+    for i, name in enumerate(names):
+        phrase = [rng.randrange(3, 96) for _ in range(rng.randrange(2, 5))]
+        reqs.append(((shared if i % 2 == 0 else []) + phrase * rng.randrange(2, 5), name))
+    llm = _llm(base, speculative="ngram", num_speculative_tokens=3)
+    loras = [LoRARequest(name, str(dirs[name])) if name else None for _, name in reqs]
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    for _ in range(2):  # the second round reuses the first's cached blocks
+        outs = llm.generate([p for p, _ in reqs], params, lora_request=loras)
+        for (prompt, name), out in zip(reqs, outs, strict=True):
+            assert out.outputs[0].token_ids == oracle.greedy(prompt, NEW, dirs[name] if name else None)
+    stats = llm.engine.get_stats()
+    assert stats.prefix_cache_hits > 0 and 0 < stats.spec_accepted_tokens < stats.spec_proposed_tokens
