@@ -23,6 +23,7 @@ same pass over the same buffers) where there is no CUDA, so the padded static pa
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -38,6 +39,8 @@ from engine.model.layers import ForwardBatch
 from engine.step_inputs import StepInputs
 from kernels.intmath import cdiv
 from kernels.lora_meta import LoRABatchMeta
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from engine.lora.manager import LoRAManager
@@ -244,8 +247,13 @@ class DecodeGraphs:
 
 def enable_decode_graphs(runner: ModelRunner, lora: LoRAManager | None, max_batch: int) -> bool:
     """Let `runner` replay plain decode steps from CUDA graphs when its paths can be captured: Triton
-    attention, and LoRA off or on the Triton path. Returns whether it does."""
+    attention, LoRA off or on the Triton path, and a model that can be captured (`graph_problem`, logged).
+    Returns whether it does."""
     if runner.backend.name != "triton" or (lora is not None and lora.backend != "triton"):
+        return False
+    problem = getattr(runner.model, "graph_problem", None)
+    if problem is not None:
+        log.info("decode steps run eagerly, without CUDA graphs: %s", problem)
         return False
     runner.use_decode_graphs(CudaGraphCapture(), lora.pool if lora is not None else None, max_batch)
     return True

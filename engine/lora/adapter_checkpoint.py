@@ -413,7 +413,8 @@ def _pattern_key(patterns: dict[str, Any], key: str) -> str | None:
 
 _REFUSED_FIELDS = {
     "modules_to_save": "modules_to_save is not supported (it would replace base-model weights)",
-    "target_parameters": "target_parameters (raw parameter adapters) are not supported",
+    "target_parameters": "LoRA on raw parameters (e.g. a mixture-of-experts model's fused experts) is not "
+    "supported yet",
     "layer_replication": "layer_replication is not supported",
     "ensure_weight_tying": "ensure_weight_tying (LoRA tied across embed_tokens, lm_head) is not supported",
 }
@@ -436,7 +437,7 @@ def _check_config(config: dict[str, Any]) -> _Rules:
         raise AdapterError(f"bias: {config['bias']!r} is not supported (only 'none')")
     for key, why in _REFUSED_FIELDS.items():
         if config.get(key):
-            raise AdapterError(f"{key}: {why}")
+            raise AdapterError(f"{key}: {config[key]!r}: {why}")
     r = config.get("r", 8)
     if not _is_int(r) or r < 1:
         raise AdapterError(f"r: expected a positive integer, got {r!r}")
@@ -510,6 +511,9 @@ def _target_set(
                 chosen |= hits
                 continue
             hits = {k for k in keys if k == t or k.endswith("." + t)}
+            refused = _refused_part(model, t)
+            if refused is not None:
+                raise AdapterError(f"target_modules: {t!r} {refused}")
             if not hits and outside:  # e.g. `fc1` of a vision tower the engine does not serve
                 continue
             if not hits:
@@ -617,6 +621,9 @@ def _parse_tensor_name(
     key = model_family(model.architecture).checkpoint_key(m["module"] + ".weight")  # the engine's name
     if key is None:
         return None
+    refused = _refused_part(model, key.removesuffix(".weight"))
+    if refused is not None:
+        raise AdapterError(f"tensor {name!r}: module {m['module']!r} {refused}")
     mm = _MODULE_RE.match(key.removesuffix(".weight"))
     if mm is None or mm["proj"] not in targets or targets[mm["proj"]].parent != mm["parent"]:
         raise AdapterError(f"tensor {name!r}: unknown module {m['module']!r}")
@@ -629,6 +636,16 @@ def _parse_tensor_name(
     if kind == "b" and m["ab"] != "B":
         raise AdapterError(f"tensor {name!r}: a bias on lora_A (only lora_B has one, with lora_bias)")
     return layer, mm["proj"], kind
+
+
+def _refused_part(model: ModelConfig, module: str) -> str | None:
+    """Why the family does not adapt `module` (a target name or a module path), when a component of it
+    (past `model.layers.N`) is one the family refuses (`ModelFamily.lora_refused`); else None."""
+    refused = model_family(model.architecture).lora_refused
+    parts = module.split(".")
+    if parts[:2] == ["model", "layers"]:
+        parts = parts[3:]
+    return next((refused[p] for p in parts if p in refused), None)
 
 
 def _check_shape(name: str, entry: tuple[str, tuple[int, ...]], want: tuple[int, ...], module: str) -> None:

@@ -34,7 +34,11 @@ class Attention(nn.Module):
     """q|k|v projection, RoPE, paged attention, o projection; `scale` defaults to head_dim^-0.5.
 
     `window`: the layer's sliding window (it attends to its last `window` positions; 0 none), by default
-    the model's `sliding_window` (Mistral: every layer); `softcap` > 0: attention-logit soft-capping."""
+    the model's `sliding_window` (Mistral: every layer); `softcap` > 0: attention-logit soft-capping.
+    `head_qk_norm`: `q_norm` / `k_norm` norm each head (Qwen3); a family whose norms are over the whole
+    q and k rows (OLMoE) turns it off and applies them in `project_qkv`."""
+
+    head_qk_norm = True
 
     def __init__(
         self,
@@ -65,18 +69,18 @@ class Attention(nn.Module):
     def forward(self, x, rope_tables, kv: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, backend):
         """`rope_tables`: the per-step (cos2, sin2) of the torch path, or the step's fused CPU ops."""
         t = x.shape[0]
-        qkv = self.qkv_proj(x, batch.lora)
+        qkv = self.project_qkv(x, batch.lora)
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q_size, kv_size = nh * d, nkv * d
         if isinstance(rope_tables, FusedStep):  # q and k normed (Qwen3) and rotated in place in qkv
             qk_norm = None
-            if self.q_norm is not None and self.k_norm is not None:
+            if self.head_qk_norm and self.q_norm is not None and self.k_norm is not None:
                 qk_norm = (self.q_norm.weight, self.k_norm.weight, nh, self.q_norm.eps)
             rope_tables.rope_(qkv, nh + nkv, qk_norm, d)
             q, k, v = qkv.view(t, nh + 2 * nkv, d).split((nh, nkv, nkv), dim=1)  # views: one call
         else:
             v = qkv[:, q_size + kv_size :].view(t, nkv, d)
-            if self.q_norm is not None and self.k_norm is not None:
+            if self.head_qk_norm and self.q_norm is not None and self.k_norm is not None:
                 q = self._rope(self.q_norm(qkv[:, :q_size].view(t, nh, d)), rope_tables)
                 k = self._rope(self.k_norm(qkv[:, q_size : q_size + kv_size].view(t, nkv, d)), rope_tables)
             else:  # q and k are adjacent columns: rotate both heads' blocks in one pass
@@ -85,6 +89,10 @@ class Attention(nn.Module):
         backend.write_kv(k, v, kv[0], kv[1], batch.attn)
         o = backend.attend(q, kv[0], kv[1], batch.attn, self.scale, self.window, self.softcap)
         return self.o_proj(o.reshape(t, q_size), batch.lora)
+
+    def project_qkv(self, x: torch.Tensor, lora: LoRAStepContext | None) -> torch.Tensor:
+        """The packed q|k|v rows of `x` (with their LoRA deltas); a family may transform them (OLMoE)."""
+        return self.qkv_proj(x, lora)
 
     def _rope(self, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """RoPE on the first `rope.rotary_dim` values of each head of x [T, H, D]; the rest pass as is."""
@@ -186,6 +194,8 @@ class DecoderForCausalLM(nn.Module):
         self.packed_head: torch.Tensor | None = None  # the LM head in oneDNN's layout (`pack_cpu_gemms`)
         # why the fused CPU ops cannot run this model (None: they can); a family sets it for what they lack
         self.fused_problem: str | None = None
+        # why plain decode steps cannot replay from CUDA graphs (None: they can; `engine/decode_graphs.py`)
+        self.graph_problem: str | None = None
         self._fallback_logged = False
 
     def embed(self, input_ids: torch.Tensor, batch: ForwardBatch | None = None) -> torch.Tensor:

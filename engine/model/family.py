@@ -95,6 +95,9 @@ class ModelFamily:
         default_factory=lambda: LLAMA_CHECKPOINT_MODULES
     )
     lora_targets: Mapping[str, LoRATarget] = field(default_factory=lambda: LLAMA_LORA_TARGETS)
+    # module names of the family's models an adapter may name but the engine does not adapt -> why
+    # (a MoE model's router and experts); validation refuses them with that reason, naming the module
+    lora_refused: Mapping[str, str] = field(default_factory=dict)
     # architectures whose llama.cpp GGUF files store q/k rows permuted (`engine/model/gguf_loader.py`)
     gguf_permuted: tuple[str, ...] = ()
     # GGUF per-layer tensor -> HF module, where the family's differ from Llama's (e.g. fused attn_qkv)

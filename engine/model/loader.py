@@ -50,6 +50,8 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> De
     with torch.no_grad():
         for source, hf_key, tensor in tensors:
             key = family.checkpoint_key(hf_key)
+            if key is not None and _copy_expert(model, params, key, tensor, hf_key, filled):
+                continue
             target = None if key is None else _target(key, family.checkpoint_modules)
             if target is None:
                 continue
@@ -102,6 +104,34 @@ def _target(
     return f"layers.{layer}.{rest}", None
 
 
+def _copy_expert(model, params, key: str, src: torch.Tensor, hf_key: str, filled: set[str]) -> bool:
+    """Copy an expert weight of a MoE checkpoint (`engine.model.moe.expert_piece`: the fused 3-D tensor
+    whole, or one expert's projection into its slice) and note it in `filled`; False for other keys."""
+    if ".experts." not in key:
+        return False
+    from engine.model.moe import expert_piece
+
+    piece = expert_piece(key)
+    if piece is None:
+        return False
+    name, expert, half = piece
+    if name not in params:
+        raise CheckpointError(f"unexpected tensor {hf_key!r}")
+    dest = params[name]
+    if expert is not None:
+        experts = model.get_submodule(name.rsplit(".", 1)[0])
+        if expert >= experts.num_experts:
+            raise CheckpointError(
+                f"tensor {hf_key!r}: expert {expert} beyond the config's {experts.num_experts}"
+            )
+        dest = experts.piece(name.rsplit(".", 1)[1], expert, half)
+    if tuple(src.shape) != tuple(dest.shape):
+        raise CheckpointError(f"tensor {hf_key!r} has shape {tuple(src.shape)}, expected {tuple(dest.shape)}")
+    dest.copy_(src)
+    filled.add(name if expert is None else f"{name}#e{expert}.{half}")
+    return True
+
+
 def _copy_into(model, dest: torch.Tensor, name: str, slice_idx: int | None, src: torch.Tensor, key: str):
     if slice_idx is not None:
         module = model.get_submodule(name.rsplit(".", 1)[0])
@@ -117,7 +147,10 @@ def _check_complete(model, params: Mapping[str, torch.Tensor], filled: set[str])
     for name in params:
         owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         n_slices = len(getattr(owner, "slice_sizes", ()))
-        if n_slices > 1 and name not in filled:  # filled slice by slice (or whole: a fused checkpoint)
+        pieces = getattr(owner, "checkpoint_pieces", None)
+        if pieces is not None and name not in filled:  # a MoE's experts, filled expert by expert
+            missing += [p for p in pieces(name) if p not in filled]
+        elif n_slices > 1 and name not in filled:  # filled slice by slice (or whole: a fused checkpoint)
             missing += [f"{name}[slice {i}]" for i in range(n_slices) if f"{name}#{i}" not in filled]
         elif name not in filled:
             missing.append(name)

@@ -24,6 +24,10 @@ FAMILY_MODULES = {
     "Gemma3ForConditionalGeneration": "engine.model.gemma3",
     "GraniteForCausalLM": "engine.model.granite",
     "Phi3ForCausalLM": "engine.model.phi3",
+    "Qwen3MoeForCausalLM": "engine.model.qwen3_moe",
+    "MixtralForCausalLM": "engine.model.mixtral",
+    "Qwen2MoeForCausalLM": "engine.model.qwen2_moe",
+    "OlmoeForCausalLM": "engine.model.olmoe",
 }
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILY_MODULES)

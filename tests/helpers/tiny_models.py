@@ -11,6 +11,9 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 GEMMA_ARCHS = ("gemma2", "gemma3")
 # Families on the model seam beyond Llama's (tests/engine/test_granite_phi3.py)
 MORE_ARCHS = ("granite", "phi3", "phi3-longrope")
+# Mixture-of-experts families (tests/engine/test_moe_models.py); "-fused": transformers 5's fused 3-D
+# expert tensors in the safetensors file instead of the per-expert layout save_pretrained writes
+MOE_ARCHS = ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe")
 LONGROPE_ORIGINAL = 32  # phi3-longrope's original_max_position_embeddings (of 256)
 
 _BASE = dict(
@@ -35,7 +38,12 @@ def build_checkpoint(out_dir: Path, arch: str, seed: int = 0, dtype=torch.float3
     soft-caps, and gemma3 layers 2:1 local/global with linearly scaled global RoPE; granite has all
     four multipliers away from 1; phi3 has fused qkv/gate_up
     weights and partial rotary (half of each head); phi3-longrope has LongRoPE with short/long factors
-    (original length `LONGROPE_ORIGINAL`) on full heads.
+    (original length `LONGROPE_ORIGINAL`) on full heads; qwen3_moe has 8 experts (top-2, renormalized)
+    in layers 0 and 2 and a dense MLP in layer 1 (`mlp_only_layers`); mixtral has 4 experts (top-2) in
+    both layers; qwen2_moe has 6 experts (top-3, not renormalized) with a gated shared expert, q/k/v
+    bias, and a dense MLP in layer 0; olmoe has 8 experts (top-2) in both layers, q/k norms over whole
+    rows and `clip_qkv` small enough to clamp; `fused_experts=True` rewrites the weights with the fused 3-D
+    expert tensors.
     """
     import transformers as tf
 
@@ -88,8 +96,23 @@ def build_checkpoint(out_dir: Path, arch: str, seed: int = 0, dtype=torch.float3
             "long_factor": [round(float(x), 4) * 4 for x in long],
         }
         cfg_cls, model_cls = tf.Phi3Config, tf.Phi3ForCausalLM
+    elif arch == "qwen3_moe":
+        kw |= dict(head_dim=24, num_hidden_layers=3, num_experts=8, num_experts_per_tok=2)
+        kw |= dict(moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1])
+        cfg_cls, model_cls = tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM
+    elif arch == "mixtral":
+        kw |= dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64)
+        cfg_cls, model_cls = tf.MixtralConfig, tf.MixtralForCausalLM
+    elif arch == "qwen2_moe":
+        kw |= dict(num_hidden_layers=3, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=24)
+        kw |= dict(shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[0])
+        cfg_cls, model_cls = tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM
+    elif arch == "olmoe":
+        kw |= dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32, clip_qkv=2.0)
+        cfg_cls, model_cls = tf.OlmoeConfig, tf.OlmoeForCausalLM
     else:
         raise ValueError(arch)
+    fused_experts = overrides.pop("fused_experts", False)
     kw.update(overrides)
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**kw))
@@ -103,6 +126,13 @@ def build_checkpoint(out_dir: Path, arch: str, seed: int = 0, dtype=torch.float3
                 p.normal_(0, 0.25)
     model = model.to(dtype)
     model.save_pretrained(out_dir, safe_serialization=True)
+    if fused_experts:  # the in-memory state dict: 3-D `mlp.experts.gate_up_proj` / `down_proj`
+        from safetensors.torch import save_file
+
+        for f in out_dir.glob("*.safetensors"):
+            f.unlink()
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
 
 

@@ -1,0 +1,215 @@
+"""The mixture-of-experts feed-forward block the MoE families share (`qwen3_moe.py`, `mixtral.py`, …).
+
+For the step's flat token batch `x` [T, H]:
+
+1. route: `router_logits = x @ Wg.T` [T, E]; `p = softmax(logits)` in float32; the top-k experts of each
+   token and their probabilities (renormalized to sum 1 where the config says `norm_topk_prob`;
+   Mixtral always does), cast to the model's dtype as transformers does;
+2. sort the step's T*k (token, expert) pairs by expert once (`argsort` of the flat choices, stable),
+   so each expert's rows are one contiguous segment of the gathered input;
+3. one GEMM per projection per expert that has tokens: `gu = x_e @ W_gate_up[e].T`,
+   `h = silu(gate) * up`, `y_e = h @ W_down[e].T` over the expert's segment (on the CPU a torch loop
+   over the experts with tokens: the experts without any are never read);
+4. combine: each pair's output times its routing weight, summed into its token's row (`index_add_`).
+
+Qwen2-MoE adds a shared expert (a dense gated MLP) scaled by `sigmoid(x @ w_shared_gate.T)`.
+
+Expert weights are 3-D: `experts.gate_up` [E, 2I, H] (gate rows first) and `experts.down` [E, H, I],
+transformers 5's fused layout; the loader fills them whole from a fused checkpoint or expert by expert
+from the per-expert layout (`experts.N.gate_proj/up_proj/down_proj`, Mixtral's `w1/w3/w2`,
+`expert_piece`). LoRA does not reach the experts, the router or the shared expert: adapters that target
+them are refused at validation (`engine/lora/adapter_checkpoint.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.model.decoder import MLP, DecoderForCausalLM, DecoderLayer
+from engine.model.family import LLAMA_LORA_TARGETS, LoRATarget
+from engine.model.linear import LoRAStepContext
+from engine.model.rope import RotaryEmbedding
+from engine.model_config import ModelConfig, ModelConfigError
+
+# the per-expert checkpoint's projection names -> (our 3-D parameter, half of gate_up: 0 gate, 1 up)
+EXPERT_NAMES: Mapping[str, tuple[str, int | None]] = {
+    "gate_proj": ("gate_up", 0),
+    "up_proj": ("gate_up", 1),
+    "down_proj": ("down", None),
+    "w1": ("gate_up", 0),  # Mixtral's older names
+    "w3": ("gate_up", 1),
+    "w2": ("down", None),
+}
+_PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight$")
+_FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+def expert_piece(key: str) -> tuple[str, int | None, int | None] | None:
+    """For a checkpoint key of an expert weight: (our parameter name, expert index or None for the whole
+    3-D tensor, half of gate_up or None); None for any other key."""
+    m = _FUSED.match(key)
+    if m is not None:
+        return f"layers.{m[1]}.mlp.experts.{m[2].removesuffix('_proj')}", None, None
+    m = _PER_EXPERT.match(key)
+    if m is None or m[3] not in EXPERT_NAMES:
+        return None
+    leaf, half = EXPERT_NAMES[m[3]]
+    return f"layers.{m[1]}.mlp.experts.{leaf}", int(m[2]), half
+
+
+class Experts(nn.Module):
+    """The experts' weights, stacked: `gate_up` [E, 2I, H], `down` [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int):
+        super().__init__()
+        self.num_experts, self.inter = num_experts, inter
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(num_experts, hidden, inter), requires_grad=False)
+
+    def piece(self, leaf: str, expert: int, half: int | None) -> torch.Tensor:
+        """The view of parameter `leaf` one per-expert checkpoint tensor fills."""
+        w = self.gate_up if leaf == "gate_up" else self.down
+        if half is None:
+            return w[expert]
+        return w[expert, half * self.inter : (half + 1) * self.inter]
+
+    def checkpoint_pieces(self, name: str) -> list[str]:
+        """The loader's tags for the per-expert pieces of parameter `name` (`engine/model/loader.py`)."""
+        halves = (0, 1) if name.endswith("gate_up") else (None,)
+        return [f"{name}#e{e}.{h}" for e in range(self.num_experts) for h in halves]
+
+
+class Router(nn.Module):
+    """The router's weight [E, H] (transformers' `gate`)."""
+
+    def __init__(self, num_experts: int, hidden: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
+
+
+class SparseMoE(nn.Module):
+    """The routed experts (and Qwen2-MoE's gated shared expert) of one layer (module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        moe = cfg.extra["moe"]
+        hidden = cfg.hidden_size
+        self.top_k, self.norm_topk_prob = int(moe["top_k"]), bool(moe["norm_topk_prob"])
+        self.gate = Router(int(moe["num_experts"]), hidden)
+        self.experts = Experts(int(moe["num_experts"]), hidden, int(moe["intermediate_size"]))
+        self.shared_expert: MLP | None = None
+        self.shared_expert_gate: Router | None = None
+        if moe.get("shared_intermediate_size"):
+            shared = dataclasses.replace(cfg, intermediate_size=int(moe["shared_intermediate_size"]))
+            self.shared_expert = MLP(shared, layer)
+            self.shared_expert_gate = Router(1, hidden)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in x's dtype, expert ids [T, k]) of each token's top-k experts."""
+        probs = torch.softmax(nn.functional.linear(x, self.gate.weight).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def forward(self, x: torch.Tensor, lora: LoRAStepContext | None = None, fused=None) -> torch.Tensor:
+        """The block's output [T, H]; `lora` and `fused` are unused (no LoRA on experts; torch ops)."""
+        weights, ids = self.route(x)
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # pairs sorted by expert, once
+        tokens = order // self.top_k
+        counts = torch.bincount(flat, minlength=self.experts.num_experts).tolist()
+        xs = x[tokens]
+        ys = torch.empty_like(xs)
+        inter, start = self.experts.inter, 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            seg = xs[start : start + n]
+            gu = nn.functional.linear(seg, self.experts.gate_up[e])
+            h = nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+            ys[start : start + n] = nn.functional.linear(h, self.experts.down[e])
+            start += n
+        ys.mul_(weights.reshape(-1)[order].unsqueeze(1))
+        out = torch.zeros_like(x).index_add_(0, tokens, ys)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            gate = torch.sigmoid(nn.functional.linear(x, self.shared_expert_gate.weight))
+            out.add_(gate * self.shared_expert(x, None))
+        return out
+
+
+def is_sparse_layer(cfg: ModelConfig, layer: int) -> bool:
+    """Whether `layer` has the MoE block (else a dense MLP): not in `mlp_only_layers`, and every
+    `decoder_sparse_step`-th layer (1-based), as transformers decides."""
+    moe = cfg.extra["moe"]
+    step = int(moe.get("decoder_sparse_step", 1))
+    return layer not in moe.get("mlp_only_layers", ()) and (layer + 1) % step == 0
+
+
+class MoEDecoderLayer(DecoderLayer):
+    """The shared layer with the MoE block in place of the dense MLP where `is_sparse_layer`."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding):
+        super().__init__(cfg, layer, rope)
+        if is_sparse_layer(cfg, layer):
+            self.mlp = SparseMoE(cfg, layer)  # type: ignore[assignment]
+
+
+class MoEForCausalLM(DecoderForCausalLM):
+    """The shared decoder with MoE layers (its attention is the config's: Qwen3's q/k norm, …)."""
+
+    layer_cls = MoEDecoderLayer
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.graph_problem = "the MoE block reads its experts' token counts on the host each step"
+
+
+# MoE families' PEFT targets: the attention projections (LoRA on experts, router, shared expert and the
+# dense layers' MLP is refused at validation, naming the module: `MOE_REFUSED_TARGETS`)
+MOE_LORA_TARGETS: Mapping[str, LoRATarget] = {
+    p: t for p, t in LLAMA_LORA_TARGETS.items() if t.parent == "self_attn"
+}
+_MOE_WHY = (
+    "is part of the mixture-of-experts feed-forward block (router, experts, shared expert, dense MLP); "
+    "LoRA on it is not supported yet (only the attention projections q_proj, k_proj, v_proj, o_proj)"
+)
+# module names of a MoE model's feed-forward blocks (any layout) an adapter may name, refused
+MOE_REFUSED_TARGETS: Mapping[str, str] = dict.fromkeys(
+    (
+        "mlp", "gate", "experts", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3",
+        "shared_expert", "shared_expert_gate", "gate_up_proj", "block_sparse_moe",
+    ),
+    _MOE_WHY,
+)  # fmt: skip
+
+
+def moe_settings(raw: dict[str, Any], norm_topk_prob: bool | None = None) -> dict[str, Any]:
+    """The `cfg.extra["moe"]` a family's `configure` returns: the expert count (`num_experts`, or
+    `num_local_experts` as transformers 5 writes every family's), top-k, `norm_topk_prob` (None: the
+    config's, default False), the experts' intermediate size (`moe_intermediate_size`, else
+    `intermediate_size`), the dense-layer rule and Qwen2-MoE's shared expert size."""
+    if raw.get("use_sliding_window"):
+        raise ModelConfigError("use_sliding_window is not supported for mixture-of-experts models")
+    n = raw.get("num_experts", raw.get("num_local_experts"))
+    if not isinstance(n, int) or n < 1:
+        raise ModelConfigError(f"num_experts: expected a positive integer, got {n!r}")
+    k = raw.get("num_experts_per_tok", 2)
+    if not isinstance(k, int) or not 1 <= k <= n:
+        raise ModelConfigError(f"num_experts_per_tok: expected 1..{n}, got {k!r}")
+    norm = bool(raw.get("norm_topk_prob", False)) if norm_topk_prob is None else norm_topk_prob
+    return {
+        "num_experts": n,
+        "top_k": k,
+        "norm_topk_prob": norm,
+        "intermediate_size": int(raw.get("moe_intermediate_size") or raw["intermediate_size"]),
+        "decoder_sparse_step": int(raw.get("decoder_sparse_step") or 1),
+        "mlp_only_layers": [int(i) for i in raw.get("mlp_only_layers") or ()],
+        "shared_intermediate_size": int(raw.get("shared_expert_intermediate_size") or 0),
+    }
