@@ -23,7 +23,10 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from api.cluster.options import RouterWeights
 from engine.kv_cache.block_pool import hash_block
+
+__all__ = ["PrefixIndex", "ReplicaView", "Residency", "RouterWeights", "prompt_block_hashes", "rank", "score"]
 
 
 class Residency(float, enum.Enum):
@@ -33,20 +36,6 @@ class Residency(float, enum.Enum):
     HOST = 0.6  # cached in host memory: one upload to the device
     FREE_SLOT = 0.3  # not there, but a device slot is free: a load, no eviction
     MUST_EVICT = 0.0  # not there and the pool is full: a load that evicts another adapter
-
-
-@dataclass(frozen=True, slots=True)
-class RouterWeights:
-    """The score's weights (settings `router_w_prefix`, `router_w_adapter`, `router_w_load`)."""
-
-    prefix: float = 1.0
-    adapter: float = 1.0
-    load: float = 2.0
-
-    def validate(self) -> None:
-        """Raise ValueError for a negative weight."""
-        if min(self.prefix, self.adapter, self.load) < 0:
-            raise ValueError("router weights cannot be negative")
 
 
 @dataclass(slots=True)
@@ -147,10 +136,13 @@ def rank(
     prompt_tokens: int,
     digest: str | None,
 ) -> list[ReplicaView]:
-    """`views` best first by `score` (ties: fewer in-flight tokens, then replica id, so it is stable)."""
+    """`views` best first by `score`. Ties (an idle cluster) go to fewer in-flight tokens, then fewer
+    adapters held (so new adapters spread over idle replicas instead of piling onto one), then replica id
+    (stable)."""
 
-    def key(v: ReplicaView) -> tuple[float, int, str]:
+    def key(v: ReplicaView) -> tuple[float, int, int, str]:
         cached = index.cached_blocks(v.replica_id, hashes) * block_size
-        return (-score(v, weights, cached, prompt_tokens, digest), v.in_flight_tokens, v.replica_id)
+        held = len(v.device | v.host)
+        return (-score(v, weights, cached, prompt_tokens, digest), v.in_flight_tokens, held, v.replica_id)
 
     return sorted(views, key=key)

@@ -116,3 +116,12 @@ def test_prefix_index_is_bounded_and_chained() -> None:
 def test_weights_validate() -> None:
     with pytest.raises(ValueError, match="negative"):
         RouterWeights(load=-1).validate()
+
+
+def test_new_adapters_spread_over_idle_replicas() -> None:
+    """On an idle cluster a new adapter goes to the replica holding fewer adapters, not always the first."""
+    views = [
+        ReplicaView("a", device=frozenset({"x", "y"}), budget_tokens=1000),
+        ReplicaView("b", device=frozenset({"z"}), budget_tokens=1000),
+    ]
+    assert _best(views, PrefixIndex(), list(range(8)), "new") == "b"
