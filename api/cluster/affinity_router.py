@@ -80,7 +80,9 @@ class AffinityRouter(RequestRouter):
         self.routed[rid] = self.routed.get(rid, 0) + 1
         hashes = self._pending.pop(key, None)
         if hashes:
-            self.index.record(rid, hashes)
+            replica = self.curr_replicas.get(replica_id)
+            stats = (replica.routing_stats if replica is not None else None) or {}
+            self.index.record(rid, hashes, kv_blocks=stats.get("kv_blocks"))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._pending.pop(internal_request_id, None)

@@ -215,7 +215,7 @@ class EngineReplica:
     def routing_stats(self, pool_capacity: int) -> dict[str, Any]:
         """What the affinity router scores this replica by: adapter digests in the device pool and in host
         memory, whether the device pool has a free slot (fewer than `pool_capacity` resident), and the
-        KV cache's size in tokens (the load term's budget)."""
+        KV cache's size in blocks and in tokens (the prefix index's bound, the load term's budget)."""
         stats = self.client.stats
         adapters = stats.adapters if stats is not None else []
         device = sorted({a["digest"] for a in adapters if a.get("tier") == "device" and a.get("digest")})
@@ -226,6 +226,7 @@ class EngineReplica:
             "host": host,
             "free_slot": len(device) < pool_capacity,
             "budget_tokens": max(1, blocks * self.settings.engine.block_size),
+            "kv_blocks": blocks or None,  # None until the engine's first stats
         }
 
     def describe(self) -> dict[str, Any]:

@@ -9,7 +9,7 @@
   keyed by the adapter's *content digest* (the key the engine itself uses), so a predicted hit is a hit
   the engine has, and a name re-registered with other weights (a new digest) predicts no hit on the old
   blocks. Which blocks a replica holds is remembered by `PrefixIndex`: a bounded LRU, per replica, of the
-  block hashes of the requests routed there.
+  block hashes of the requests routed there, no larger than the replica's KV cache (as its engine evicts).
 * Residency of the request's adapter on the replica: device-resident > host-cached > a free device slot
   > must evict another adapter (0 for base-model requests: every replica holds the base model).
 * Load: the prompt + maximum new tokens of the requests routed to the replica and not yet finished,
@@ -83,13 +83,16 @@ class PrefixIndex:
     max_blocks_per_replica: int = 65536
     _blocks: dict[str, OrderedDict[bytes, None]] = field(default_factory=dict)
 
-    def record(self, replica_id: str, hashes: Iterable[bytes]) -> None:
-        """Remember that `replica_id` now holds these blocks (refreshing them if it did already)."""
+    def record(self, replica_id: str, hashes: Iterable[bytes], kv_blocks: int | None = None) -> None:
+        """Remember that `replica_id` now holds these blocks (refreshing them if it did already). With
+        `kv_blocks`, the replica's KV cache size, at most that many are kept for it: its engine cannot hold
+        more, and evicts its least recently used cached blocks first, as this index forgets them."""
         held = self._blocks.setdefault(replica_id, OrderedDict())
         for h in hashes:
             held[h] = None
             held.move_to_end(h)
-        while len(held) > self.max_blocks_per_replica:
+        bound = min(self.max_blocks_per_replica, kv_blocks or self.max_blocks_per_replica)
+        while len(held) > max(1, bound):
             held.popitem(last=False)
 
     def cached_blocks(self, replica_id: str, hashes: Sequence[bytes]) -> int:

@@ -125,3 +125,14 @@ def test_new_adapters_spread_over_idle_replicas() -> None:
         ReplicaView("b", device=frozenset({"z"}), budget_tokens=1000),
     ]
     assert _best(views, PrefixIndex(), list(range(8)), "new") == "b"
+
+
+def test_prefix_index_holds_no_more_than_the_replicas_kv_cache() -> None:
+    """A replica with 4 KV blocks cannot still cache an old 3-block prefix after a new 3-block prompt."""
+    index = PrefixIndex()
+    old, new = prompt_block_hashes(list(range(12)), BS, None), prompt_block_hashes([9] * 12, BS, None)
+    index.record("a", old, kv_blocks=4)
+    index.record("a", new, kv_blocks=4)
+    assert index.size("a") == 4
+    assert index.cached_blocks("a", new) == 3
+    assert index.cached_blocks("a", old) == 0
