@@ -282,6 +282,44 @@ def test_shared_prefix_requests_go_to_the_replica_holding_the_prefix(cluster: Cl
         assert grew, (adapter, before, _prefix_hits(cluster))
 
 
+def _prefix_totals(cluster: Cluster) -> tuple[int, int]:
+    """(prompt tokens looked up, of which hit) over every replica's prefix cache."""
+    rs = cluster.replicas()
+    return sum(r["prefix_cache"]["queries"] for r in rs), sum(r["prefix_cache"]["hits"] for r in rs)
+
+
+def test_a_re_registered_name_gets_no_hit_on_its_old_blocks(cluster: Cluster) -> None:
+    """Delete an adapter and register its name again with other weights: the same prompt gets no served
+    prefix hit on the blocks the old weights computed (the router and the engine key blocks by content
+    digest, not by name), and answers with the new weights."""
+    text, block = "swapping lora weights", cluster.settings.engine.block_size
+    with cluster.admin() as admin:
+        files = {"file": ("swap.zip", _zip("rot13", note="swap-v1"), "application/zip")}
+        assert admin.post(
+            "/admin/api/adapters", data={"name": "swap", "activate": "true"}, files=files
+        ).is_success
+        _follow(cluster, "swap", True, time.time())
+        for _ in range(2):  # the second one hits the blocks the first cached
+            r = _complete(cluster.url, "swap", text)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == EXPECTED["rot13"](text)
+        assert admin.delete("/admin/api/adapters/swap").status_code == 200
+        _follow(cluster, "swap", False, time.time())
+        files = {"file": ("swap.zip", _zip("reverse", note="swap-v2"), "application/zip")}
+        assert admin.post(
+            "/admin/api/adapters", data={"name": "swap", "activate": "true"}, files=files
+        ).is_success
+        _follow(cluster, "swap", True, time.time())
+    time.sleep(1.0)  # the replicas' stats of the requests above
+    queries, hits = _prefix_totals(cluster)
+    r = _complete(cluster.url, "swap", text)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == EXPECTED["reverse"](text)
+    assert wait_until(lambda: _prefix_totals(cluster)[0] > queries, timeout=10)  # its lookup is counted
+    assert _prefix_totals(cluster)[1] == hits, "a hit on blocks the old weights computed"
+    again = _complete(cluster.url, "swap", text)  # the new weights' own blocks do hit
+    assert again.headers["x-loraplex-replica"] == r.headers["x-loraplex-replica"]
+    assert wait_until(lambda: _prefix_totals(cluster)[1] >= hits + block, timeout=10)
+
+
 def test_failover_when_an_engine_process_is_killed(cluster: Cluster) -> None:
     """kill -9 one replica's engine: every request sent afterwards (none has a token yet) is retried on the
     other replica and answers exactly, none hangs, and Serve replaces the replica within seconds."""
