@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from api.cli.output import fail, stderr
+from api.cluster.options import W_ADAPTER, W_LOAD, W_PREFIX, RouterWeights
 from lora_registry.errors import RegistryError
 
 MIN_ADMIN_TOKEN_CHARS = 16
@@ -150,7 +151,7 @@ def serve(
     ] = None,
     replicas: Annotated[
         int | None,
-        typer.Option(help="Serve with N engine replicas on Ray Serve (adapter-affinity routing).", min=1),
+        typer.Option(help="Serve with N engine replicas on Ray Serve (see --router).", min=1),
     ] = None,
     ray_address: Annotated[
         str | None, typer.Option(help="With --replicas: join this Ray cluster (default: start a local one).")
@@ -169,6 +170,22 @@ def serve(
     ingress_replicas: Annotated[
         int, typer.Option(help="With --replicas: HTTP ingress replicas (default 1).", min=1)
     ] = 1,
+    router: Annotated[
+        str,
+        typer.Option(
+            help="With --replicas: 'affinity' scores prefix cache, adapter residency and load (default); "
+            "'multiplex' is Ray Serve's multiplexing by adapter only."
+        ),
+    ] = "affinity",
+    router_w_prefix: Annotated[
+        float, typer.Option(help="--router affinity: weight of the predicted prefix hit.", min=0)
+    ] = W_PREFIX,
+    router_w_adapter: Annotated[
+        float, typer.Option(help="--router affinity: weight of the adapter's residency.", min=0)
+    ] = W_ADAPTER,
+    router_w_load: Annotated[
+        float, typer.Option(help="--router affinity: weight of the replica's load.", min=0)
+    ] = W_LOAD,
 ) -> None:
     """Start the server: one resident base model, every active adapter of the registry.
 
@@ -278,7 +295,14 @@ def serve(
         from api.cluster.options import ClusterOptions
 
         layout = ClusterOptions(
-            replicas, ray_address, ray_num_cpus, cpus_per_replica, gpus_per_replica, ingress_replicas
+            replicas,
+            ray_address,
+            ray_num_cpus,
+            cpus_per_replica,
+            gpus_per_replica,
+            ingress_replicas,
+            router,
+            RouterWeights(router_w_prefix, router_w_adapter, router_w_load),
         )
         _serve_replicas(settings, layout, on_serving)
     else:
@@ -304,7 +328,7 @@ def _serve_replicas(settings, layout, on_serving: Callable[[], None]) -> None:
     per = f"{layout.cpus_per_replica:g} CPU, {layout.gpus_per_replica:g} GPU each"
     stderr().print(
         f"  Replicas     {layout.replicas} engine replicas ({per}) + {layout.ingress_replicas} ingress on "
-        f"{where} (Ray Serve, adapter affinity)"
+        f"{where} (Ray Serve, {layout.router} router)"
     )
     serve_cluster(settings, layout, on_serving)
 

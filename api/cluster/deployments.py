@@ -3,7 +3,10 @@
 `build_application(settings, replicas)` returns the bound app for `ray_api.run`. The ingress runs the same
 FastAPI app as `loraplex serve` (`api.app.create_app`), with a `RemoteEngineClient` in place of the local
 engine process. The engine deployment's multiplexed loader keeps up to `pool_capacity(config)` adapters
-per replica (what its device pool holds), and Ray routes each adapter's requests to a replica holding it.
+per replica (what its device pool holds). With `--router affinity` (the default) the deployment's request
+router is `AffinityRouter` (prefix, adapter residency and load; each replica reports its adapters by tier
+in `record_routing_stats`); with `--router multiplex` Ray routes each adapter's requests to a replica whose
+multiplexed LRU holds it.
 """
 
 from __future__ import annotations
@@ -67,12 +70,20 @@ def engine_deployment(
         def describe(self) -> dict[str, Any]:
             return self.replica.describe()
 
+        def record_routing_stats(self) -> dict[str, Any]:
+            return self.replica.routing_stats(pool_capacity(settings.engine))
+
         def check_health(self) -> None:
             self.replica.check_health()
 
         async def __del__(self) -> None:
             await self.replica.stop()
 
+    extra: dict[str, Any] = {}
+    if options.router == "affinity":
+        w = options.router_weights
+        kwargs = {"block_size": settings.engine.block_size, "w_prefix": w.prefix, "w_adapter": w.adapter}
+        extra["request_router_config"] = ray_api.affinity_router_config({**kwargs, "w_load": w.load})
     return ray_api.deployment(
         EngineDeployment,
         name=ENGINE_DEPLOYMENT,
@@ -83,6 +94,7 @@ def engine_deployment(
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
         health_check_timeout_s=10,
         graceful_shutdown_timeout_s=settings.shutdown_grace_seconds + 2 * CUT_MARGIN_SECONDS,
+        **extra,
     )
 
 
@@ -97,8 +109,11 @@ def ingress_deployment(settings: ServerSettings, options: ClusterOptions) -> Any
         from api.cluster.replica_header import ReplicaHeaderMiddleware
         from api.cluster.routes import router
 
+        def make_client(cfg: EngineConfig) -> RemoteEngineClient:
+            return RemoteEngineClient(cfg, ENGINE_DEPLOYMENT, affinity=options.router == "multiplex")
+
         ray_api.log_to_stderr()
-        app = create_app(settings, client_factory=lambda cfg: RemoteEngineClient(cfg, ENGINE_DEPLOYMENT))
+        app = create_app(settings, client_factory=make_client)
         app.include_router(router)
         app.add_middleware(ReplicaHeaderMiddleware)
         app.add_middleware(InFlightMiddleware)

@@ -2,7 +2,24 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+ROUTERS = ("affinity", "multiplex")
+W_PREFIX, W_ADAPTER, W_LOAD = 1.0, 1.0, 2.0  # the router weights' defaults
+
+
+@dataclass(frozen=True, slots=True)
+class RouterWeights:
+    """The score's weights (settings `router_w_prefix`, `router_w_adapter`, `router_w_load`)."""
+
+    prefix: float = W_PREFIX
+    adapter: float = W_ADAPTER
+    load: float = W_LOAD
+
+    def validate(self) -> None:
+        """Raise ValueError for a negative weight."""
+        if min(self.prefix, self.adapter, self.load) < 0:
+            raise ValueError("router weights cannot be negative")
 
 
 @dataclass(slots=True)
@@ -13,6 +30,10 @@ class ClusterOptions:
     cpus_per_replica: float = 0  # Ray CPUs each engine replica reserves (0: engines pin their own threads)
     gpus_per_replica: float = 0  # Ray GPUs each engine replica reserves (1: one device per replica)
     ingress_replicas: int = 1  # HTTP ingress replicas (each a FastAPI app that routes to the engines)
+    # "affinity": `AffinityRouter` scores prefix, adapter residency and load; "multiplex": Serve's
+    # multiplexing by adapter digest (the adapter only)
+    router: str = "affinity"
+    router_weights: RouterWeights = field(default_factory=RouterWeights)
 
     def validate(self) -> None:
         """Raise ValueError for a layout Ray would refuse or could never place."""
@@ -22,3 +43,6 @@ class ClusterOptions:
             raise ValueError("--ingress-replicas must be at least 1")
         if self.cpus_per_replica < 0 or self.gpus_per_replica < 0:
             raise ValueError("--cpus-per-replica and --gpus-per-replica cannot be negative")
+        if self.router not in ROUTERS:
+            raise ValueError(f"--router must be one of {', '.join(ROUTERS)}, not {self.router!r}")
+        self.router_weights.validate()

@@ -159,6 +159,20 @@ def deployment(
     )(cls)
 
 
+def affinity_router_config(kwargs: dict[str, Any], stats_period_s: float = 1.0) -> Any:
+    """Serve's `RequestRouterConfig` for `api.cluster.affinity_router.AffinityRouter` with `kwargs`
+    (its `initialize_state` arguments); replicas report `record_routing_stats` every `stats_period_s`."""
+    from ray.serve.config import RequestRouterConfig
+
+    config: dict[str, Any] = {
+        "request_router_class": "api.cluster.affinity_router.AffinityRouter",
+        "request_router_kwargs": kwargs,
+        "request_routing_stats_period_s": stats_period_s,
+        "request_routing_stats_timeout_s": 5.0,
+    }
+    return RequestRouterConfig(**config)
+
+
 def ingress(build_app: Callable[[], Any]) -> Callable[[type], type]:
     """Class decorator: the deployment serves the ASGI app `build_app()` builds on each replica."""
     from ray import serve

@@ -1,9 +1,11 @@
 """`RemoteEngineClient`: the ingress's engine client, reaching the engine replicas through Ray Serve.
 
 It has the surface the routes use on `api.engine_client.EngineClient` (`info`, `stats`, `healthy`,
-`restarts`, `generate`, `adapter_call`, ...), so the ingress runs the unchanged FastAPI app. A request
+`restarts`, `generate`, `adapter_call`, ...), so the ingress runs the unchanged FastAPI app. With
+`--router affinity` (the default) the engine deployment's `AffinityRouter` decodes each request and scores
+every replica by predicted prefix hit, adapter residency and load. With `--router multiplex` a request
 for an adapter carries the adapter's content digest as Ray's multiplexed model id: Ray's router prefers
-a replica whose multiplexed LRU holds it, and a re-pointed name can never reach stale weights.
+a replica whose multiplexed LRU holds it. Either way a re-pointed name can never reach stale weights.
 
 Failures: a request whose replica dies, or whose replica's engine process dies or is down, before the
 request's first token is retried once on another replica (a retry that Ray routes back to a replica that
@@ -46,7 +48,10 @@ class RemoteEngineClient:
         retry_window_s: float = 15.0,
     ) -> None:
         self.config = config
-        self.affinity = affinity  # False: no multiplexed id, Ray's plain load balancing (for comparison)
+        # True: the adapter's digest is Ray's multiplexed model id (`--router multiplex`); False: none, and
+        # the engine deployment's request router alone picks the replica (`--router affinity` scores
+        # prefix, adapter and load; without it, Ray's plain load balancing)
+        self.affinity = affinity
         self.deployment = deployment
         self.poll_seconds = poll_seconds
         self.retries = retries

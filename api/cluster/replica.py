@@ -212,6 +212,23 @@ class EngineReplica:
         if self._engine_up_once and (not self.client.healthy or self.client.restarts > 0):
             raise RuntimeError("the engine process of this replica died; Serve replaces the replica")
 
+    def routing_stats(self, pool_capacity: int) -> dict[str, Any]:
+        """What the affinity router scores this replica by: adapter digests in the device pool and in host
+        memory, whether the device pool has a free slot (fewer than `pool_capacity` resident), and the
+        KV cache's size in blocks and in tokens (the prefix index's bound, the load term's budget)."""
+        stats = self.client.stats
+        adapters = stats.adapters if stats is not None else []
+        device = sorted({a["digest"] for a in adapters if a.get("tier") == "device" and a.get("digest")})
+        host = sorted({a["digest"] for a in adapters if a.get("tier") == "cpu" and a.get("digest")})
+        blocks = int(stats.engine.get("kv_blocks_total", 0)) if stats is not None else 0
+        return {
+            "device": device,
+            "host": host,
+            "free_slot": len(device) < pool_capacity,
+            "budget_tokens": max(1, blocks * self.settings.engine.block_size),
+            "kv_blocks": blocks or None,  # None until the engine's first stats
+        }
+
     def describe(self) -> dict[str, Any]:
         """This replica's state: engine info and stats, active adapters as it sees them (and when each name
         last changed, wall clock), multiplexed loads."""

@@ -20,7 +20,8 @@ router = APIRouter(prefix="/admin/api", tags=["admin"], responses=error_response
 async def cluster_status(state: StateDep, _: AdminActor) -> dict:
     """Per replica: id, health, in-flight requests, the active adapters it follows (name → digest), when
     it last saw each name change (unix time), adapters made resident by its multiplexed loader, and its
-    adapter pool (loads, residency by tier); its engine's process id, its own cache dir (database blob
+    adapter pool (loads, residency by tier), its prefix cache's counters (prompt tokens looked up, hit); its
+    engine's process id, its own cache dir (database blob
     store; null with local blobs), the directory each adapter was loaded from, and its start-up phases."""
     client = cast("RemoteEngineClient", state.client)  # the ingress's client (this router is cluster-only)
     await client.poll()
@@ -37,6 +38,9 @@ async def cluster_status(state: StateDep, _: AdminActor) -> dict:
                 "changed_at": r.get("changed_at", {}),
                 "multiplexed_loads": r["multiplexed_loads"],
                 "lora": stats.lora if stats else None,
+                "prefix_cache": {k: stats.engine.get(f"prefix_cache_{k}", 0) for k in ("queries", "hits")}
+                if stats
+                else None,
                 "adapters": stats.adapters if stats else [],
                 "engine_pid": r.get("engine_pid"),
                 "data_dir": r.get("data_dir"),

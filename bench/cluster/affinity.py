@@ -240,7 +240,10 @@ def run(args: argparse.Namespace) -> list[PhaseResult]:
         ray_api.init(None, args.ray_num_cpus)
         try:
             ray_api.start_http("127.0.0.1", port)
-            app = engine_deployment(settings, ClusterOptions(args.replicas), args.max_ongoing).bind()
+            # Serve's own router: "balanced" (no id: power of two choices) vs "multiplexed" (the digest as
+            # id), as documented; the affinity router is not one of this benchmark's phases yet
+            options = ClusterOptions(args.replicas, router="multiplex")
+            app = engine_deployment(settings, options, args.max_ongoing).bind()
             ray_api.run(app, route_prefix=None)
             return asyncio.run(_drive(settings, phases, args))
         finally:

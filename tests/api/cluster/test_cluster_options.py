@@ -46,3 +46,33 @@ def test_cli_refuses_impossible_layouts(tmp_path, flag: str, value: str) -> None
     env = {"LORAPLEX_DATA_DIR": str(tmp_path), "LORAPLEX_MODEL": str(DEMO / "base")}
     result = CliRunner().invoke(app, ["serve", "--port", "1", "--replicas", "2", flag, value], env=env)
     assert result.exit_code == 2 and flag in result.output, result.output
+
+
+def test_the_affinity_router_is_the_default_and_multiplex_an_option(tmp_path) -> None:
+    from api.cluster.deployments import engine_deployment
+    from api.cluster.options import RouterWeights
+
+    settings = _settings(tmp_path)
+    weights = RouterWeights(prefix=3.0, adapter=0.5, load=1.5)
+    config = engine_deployment(settings, ClusterOptions(2, router_weights=weights))._deployment_config
+    router = config.request_router_config
+    assert router.request_router_class == "api.cluster.affinity_router.AffinityRouter"
+    assert router.request_router_kwargs == {
+        "block_size": settings.engine.block_size,
+        "w_prefix": 3.0,
+        "w_adapter": 0.5,
+        "w_load": 1.5,
+    }
+    assert router.request_routing_stats_period_s <= 1.0  # residency reaches the router within a second
+    plain = engine_deployment(settings, ClusterOptions(2, router="multiplex"))._deployment_config
+    assert "AffinityRouter" not in str(plain.request_router_config.request_router_class)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(["--router", "random"], "--router must be one of"), (["--router-w-load", "-1"], "--router-w-load")],
+)
+def test_cli_refuses_unknown_routers_and_negative_weights(tmp_path, args: list[str], message: str) -> None:
+    env = {"LORAPLEX_DATA_DIR": str(tmp_path), "LORAPLEX_MODEL": str(DEMO / "base")}
+    result = CliRunner().invoke(app, ["serve", "--port", "1", "--replicas", "2", *args], env=env)
+    assert result.exit_code != 0 and message in result.output, result.output

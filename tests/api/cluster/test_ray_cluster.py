@@ -1,7 +1,7 @@
 """`loraplex serve --replicas 2` on a local Ray cluster: a local cluster despite a stale Ray address, a
 start-up without ingress crashes, exact answers, adapter affinity, registry consistency across replicas,
-replicas with their own blob caches, per-replica metrics, failover when an engine process or a replica
-dies."""
+replicas with their own blob caches, per-replica metrics, shared prefixes routed to the replica holding
+them (the default affinity router), failover when an engine process or a replica dies."""
 
 from __future__ import annotations
 
@@ -30,9 +30,12 @@ TEXTS = ("hello world", "ray serve", "many lora")
 BODY = {"max_tokens": 32, "temperature": 0, "stop": ["\n"]}
 
 
-def _complete(url: str, adapter: str | None, text: str, timeout: float = 60) -> httpx.Response:
+def _complete(
+    url: str, adapter: str | None, text: str, timeout: float = 60, max_tokens: int = 32
+) -> httpx.Response:
     path = f"/v1/adapters/{adapter}/completions" if adapter else "/v1/completions"
-    return httpx.post(url + path, json=BODY | {"prompt": f"{text}="}, timeout=timeout)
+    body = BODY | {"prompt": f"{text}=", "max_tokens": max_tokens}
+    return httpx.post(url + path, json=body, timeout=timeout)
 
 
 def test_a_plain_start_is_a_new_local_cluster_despite_a_stale_address(cluster: Cluster) -> None:
@@ -249,6 +252,72 @@ def test_metrics_carry_the_gateway_gauges_per_replica(cluster: Cluster) -> None:
         for s in resident
     )
     assert "loraplex_requests_total" in text  # the ingress's own counters beside them
+
+
+def _prefix_hits(cluster: Cluster) -> dict[str, int]:
+    return {r["replica"]: r["prefix_cache"]["hits"] for r in cluster.replicas()}
+
+
+def test_shared_prefix_requests_go_to_the_replica_holding_the_prefix(cluster: Cluster) -> None:
+    """The default router (`--router affinity`): requests that share a prefix (base model, and an adapter
+    with another prefix) all reach the replica that served the first of them, and that replica's prefix
+    cache hits grow by at least one block per request."""
+    block = cluster.settings.engine.block_size
+    for adapter, prefix in (
+        (None, "system prompt shared by all base "),
+        ("rot13", "another prefix for rot13 ok "),
+    ):
+        before = _prefix_hits(cluster)
+        first = _complete(cluster.url, adapter, prefix + "first", max_tokens=4)
+        assert first.status_code == 200, first.text
+        holder = first.headers["x-loraplex-replica"]
+        placed = []
+        for i in range(6):
+            r = _complete(cluster.url, adapter, f"{prefix}q{i} ask", max_tokens=4)
+            assert r.status_code == 200, r.text
+            placed.append(r.headers["x-loraplex-replica"])
+        assert placed == [holder] * 6, (adapter, holder, placed)
+        want = before[holder] + 6 * block
+        grew = wait_until(lambda h=holder, w=want: _prefix_hits(cluster)[h] >= w, timeout=10)
+        assert grew, (adapter, before, _prefix_hits(cluster))
+
+
+def _prefix_totals(cluster: Cluster) -> tuple[int, int]:
+    """(prompt tokens looked up, of which hit) over every replica's prefix cache."""
+    rs = cluster.replicas()
+    return sum(r["prefix_cache"]["queries"] for r in rs), sum(r["prefix_cache"]["hits"] for r in rs)
+
+
+def test_a_re_registered_name_gets_no_hit_on_its_old_blocks(cluster: Cluster) -> None:
+    """Delete an adapter and register its name again with other weights: the same prompt gets no served
+    prefix hit on the blocks the old weights computed (the router and the engine key blocks by content
+    digest, not by name), and answers with the new weights."""
+    text, block = "swapping lora weights", cluster.settings.engine.block_size
+    with cluster.admin() as admin:
+        files = {"file": ("swap.zip", _zip("rot13", note="swap-v1"), "application/zip")}
+        assert admin.post(
+            "/admin/api/adapters", data={"name": "swap", "activate": "true"}, files=files
+        ).is_success
+        _follow(cluster, "swap", True, time.time())
+        for _ in range(2):  # the second one hits the blocks the first cached
+            r = _complete(cluster.url, "swap", text)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == EXPECTED["rot13"](text)
+        assert admin.delete("/admin/api/adapters/swap").status_code == 200
+        _follow(cluster, "swap", False, time.time())
+        files = {"file": ("swap.zip", _zip("reverse", note="swap-v2"), "application/zip")}
+        assert admin.post(
+            "/admin/api/adapters", data={"name": "swap", "activate": "true"}, files=files
+        ).is_success
+        _follow(cluster, "swap", True, time.time())
+    time.sleep(1.0)  # the replicas' stats of the requests above
+    queries, hits = _prefix_totals(cluster)
+    r = _complete(cluster.url, "swap", text)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == EXPECTED["reverse"](text)
+    assert wait_until(lambda: _prefix_totals(cluster)[0] > queries, timeout=10)  # its lookup is counted
+    assert _prefix_totals(cluster)[1] == hits, "a hit on blocks the old weights computed"
+    again = _complete(cluster.url, "swap", text)  # the new weights' own blocks do hit
+    assert again.headers["x-loraplex-replica"] == r.headers["x-loraplex-replica"]
+    assert wait_until(lambda: _prefix_totals(cluster)[1] >= hits + block, timeout=10)
 
 
 def test_failover_when_an_engine_process_is_killed(cluster: Cluster) -> None:
