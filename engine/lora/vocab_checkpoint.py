@@ -15,11 +15,19 @@ Trainable tokens (`trainable_token_indices`: a list of token ids for the input e
 new rows themselves, which replace rows `ids` of that module's weight (PEFT's `TrainableTokensLayer`).
 With tied embeddings the LM head follows the embedding's new rows (PEFT ties the head to the token
 adapter) unless the checkpoint has the head's own rows; untied, only what is listed changes.
+
+`modules_to_save` (embed_tokens and/or lm_head, by their family names) stores a whole trained copy of the
+module's weight as `base_model.model.<module path>.weight` [vocab, hidden] (PEFT's `ModulesToSaveWrapper`,
+the adapter-name infix dropped on save): that adapter's tokens look up its own embedding matrix and its
+logits come from its own head. With tied embeddings each saved copy replaces only its own module, as in
+PEFT (saving just `embed_tokens` leaves the head on the base matrix). The vocabulary must be the base
+model's (a resized vocabulary is refused), and any other `modules_to_save` entry is refused by name.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +43,10 @@ _VOCAB_RE = re.compile(
     r"^(?:base_model\.model\.)?(?P<module>.+?)\."
     r"(?:lora_embedding_(?P<eab>[AB])(?:\.[^.]+)?|lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight|base_layer\.weight)$"
 )
+
+# a tensor of an adapter layer (not a saved module's plain weight)
+_ADAPTER_PART_RE = re.compile(r"\.(?:lora_|base_layer\.|token_adapter\.|original_module\.)")
+_EMBEDDING_ALIASES = ("wte", "embed_in", "embed_out", "embed", "output")
 
 _TOKENS_RE = re.compile(r"^(?:base_model\.model\.)?.+?\.token_adapter\.trainable_tokens_delta(?:\.[^.]+)?$")
 
@@ -58,6 +70,71 @@ class VocabLoRAWeights:
     scaling: float
     lora_a: torch.Tensor | None  # embed_tokens: [r, vocab]; lm_head: [r, hidden] (None: not loaded)
     lora_b: torch.Tensor | None  # embed_tokens: [hidden, r]; lm_head: [vocab, r]
+
+
+@dataclass(slots=True, frozen=True)
+class SavedModule:
+    """A `modules_to_save` copy of `module`'s whole weight (embed_tokens: lookups; lm_head: logits)."""
+
+    module: str  # "embed_tokens" | "lm_head"
+    weight: torch.Tensor | None  # [vocab, hidden] (None: not loaded)
+
+
+def saved_tensor(name: str, checkpoint_key: Callable[[str], str | None]) -> tuple[str, str] | None:
+    """(module, its path in the checkpoint) of a `modules_to_save` copy of embed_tokens / lm_head (a plain
+    `<module path>.weight`, mapped through the family's `checkpoint_key`); None for other tensors."""
+    if _ADAPTER_PART_RE.search(name) or not name.endswith(".weight"):
+        return None
+    path = name.removeprefix("base_model.model.")
+    key = checkpoint_key(path)
+    module = next((k for k, v in VOCAB_MODULES.items() if key == f"{v}.weight"), None)
+    return None if module is None else (module, path.removesuffix(".weight"))
+
+
+def saved_modules(
+    config: dict[str, Any],
+    found: dict[str, tuple[str, str]],
+    header: dict[str, tuple[str, tuple[int, ...]]],
+    tensors: dict[str, torch.Tensor],
+    model: ModelConfig,
+    load_weights: bool,
+) -> tuple[SavedModule, ...]:
+    """The checkpoint's `modules_to_save` copies, checked against the config and `model`.
+
+    `found`: {module: (tensor name, module path)} of the copies in the file (`saved_tensor`). Each
+    `modules_to_save` entry must name one of them (PEFT matches an entry against the module path's tail);
+    any other entry (a norm, a classifier) is refused with its name."""
+    raw = config.get("modules_to_save") or []
+    if not isinstance(raw, list) or not all(isinstance(e, str) for e in raw):
+        raise AdapterError("modules_to_save: expected a list of module names")
+    named: set[str] = set()
+    for i, entry in enumerate(raw):
+        hit = [m for m, (_, path) in found.items() if path == entry or path.endswith(f".{entry}")]
+        if not hit:
+            if entry.split(".")[-1] in VOCAB_MODULES or entry in _EMBEDDING_ALIASES:
+                raise AdapterError(f"modules_to_save[{i}]: {entry!r} has no saved weight in the checkpoint")
+            raise AdapterError(
+                f"modules_to_save[{i}]: {entry!r} is not supported (only embed_tokens and lm_head)"
+            )
+        named.update(hit)
+    out: list[SavedModule] = []
+    for module in ("embed_tokens", "lm_head"):
+        if module not in found:
+            continue
+        name = found[module][0]
+        if module not in named:
+            raise AdapterError(f"tensor {name!r}: a saved copy of {module}, not in modules_to_save")
+        shape, want = header[name][1], (model.vocab_size, model.hidden_size)
+        if shape != want:
+            raise AdapterError(
+                f"tensor {name!r}: shape {list(shape)} does not fit the base model's {module} "
+                f"(expected {list(want)}; a resized vocabulary is not supported)"
+            )
+        weight = tensors[name] if load_weights else None
+        if weight is not None and not torch.isfinite(weight).all():
+            raise AdapterError(f"tensor {name!r}: contains NaN or Inf values")
+        out.append(SavedModule(module, weight))
+    return tuple(out)
 
 
 def vocab_tensor(name: str, engine_key: str | None) -> tuple[str, str] | None:
