@@ -45,8 +45,8 @@ from engine.lora.vocab_checkpoint import (
     SavedModule,
     TrainableTokens,
     VocabLoRAWeights,
+    saved_copies,
     saved_modules,
-    saved_tensor,
     token_tensor,
     trainable_tokens,
     vocab_shape,
@@ -214,13 +214,10 @@ def inspect_adapter(
     pairs: dict[tuple[int, str], dict[str, str]] = {}
     vocab_pairs: dict[str, dict[str, str]] = {}
     token_names: dict[str, str] = {}
-    saved_names: dict[str, tuple[str, str]] = {}
+    saved_names = saved_copies(config, header, family.checkpoint_key)
+    saved_tensors = {name for name, _ in saved_names.values()}
     for name in header:
-        st = saved_tensor(name, family.checkpoint_key)
-        if st is not None:
-            if st[0] in saved_names:
-                raise AdapterError(f"tensor {name!r}: duplicate saved copy of {st[0]}")
-            saved_names[st[0]] = (name, st[1])
+        if name in saved_tensors:
             continue
         engine_module = _engine_module(name, family.checkpoint_key)
         tok = token_tensor(name, engine_module)
@@ -271,7 +268,7 @@ def inspect_adapter(
             "trainable_token_indices: not supported together with LoRA on embed_tokens/lm_head "
             f"({', '.join(v.module for v in vocab)})"
         )
-    saved = saved_modules(config, saved_names, header, tensors, model, load_weights)
+    saved = saved_modules(saved_names, header, tensors, model, load_weights)
     clash = {s.module for s in saved} & ({v.module for v in vocab} | {t.module for t in tokens})
     if clash:
         raise AdapterError(

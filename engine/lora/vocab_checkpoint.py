@@ -21,13 +21,13 @@ module's weight as `base_model.model.<module path>.weight` [vocab, hidden] (PEFT
 the adapter-name infix dropped on save): that adapter's tokens look up its own embedding matrix and its
 logits come from its own head. With tied embeddings each saved copy replaces only its own module, as in
 PEFT (saving just `embed_tokens` leaves the head on the base matrix). The vocabulary must be the base
-model's (a resized vocabulary is refused), and any other `modules_to_save` entry is refused by name.
+model's (a resized vocabulary is refused), and an entry that saves any other module is refused by name.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +46,6 @@ _VOCAB_RE = re.compile(
 
 # a tensor of an adapter layer (not a saved module's plain weight)
 _ADAPTER_PART_RE = re.compile(r"\.(?:lora_|base_layer\.|token_adapter\.|original_module\.)")
-_EMBEDDING_ALIASES = ("wte", "embed_in", "embed_out", "embed", "output")
 
 _TOKENS_RE = re.compile(r"^(?:base_model\.model\.)?.+?\.token_adapter\.trainable_tokens_delta(?:\.[^.]+)?$")
 
@@ -80,50 +79,60 @@ class SavedModule:
     weight: torch.Tensor | None  # [vocab, hidden] (None: not loaded)
 
 
-def saved_tensor(name: str, checkpoint_key: Callable[[str], str | None]) -> tuple[str, str] | None:
-    """(module, its path in the checkpoint) of a `modules_to_save` copy of embed_tokens / lm_head (a plain
-    `<module path>.weight`, mapped through the family's `checkpoint_key`); None for other tensors."""
-    if _ADAPTER_PART_RE.search(name) or not name.endswith(".weight"):
-        return None
-    path = name.removeprefix("base_model.model.")
-    key = checkpoint_key(path)
-    module = next((k for k, v in VOCAB_MODULES.items() if key == f"{v}.weight"), None)
-    return None if module is None else (module, path.removesuffix(".weight"))
+def saved_copies(
+    config: dict[str, Any], names: Iterable[str], checkpoint_key: Callable[[str], str | None]
+) -> dict[str, tuple[str, str]]:
+    """{module: (tensor name, module path)} of the checkpoint's `modules_to_save` copies of embed_tokens /
+    lm_head: plain `<module path>.weight` tensors whose path ends with a `modules_to_save` entry (PEFT's
+    match), mapped to the engine's modules through the family's `checkpoint_key`.
+
+    Refuses, naming the entry, one that saves anything else (a norm, a classifier) or nothing."""
+    raw = config.get("modules_to_save") or []
+    if not isinstance(raw, list) or not all(isinstance(e, str) for e in raw):
+        raise AdapterError("modules_to_save: expected a list of module names")
+    plain = {
+        n.removeprefix("base_model.model.").removesuffix(".weight"): n
+        for n in names
+        if n.endswith(".weight") and not _ADAPTER_PART_RE.search(n)
+    }
+    out: dict[str, tuple[str, str]] = {}
+    for i, entry in enumerate(raw):
+        paths = [p for p in plain if p.endswith(entry)]
+        if not paths:
+            raise AdapterError(f"modules_to_save[{i}]: {entry!r} has no saved weight in the checkpoint")
+        for path in paths:
+            key = checkpoint_key(f"{path}.weight")
+            module = next((k for k, v in VOCAB_MODULES.items() if key == f"{v}.weight"), None)
+            if module is None:
+                raise AdapterError(
+                    f"modules_to_save[{i}]: {entry!r} is not supported (only embed_tokens and lm_head; "
+                    f"it saves {path})"
+                )
+            if module in out and out[module][1] != path:
+                raise AdapterError(f"modules_to_save[{i}]: a second saved copy of {module} ({path})")
+            out[module] = (plain[path], path)
+    for path, name in plain.items():
+        key = checkpoint_key(f"{path}.weight")
+        module = next((k for k, v in VOCAB_MODULES.items() if key == f"{v}.weight"), None)
+        if module is not None and module not in out:
+            raise AdapterError(f"tensor {name!r}: a saved copy of {module}, not in modules_to_save")
+    return out
 
 
 def saved_modules(
-    config: dict[str, Any],
     found: dict[str, tuple[str, str]],
     header: dict[str, tuple[str, tuple[int, ...]]],
     tensors: dict[str, torch.Tensor],
     model: ModelConfig,
     load_weights: bool,
 ) -> tuple[SavedModule, ...]:
-    """The checkpoint's `modules_to_save` copies, checked against the config and `model`.
-
-    `found`: {module: (tensor name, module path)} of the copies in the file (`saved_tensor`). Each
-    `modules_to_save` entry must name one of them (PEFT matches an entry against the module path's tail);
-    any other entry (a norm, a classifier) is refused with its name."""
-    raw = config.get("modules_to_save") or []
-    if not isinstance(raw, list) or not all(isinstance(e, str) for e in raw):
-        raise AdapterError("modules_to_save: expected a list of module names")
-    named: set[str] = set()
-    for i, entry in enumerate(raw):
-        hit = [m for m, (_, path) in found.items() if path == entry or path.endswith(f".{entry}")]
-        if not hit:
-            if entry.split(".")[-1] in VOCAB_MODULES or entry in _EMBEDDING_ALIASES:
-                raise AdapterError(f"modules_to_save[{i}]: {entry!r} has no saved weight in the checkpoint")
-            raise AdapterError(
-                f"modules_to_save[{i}]: {entry!r} is not supported (only embed_tokens and lm_head)"
-            )
-        named.update(hit)
+    """The `modules_to_save` copies `found` (`saved_copies`), shape-checked against `model` (a resized
+    vocabulary is refused) and with their weights when `load_weights`."""
     out: list[SavedModule] = []
     for module in ("embed_tokens", "lm_head"):
         if module not in found:
             continue
         name = found[module][0]
-        if module not in named:
-            raise AdapterError(f"tensor {name!r}: a saved copy of {module}, not in modules_to_save")
         shape, want = header[name][1], (model.vocab_size, model.hidden_size)
         if shape != want:
             raise AdapterError(

@@ -2,7 +2,8 @@
 of such an adapter look up its own embedding matrix and score with its own head, in one batch with base
 rows, plain LoRA, embedding LoRA and trainable tokens; Llama (untied) and Qwen2 (tied: each copy replaces
 only its own module, as in PEFT); both CPU LoRA backends, chunked prefill with a small pool. Registration
-refuses other modules_to_save entries by name, and a resized vocabulary."""
+refuses modules_to_save entries without a saved copy, a copy not named by modules_to_save, and a resized
+vocabulary (saving other modules is refused in tests/lora_registry/test_service.py)."""
 
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def test_registration_reads_copies_and_refuses_other_modules(adapters, tmp_path)
     cfg = json.loads((dirs["saved-both"] / "adapter_config.json").read_text())
     weights = (dirs["saved-both"] / "adapter_model.safetensors").read_bytes()
     for entries, words in (
-        (["embed_tokens", "lm_head", "norm"], "modules_to_save[2]: 'norm' is not supported"),
+        (["embed_tokens", "lm_head", "norm"], "modules_to_save[2]: 'norm' has no saved weight"),
         (["embed_tokens"], "a saved copy of lm_head, not in modules_to_save"),
     ):
         raw = json.dumps(cfg | {"modules_to_save": entries}).encode()

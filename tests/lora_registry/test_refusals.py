@@ -79,10 +79,6 @@ CASES = {
         lambda d: edit_config(d, use_dora=True, lora_bias=True),
         "lora_bias: not supported together with use_dora",
     ),
-    "modules-to-save-norm": (
-        lambda d: edit_config(d, modules_to_save=["norm"]),
-        r"modules_to_save\[0\]: 'norm' is not supported \(only embed_tokens and lm_head\)",
-    ),
     "modules-to-save-missing-copy": (
         lambda d: edit_config(d, modules_to_save=["lm_head"]),
         r"modules_to_save\[0\]: 'lm_head' has no saved weight",
