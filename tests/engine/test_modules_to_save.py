@@ -1,9 +1,9 @@
 """modules_to_save copies of embed_tokens / lm_head serve in mixed batches equal to PEFT (float32): rows
 of such an adapter look up its own embedding matrix and score with its own head, in one batch with base
 rows, plain LoRA, embedding LoRA and trainable tokens; Llama (untied) and Qwen2 (tied: each copy replaces
-only its own module, as in PEFT); both CPU LoRA backends, chunked prefill with a small pool. Registration
-refuses modules_to_save entries without a saved copy, a copy not named by modules_to_save, and a resized
-vocabulary (saving other modules is refused in tests/lora_registry/test_service.py)."""
+only its own module, as in PEFT); both CPU LoRA backends, chunked prefill with a small pool, the Triton
+path (interpreted). Registration refuses modules_to_save entries without a saved copy, a copy not named
+by modules_to_save, and a resized vocabulary (saving other modules: tests/lora_registry/test_service.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import json
 
 import pytest
 
+from engine import LoRARequest, SamplingParams
 from engine.lora.adapter_checkpoint import AdapterError, inspect_adapter
 from engine.model_config import ModelConfig
 from tests.engine.test_vocab_lora import _check, _llm
@@ -81,3 +82,16 @@ def test_registration_reads_copies_and_refuses_other_modules(adapters, tmp_path)
     resized = dataclasses.replace(model, vocab_size=model.vocab_size + 8)  # the copy has the old width
     with pytest.raises(AdapterError, match="a resized vocabulary is not supported"):
         inspect_adapter(dirs["saved-head"], resized)
+
+
+def test_triton_path_with_modules_to_save(adapters):
+    """The CUDA path (Triton SGMV, interpreted on CPU here): saved copies apply on their rows only."""
+    base, dirs, oracle = adapters["llama"]
+    llm = _llm(base, attention_backend="triton", lora_backend="triton")
+    names = ["saved-both", "plain-r4", None, "saved-head", "saved-embed"]
+    prompts = [[9, 10, 11, 12], [13, 14], [15, 16, 17], [18, 19, 20, 21, 22], [23, 24, 25]]
+    loras = [LoRARequest(n, str(dirs[n])) if n else None for n in names]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params, lora_request=loras)
+    for prompt, name, out in zip(prompts, names, outs, strict=True):
+        assert out.outputs[0].token_ids == oracle.greedy(prompt, 4, dirs[name] if name else None), name
