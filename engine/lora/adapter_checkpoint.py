@@ -42,8 +42,11 @@ from safetensors.torch import load as load_safetensors
 
 from engine.lora.adapter_error import AdapterError as AdapterError
 from engine.lora.vocab_checkpoint import (
+    SavedModule,
     TrainableTokens,
     VocabLoRAWeights,
+    saved_copies,
+    saved_modules,
     token_tensor,
     trainable_tokens,
     vocab_shape,
@@ -101,6 +104,7 @@ class AdapterCheckpoint:
     lora_bias: bool = False
     vocab: tuple[VocabLoRAWeights, ...] = ()  # LoRA on embed_tokens / lm_head
     tokens: tuple[TrainableTokens, ...] = ()  # trainable_token_indices: replaced rows of embed / head
+    saved: tuple[SavedModule, ...] = ()  # modules_to_save: whole copies of embed_tokens / lm_head
     # what the engine derives from these weights and the base model (DoRA's epilogue vectors), kept with
     # the host copy so it is computed once per load; not part of the adapter's identity
     derived: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -210,7 +214,11 @@ def inspect_adapter(
     pairs: dict[tuple[int, str], dict[str, str]] = {}
     vocab_pairs: dict[str, dict[str, str]] = {}
     token_names: dict[str, str] = {}
+    saved_names = saved_copies(config, header, family.checkpoint_key)
+    saved_tensors = {name for name, _ in saved_names.values()}
     for name in header:
+        if name in saved_tensors:
+            continue
         engine_module = _engine_module(name, family.checkpoint_key)
         tok = token_tensor(name, engine_module)
         if tok is not None:
@@ -238,7 +246,12 @@ def inspect_adapter(
         if ab in slot:
             raise AdapterError(f"tensor {name!r}: duplicate lora_{ab} for layer {layer} {module}")
         slot[ab] = name
-    if not pairs and not token_names and not any(set(v) - {"base"} for v in vocab_pairs.values()):
+    if (
+        not pairs
+        and not token_names
+        and not saved_names
+        and not any(set(v) - {"base"} for v in vocab_pairs.values())
+    ):
         raise AdapterError(f"{WEIGHTS_FILE}: contains no LoRA tensors")
 
     tensors = _load_tensors(data) if load_weights else {}
@@ -254,6 +267,13 @@ def inspect_adapter(
         raise AdapterError(
             "trainable_token_indices: not supported together with LoRA on embed_tokens/lm_head "
             f"({', '.join(v.module for v in vocab)})"
+        )
+    saved = saved_modules(saved_names, header, tensors, model, load_weights)
+    clash = {s.module for s in saved} & ({v.module for v in vocab} | {t.module for t in tokens})
+    if clash:
+        raise AdapterError(
+            f"modules_to_save: {', '.join(sorted(clash))} also has a LoRA or trainable tokens "
+            "(PEFT trains one or the other)"
         )
     modules: list[LoRAModuleWeights] = []
     order = list(targets)
@@ -311,6 +331,7 @@ def inspect_adapter(
         lora_bias=rules.lora_bias,
         vocab=vocab,
         tokens=tokens,
+        saved=saved,
     )
 
 
@@ -412,7 +433,6 @@ def _pattern_key(patterns: dict[str, Any], key: str) -> str | None:
 
 
 _REFUSED_FIELDS = {
-    "modules_to_save": "modules_to_save is not supported (it would replace base-model weights)",
     "target_parameters": "LoRA on raw parameters (e.g. a mixture-of-experts model's fused experts) is not "
     "supported yet",
     "layer_replication": "layer_replication is not supported",

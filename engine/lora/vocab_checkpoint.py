@@ -15,11 +15,19 @@ Trainable tokens (`trainable_token_indices`: a list of token ids for the input e
 new rows themselves, which replace rows `ids` of that module's weight (PEFT's `TrainableTokensLayer`).
 With tied embeddings the LM head follows the embedding's new rows (PEFT ties the head to the token
 adapter) unless the checkpoint has the head's own rows; untied, only what is listed changes.
+
+`modules_to_save` (embed_tokens and/or lm_head, by their family names) stores a whole trained copy of the
+module's weight as `base_model.model.<module path>.weight` [vocab, hidden] (PEFT's `ModulesToSaveWrapper`,
+the adapter-name infix dropped on save): that adapter's tokens look up its own embedding matrix and its
+logits come from its own head. With tied embeddings each saved copy replaces only its own module, as in
+PEFT (saving just `embed_tokens` leaves the head on the base matrix). The vocabulary must be the base
+model's (a resized vocabulary is refused), and an entry that saves any other module is refused by name.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +43,9 @@ _VOCAB_RE = re.compile(
     r"^(?:base_model\.model\.)?(?P<module>.+?)\."
     r"(?:lora_embedding_(?P<eab>[AB])(?:\.[^.]+)?|lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight|base_layer\.weight)$"
 )
+
+# a tensor of an adapter layer (not a saved module's plain weight)
+_ADAPTER_PART_RE = re.compile(r"\.(?:lora_|base_layer\.|token_adapter\.|original_module\.)")
 
 _TOKENS_RE = re.compile(r"^(?:base_model\.model\.)?.+?\.token_adapter\.trainable_tokens_delta(?:\.[^.]+)?$")
 
@@ -58,6 +69,81 @@ class VocabLoRAWeights:
     scaling: float
     lora_a: torch.Tensor | None  # embed_tokens: [r, vocab]; lm_head: [r, hidden] (None: not loaded)
     lora_b: torch.Tensor | None  # embed_tokens: [hidden, r]; lm_head: [vocab, r]
+
+
+@dataclass(slots=True, frozen=True)
+class SavedModule:
+    """A `modules_to_save` copy of `module`'s whole weight (embed_tokens: lookups; lm_head: logits)."""
+
+    module: str  # "embed_tokens" | "lm_head"
+    weight: torch.Tensor | None  # [vocab, hidden] (None: not loaded)
+
+
+def saved_copies(
+    config: dict[str, Any], names: Iterable[str], checkpoint_key: Callable[[str], str | None]
+) -> dict[str, tuple[str, str]]:
+    """{module: (tensor name, module path)} of the checkpoint's `modules_to_save` copies of embed_tokens /
+    lm_head: plain `<module path>.weight` tensors whose path ends with a `modules_to_save` entry (PEFT's
+    match), mapped to the engine's modules through the family's `checkpoint_key`.
+
+    Refuses, naming the entry, one that saves anything else (a norm, a classifier) or nothing."""
+    raw = config.get("modules_to_save") or []
+    if not isinstance(raw, list) or not all(isinstance(e, str) for e in raw):
+        raise AdapterError("modules_to_save: expected a list of module names")
+    plain = {
+        n.removeprefix("base_model.model.").removesuffix(".weight"): n
+        for n in names
+        if n.endswith(".weight") and not _ADAPTER_PART_RE.search(n)
+    }
+    out: dict[str, tuple[str, str]] = {}
+    for i, entry in enumerate(raw):
+        paths = [p for p in plain if p.endswith(entry)]
+        if not paths:
+            raise AdapterError(f"modules_to_save[{i}]: {entry!r} has no saved weight in the checkpoint")
+        for path in paths:
+            key = checkpoint_key(f"{path}.weight")
+            module = next((k for k, v in VOCAB_MODULES.items() if key == f"{v}.weight"), None)
+            if module is None:
+                raise AdapterError(
+                    f"modules_to_save[{i}]: {entry!r} is not supported (only embed_tokens and lm_head; "
+                    f"it saves {path})"
+                )
+            if module in out and out[module][1] != path:
+                raise AdapterError(f"modules_to_save[{i}]: a second saved copy of {module} ({path})")
+            out[module] = (plain[path], path)
+    for path, name in plain.items():
+        key = checkpoint_key(f"{path}.weight")
+        module = next((k for k, v in VOCAB_MODULES.items() if key == f"{v}.weight"), None)
+        if module is not None and module not in out:
+            raise AdapterError(f"tensor {name!r}: a saved copy of {module}, not in modules_to_save")
+    return out
+
+
+def saved_modules(
+    found: dict[str, tuple[str, str]],
+    header: dict[str, tuple[str, tuple[int, ...]]],
+    tensors: dict[str, torch.Tensor],
+    model: ModelConfig,
+    load_weights: bool,
+) -> tuple[SavedModule, ...]:
+    """The `modules_to_save` copies `found` (`saved_copies`), shape-checked against `model` (a resized
+    vocabulary is refused) and with their weights when `load_weights`."""
+    out: list[SavedModule] = []
+    for module in ("embed_tokens", "lm_head"):
+        if module not in found:
+            continue
+        name = found[module][0]
+        shape, want = header[name][1], (model.vocab_size, model.hidden_size)
+        if shape != want:
+            raise AdapterError(
+                f"tensor {name!r}: shape {list(shape)} does not fit the base model's {module} "
+                f"(expected {list(want)}; a resized vocabulary is not supported)"
+            )
+        weight = tensors[name] if load_weights else None
+        if weight is not None and not torch.isfinite(weight).all():
+            raise AdapterError(f"tensor {name!r}: contains NaN or Inf values")
+        out.append(SavedModule(module, weight))
+    return tuple(out)
 
 
 def vocab_tensor(name: str, engine_key: str | None) -> tuple[str, str] | None:

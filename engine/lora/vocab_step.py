@@ -18,6 +18,11 @@ embedding row gets that row (before family scaling, as PEFT's `F.embedding` on t
 the logits columns of tokens with new head rows (tied models: the embedding's new rows) become
 `h @ rowsᵀ` on that adapter's logits rows.
 
+A `modules_to_save` copy (`saved_embed` / `saved_head`, a whole [vocab, hidden] matrix per adapter, so
+vocab × hidden elements each, e.g. 128256 × 4096 × 2 bytes ≈ 1 GiB for Llama 3 8B in bf16) is the
+dense case of the same thing: every row of that adapter looks up its own matrix, and its logits rows are
+`h @ Wᵀ` with its own head (replacing the base logits of those rows only).
+
 Base rows and other adapters' rows are never touched. With tied embeddings the head LoRA applies to the
 shared matrix's logits only, the embedding LoRA to the lookups only, as PEFT keeps them.
 """
@@ -49,18 +54,22 @@ class VocabLoRA:
     tok_embed: torch.Tensor | None = None  # [n, hidden]: the new embedding rows
     tok_head_ids: torch.Tensor | None = None  # [m] int64: token ids whose LM-head rows are new
     tok_head: torch.Tensor | None = None  # [m, hidden]: those rows
+    saved_embed: torch.Tensor | None = None  # [vocab, hidden]: modules_to_save's embed_tokens
+    saved_head: torch.Tensor | None = None  # [vocab, hidden]: modules_to_save's lm_head
 
     def memory_bytes(self) -> int:
         ts = [self.embed_at, self.embed_b, self.head_a, self.head_b]
         ts += [self.tok_pos, self.tok_embed, self.tok_head_ids, self.tok_head]
+        ts += [self.saved_embed, self.saved_head]
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
 def device_vocab_lora(
     ckpt: AdapterCheckpoint, vocab_size: int, dtype: torch.dtype, device: torch.device
 ) -> VocabLoRA | None:
-    """The device copy of `ckpt`'s vocabulary LoRA and trainable tokens (None when it has neither)."""
-    if not ckpt.vocab and not ckpt.tokens:
+    """The device copy of `ckpt`'s vocabulary LoRA, trainable tokens and modules_to_save copies (None
+    when it has none of them)."""
+    if not ckpt.vocab and not ckpt.tokens and not ckpt.saved:
         return None
     out = VocabLoRA()
     for w in ckpt.vocab:
@@ -79,6 +88,12 @@ def device_vocab_lora(
             out.tok_embed = t.values.to(device, dtype)
         else:
             out.tok_head_ids, out.tok_head = ids, t.values.to(device, dtype)
+    for sm in ckpt.saved:
+        assert sm.weight is not None, "uploading an adapter needs its weights"
+        if sm.module == "embed_tokens":
+            out.saved_embed = sm.weight.to(device, dtype)
+        else:
+            out.saved_head = sm.weight.to(device, dtype)
     return out
 
 
@@ -108,9 +123,12 @@ class VocabLoRAStep:
         return bool(self._runs)
 
     def embed(self, input_ids: torch.Tensor, x: torch.Tensor) -> None:
-        """`x[t] += s · Aᵀ[input_ids[t]] @ Bᵀ` on each embedding-LoRA adapter's rows (in place)."""
+        """`x[t] += s · Aᵀ[input_ids[t]] @ Bᵀ` on each embedding-LoRA adapter's rows, `x[t] = E_a[id_t]`
+        on a modules_to_save adapter's rows, new rows for trainable tokens (in place)."""
         for v, rows in self._runs:
             ids = input_ids[rows.start : rows.stop]
+            if v.saved_embed is not None:
+                x[rows.start : rows.stop] = v.saved_embed.index_select(0, ids).to(x.dtype)
             if v.embed_at is not None and v.embed_b is not None:
                 after_a = v.embed_at.index_select(0, ids).to(x.dtype)
                 x[rows.start : rows.stop].add_((after_a @ v.embed_b.to(x.dtype).T).mul_(v.embed_scaling))
@@ -125,12 +143,14 @@ class VocabLoRAStep:
         """`logits[i] += s · (h[i] @ Aᵀ) @ Bᵀ` for each logits row i whose flat row is in an LM-head-LoRA
         adapter's run (in place); `h` [S, hidden] final-normed rows, `logits` [S, vocab]."""
         for v, rows in self._runs:
-            if v.head_a is None and v.tok_head is None:
+            if v.head_a is None and v.tok_head is None and v.saved_head is None:
                 continue
             sel = ((logits_indices >= rows.start) & (logits_indices < rows.stop)).nonzero().squeeze(1)
             if sel.numel() == 0:
                 continue
             hs = h.index_select(0, sel)
+            if v.saved_head is not None:
+                logits.index_copy_(0, sel, (hs @ v.saved_head.to(h.dtype).T).to(logits.dtype))
             if v.head_a is not None and v.head_b is not None:
                 d = ((hs @ v.head_a.to(h.dtype).T) @ v.head_b.to(h.dtype).T).mul_(v.head_scaling)
                 logits.index_add_(0, sel, d.to(logits.dtype))

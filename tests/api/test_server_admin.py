@@ -99,8 +99,9 @@ def test_dora_upload_serves_equal_to_peft(server, text_model, tmp_path):
 
 
 def test_vocab_lora_and_trainable_tokens_uploads_serve_equal_to_peft(server, text_model, tmp_path):
-    """Adapters with LoRA on embed_tokens / lm_head, and with trainable tokens for the prompt's own token
-    ids, uploaded through the admin API, serve through the openai client equal to PEFT."""
+    """Adapters with LoRA on embed_tokens / lm_head, with trainable tokens for the prompt's own token ids,
+    and with modules_to_save copies of both, uploaded through the admin API, serve through the openai
+    client equal to PEFT."""
     from transformers import AutoTokenizer
 
     from tests.helpers.tiny_adapters import build_adapter
@@ -111,6 +112,7 @@ def test_vocab_lora_and_trainable_tokens_uploads_serve_equal_to_peft(server, tex
     kinds = {
         "vocab-bot": dict(target_modules=["embed_tokens", "lm_head", "q_proj"]),
         "tokens-bot": dict(target_modules=["v_proj"], trainable_token_indices=sorted(set(prompt))),
+        "saved-bot": dict(target_modules=["q_proj"], modules_to_save=["embed_tokens", "lm_head"]),
     }
     admin = server.admin()
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)

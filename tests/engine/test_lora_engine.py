@@ -207,7 +207,7 @@ def test_failed_background_load_ends_request_with_error(adapters, tmp_path):
     [
         ({"use_dora": True}, "DoRA"),
         ({"bias": "all"}, "bias"),
-        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"modules_to_save": ["norm"]}, "modules_to_save"),
         ({"r": 64}, "rank"),
     ],
 )

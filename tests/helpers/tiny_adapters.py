@@ -66,10 +66,20 @@ TOKEN_ADAPTER_SPECS: dict[str, dict[str, Any]] = {
     ),
 }
 
+# modules_to_save (PEFT's ModulesToSaveWrapper): whole trained copies of embed_tokens and/or lm_head; on
+# Qwen2 (tied) each copy replaces only its own module, as in PEFT.
+SAVED_ADAPTER_SPECS: dict[str, dict[str, Any]] = {
+    "saved-both": dict(
+        r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["embed_tokens", "lm_head"]
+    ),
+    "saved-embed": dict(r=2, lora_alpha=4, target_modules=["o_proj"], modules_to_save=["embed_tokens"]),
+    "saved-head": dict(r=4, lora_alpha=4, target_modules=["down_proj"], modules_to_save=["lm_head"]),
+}
+
 
 def build_adapter(base_dir: Path, out_dir: Path, seed: int = 0, scale: float = 0.3, **lora_kwargs) -> Path:
     """Wrap the base model with a PEFT LoRA config, give A and B (and trainable tokens' rows) random
-    weights, save it to `out_dir`."""
+    weights, perturb modules_to_save copies randomly, save it to `out_dir`."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -80,6 +90,8 @@ def build_adapter(base_dir: Path, out_dir: Path, seed: int = 0, scale: float = 0
         for name, p in model.named_parameters():
             if "lora_" in name or "trainable_tokens_delta" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * scale)
+            elif "modules_to_save" in name:
+                p.add_(torch.randn(p.shape, generator=gen) * scale)
     model.save_pretrained(out_dir)
     return out_dir
 

@@ -79,7 +79,10 @@ CASES = {
         lambda d: edit_config(d, use_dora=True, lora_bias=True),
         "lora_bias: not supported together with use_dora",
     ),
-    "modules-to-save": (lambda d: edit_config(d, modules_to_save=["lm_head"]), "modules_to_save"),
+    "modules-to-save-missing-copy": (
+        lambda d: edit_config(d, modules_to_save=["lm_head"]),
+        r"modules_to_save\[0\]: 'lm_head' has no saved weight",
+    ),
     "trainable-tokens": (
         lambda d: edit_config(d, trainable_token_indices=[3, 4]),
         r"trainable_token_indices\['embed_tokens'\]: its trainable_tokens_delta is missing",

@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import select
 
 from engine.lora.adapter_checkpoint import adapter_digest
-from lora_registry.errors import BlobCorrupt, NotFound, RegistryError
+from lora_registry.errors import BlobCorrupt, InvalidAdapter, NotFound, RegistryError
 from lora_registry.events import RegistryEvent
 from lora_registry.models import AdapterVersion
 from lora_registry.registry import Registry, open_registry
@@ -61,6 +61,17 @@ def test_register_accepts_trainable_tokens(registry: Registry, tmp_path: Path) -
     make_adapter(tmp_path / "tok", seed=6, trainable_token_indices=[5, 9, 17])
     res = registry.adapters.register("tokens-bot", tmp_path / "tok")
     assert res.created and res.version.digest == adapter_digest(tmp_path / "tok")
+
+
+def test_register_accepts_modules_to_save_of_embeddings(registry: Registry, tmp_path: Path) -> None:
+    """A PEFT adapter saving whole copies of embed_tokens and lm_head (`modules_to_save`) registers; one
+    saving another module (the final norm) is refused naming it."""
+    make_adapter(tmp_path / "saved", seed=7, modules_to_save=["embed_tokens", "lm_head"])
+    res = registry.adapters.register("saved-bot", tmp_path / "saved")
+    assert res.created and res.version.digest == adapter_digest(tmp_path / "saved")
+    make_adapter(tmp_path / "norm", seed=8, modules_to_save=["norm"])
+    with pytest.raises(InvalidAdapter, match=r"modules_to_save\[0\]: 'norm' is not supported"):
+        registry.adapters.register("norm-bot", tmp_path / "norm")
 
 
 def test_same_content_is_a_noop_and_new_content_a_new_version(

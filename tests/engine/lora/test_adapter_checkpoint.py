@@ -299,7 +299,9 @@ def test_missing_files(tmp_path: Path, model: ModelConfig) -> None:
         ({"lora_bias": True}, "lora_bias: its lora_B bias partner is missing"),
         ({"use_dora": True, "lora_bias": True}, "lora_bias: not supported together with use_dora"),
         ({"bias": "all"}, "bias: 'all' is not supported"),
-        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"modules_to_save": ["norm"]}, r"modules_to_save\[0\]: 'norm' has no saved weight"),
+        ({"modules_to_save": ["lm_head"]}, r"modules_to_save\[0\]: 'lm_head' has no saved weight"),
+        ({"modules_to_save": "lm_head"}, "modules_to_save: expected a list of module names"),
         ({"peft_type": "PREFIX_TUNING"}, "peft_type: 'PREFIX_TUNING' is not supported"),
         (
             {"target_modules": ["q_proj", "v_proj", "wte"]},

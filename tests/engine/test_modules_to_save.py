@@ -1,0 +1,97 @@
+"""modules_to_save copies of embed_tokens / lm_head serve in mixed batches equal to PEFT (float32): rows
+of such an adapter look up its own embedding matrix and score with its own head, in one batch with base
+rows, plain LoRA, embedding LoRA and trainable tokens; Llama (untied) and Qwen2 (tied: each copy replaces
+only its own module, as in PEFT); both CPU LoRA backends, chunked prefill with a small pool, the Triton
+path (interpreted). Registration refuses modules_to_save entries without a saved copy, a copy not named
+by modules_to_save, and a resized vocabulary (saving other modules: tests/lora_registry/test_service.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from engine import LoRARequest, SamplingParams
+from engine.lora.adapter_checkpoint import AdapterError, inspect_adapter
+from engine.model_config import ModelConfig
+from tests.engine.test_vocab_lora import _check, _llm
+from tests.helpers.tiny_adapters import (
+    SAVED_ADAPTER_SPECS,
+    TOKEN_ADAPTER_SPECS,
+    VOCAB_ADAPTER_SPECS,
+    PeftGreedyOracle,
+    build_adapter,
+)
+
+pytestmark = pytest.mark.slow  # the PEFT oracle on tiny models
+
+SPECS = (
+    {"plain-r4": dict(r=4, lora_alpha=8, target_modules="all-linear")}
+    | SAVED_ADAPTER_SPECS
+    | {"embed-q-r4": VOCAB_ADAPTER_SPECS["embed-q-r4"], "tokens-list": TOKEN_ADAPTER_SPECS["tokens-list"]}
+)
+
+
+@pytest.fixture(scope="module")
+def adapters(checkpoint, tmp_path_factory):
+    """Per family: (base dir, {name: adapter dir}, PEFT oracle); saved copies perturbed at random."""
+    out = {}
+    for arch in ("llama", "qwen2"):
+        base = checkpoint(arch)
+        root = tmp_path_factory.mktemp(f"saved_{arch}")
+        dirs = {n: build_adapter(base, root / n, seed=40 + i, **s) for i, (n, s) in enumerate(SPECS.items())}
+        out[arch] = (base, dirs, PeftGreedyOracle(base))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("arch", "backend"), [("llama", "native"), ("llama", "torch"), ("qwen2", "native"), ("qwen2", "torch")]
+)
+def test_mixed_batch_with_modules_to_save_matches_peft(arch, backend, adapters):
+    base, dirs, oracle = adapters[arch]
+    llm = _llm(base, lora_backend=backend)
+    assert llm.engine.lora.backend == backend
+    _check(llm, dirs, oracle, seed=5, n=2 * (len(dirs) + 1), logprobs=True)
+
+
+def test_modules_to_save_under_chunked_prefill_and_a_small_pool(adapters):
+    """Chunks of 7 tokens and 2 resident adapters, so the saved copies are evicted and uploaded again."""
+    base, dirs, oracle = adapters["qwen2"]
+    llm = _llm(base, max_num_batched_tokens=7, max_loras=2, num_kv_blocks=40)
+    _check(llm, dirs, oracle, seed=6, n=10)
+
+
+def test_registration_reads_copies_and_refuses_other_modules(adapters, tmp_path):
+    base, dirs, _ = adapters["llama"]
+    model = ModelConfig.from_dir(base)
+    ckpt = inspect_adapter(dirs["saved-both"], model)
+    assert [(s.module, tuple(s.weight.shape)) for s in ckpt.saved] == [
+        ("embed_tokens", (model.vocab_size, model.hidden_size)),
+        ("lm_head", (model.vocab_size, model.hidden_size)),
+    ]
+    cfg = json.loads((dirs["saved-both"] / "adapter_config.json").read_text())
+    weights = (dirs["saved-both"] / "adapter_model.safetensors").read_bytes()
+    for entries, words in (
+        (["embed_tokens", "lm_head", "norm"], "modules_to_save[2]: 'norm' has no saved weight"),
+        (["embed_tokens"], "a saved copy of lm_head, not in modules_to_save"),
+    ):
+        raw = json.dumps(cfg | {"modules_to_save": entries}).encode()
+        with pytest.raises(AdapterError, match=words.replace("[", r"\[").replace("]", r"\]")):
+            inspect_adapter(tmp_path, model, contents=(raw, weights))
+    resized = dataclasses.replace(model, vocab_size=model.vocab_size + 8)  # the copy has the old width
+    with pytest.raises(AdapterError, match="a resized vocabulary is not supported"):
+        inspect_adapter(dirs["saved-head"], resized)
+
+
+def test_triton_path_with_modules_to_save(adapters):
+    """The CUDA path (Triton SGMV, interpreted on CPU here): saved copies apply on their rows only."""
+    base, dirs, oracle = adapters["llama"]
+    llm = _llm(base, attention_backend="triton", lora_backend="triton")
+    names = ["saved-both", "plain-r4", None, "saved-head", "saved-embed"]
+    prompts = [[9, 10, 11, 12], [13, 14], [15, 16, 17], [18, 19, 20, 21, 22], [23, 24, 25]]
+    loras = [LoRARequest(n, str(dirs[n])) if n else None for n in names]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params, lora_request=loras)
+    for prompt, name, out in zip(prompts, names, outs, strict=True):
+        assert out.outputs[0].token_ids == oracle.greedy(prompt, 4, dirs[name] if name else None), name
