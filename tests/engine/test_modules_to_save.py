@@ -15,7 +15,7 @@ import pytest
 from engine import LoRARequest, SamplingParams
 from engine.lora.adapter_checkpoint import AdapterError, inspect_adapter
 from engine.model_config import ModelConfig
-from tests.engine.test_vocab_lora import _check, _llm
+from tests.helpers.peft_batch import check_mixed_batch, cpu_llm
 from tests.helpers.tiny_adapters import (
     SAVED_ADAPTER_SPECS,
     TOKEN_ADAPTER_SPECS,
@@ -50,16 +50,16 @@ def adapters(checkpoint, tmp_path_factory):
 )
 def test_mixed_batch_with_modules_to_save_matches_peft(arch, backend, adapters):
     base, dirs, oracle = adapters[arch]
-    llm = _llm(base, lora_backend=backend)
+    llm = cpu_llm(base, lora_backend=backend)
     assert llm.engine.lora.backend == backend
-    _check(llm, dirs, oracle, seed=5, n=2 * (len(dirs) + 1), logprobs=True)
+    check_mixed_batch(llm, dirs, oracle, seed=5, n=2 * (len(dirs) + 1), logprobs=True)
 
 
 def test_modules_to_save_under_chunked_prefill_and_a_small_pool(adapters):
     """Chunks of 7 tokens and 2 resident adapters, so the saved copies are evicted and uploaded again."""
     base, dirs, oracle = adapters["qwen2"]
-    llm = _llm(base, max_num_batched_tokens=7, max_loras=2, num_kv_blocks=40)
-    _check(llm, dirs, oracle, seed=6, n=10)
+    llm = cpu_llm(base, max_num_batched_tokens=7, max_loras=2, num_kv_blocks=40)
+    check_mixed_batch(llm, dirs, oracle, seed=6, n=10)
 
 
 def test_registration_reads_copies_and_refuses_other_modules(adapters, tmp_path):
@@ -87,7 +87,7 @@ def test_registration_reads_copies_and_refuses_other_modules(adapters, tmp_path)
 def test_triton_path_with_modules_to_save(adapters):
     """The CUDA path (Triton SGMV, interpreted on CPU here): saved copies apply on their rows only."""
     base, dirs, oracle = adapters["llama"]
-    llm = _llm(base, attention_backend="triton", lora_backend="triton")
+    llm = cpu_llm(base, attention_backend="triton", lora_backend="triton")
     names = ["saved-both", "plain-r4", None, "saved-head", "saved-embed"]
     prompts = [[9, 10, 11, 12], [13, 14], [15, 16, 17], [18, 19, 20, 21, 22], [23, 24, 25]]
     loras = [LoRARequest(n, str(dirs[n])) if n else None for n in names]

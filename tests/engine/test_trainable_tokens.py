@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine.test_vocab_lora import _check, _llm
+from tests.helpers.peft_batch import check_mixed_batch, cpu_llm
 from tests.helpers.tiny_adapters import (
     TOKEN_ADAPTER_SPECS,
     VOCAB_ADAPTER_SPECS,
@@ -43,11 +43,11 @@ def adapters(checkpoint, tmp_path_factory):
 )
 def test_mixed_batch_with_trainable_tokens_matches_peft(arch, backend, adapters):
     base, dirs, oracle = adapters[arch]
-    llm = _llm(base, lora_backend=backend)
-    _check(llm, dirs, oracle, seed=3, n=3 * (len(dirs) + 1), logprobs=True)
+    llm = cpu_llm(base, lora_backend=backend)
+    check_mixed_batch(llm, dirs, oracle, seed=3, n=3 * (len(dirs) + 1), logprobs=True)
 
 
 def test_trainable_tokens_under_chunked_prefill_and_a_small_pool(adapters):
     base, dirs, oracle = adapters["qwen2"]
-    llm = _llm(base, max_num_batched_tokens=7, max_loras=2, num_kv_blocks=40)
-    _check(llm, dirs, oracle, seed=4, n=10)
+    llm = cpu_llm(base, max_num_batched_tokens=7, max_loras=2, num_kv_blocks=40)
+    check_mixed_batch(llm, dirs, oracle, seed=4, n=10)

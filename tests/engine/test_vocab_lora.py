@@ -7,17 +7,14 @@ logits rows per sequence) and the Triton path (interpreted) with decode graphs o
 
 from __future__ import annotations
 
-import random
-
 import pytest
-import torch
 
-from engine import LLM, LoRARequest, SamplingParams
+from engine import LoRARequest, SamplingParams
+from tests.helpers.peft_batch import check_mixed_batch, cpu_llm
 from tests.helpers.tiny_adapters import VOCAB_ADAPTER_SPECS, PeftGreedyOracle, build_adapter
 
 pytestmark = pytest.mark.slow  # the PEFT oracle on tiny models
 
-NEW = 6
 SPECS = {"plain-r4": dict(r=4, lora_alpha=8, target_modules="all-linear")} | VOCAB_ADAPTER_SPECS
 
 
@@ -33,36 +30,6 @@ def adapters(checkpoint, tmp_path_factory):
     return out
 
 
-def _check(llm: LLM, dirs, oracle, seed: int, n: int, logprobs: bool = False) -> None:
-    """n prompts of mixed lengths, each on an adapter or the base, in one batch; tokens (and with
-    `logprobs` each token's log-probability, 1e-4) equal PEFT's."""
-    rng = random.Random(seed)
-    names = [*dirs, None]
-    reqs = [
-        ([rng.randrange(3, 96) for _ in range(rng.randrange(2, 30))], names[i % len(names)]) for i in range(n)
-    ]
-    loras = [LoRARequest(name, str(dirs[name])) if name else None for _, name in reqs]
-    params = SamplingParams(
-        max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=1 if logprobs else None
-    )
-    outs = llm.generate([p for p, _ in reqs], params, lora_request=loras)
-    for (prompt, name), out in zip(reqs, outs, strict=True):
-        comp = out.outputs[0]
-        adapter = dirs[name] if name else None
-        assert comp.token_ids == oracle.greedy(prompt, NEW, adapter), f"adapter {name}"
-        if logprobs:
-            ref = torch.log_softmax(oracle.logits(prompt + comp.token_ids, adapter), -1)
-            for i, (tok, entry) in enumerate(zip(comp.token_ids, comp.logprobs, strict=True)):
-                want = float(ref[len(prompt) - 1 + i, tok])
-                assert entry[tok].logprob == pytest.approx(want, abs=1e-4), name
-    assert llm.engine.get_stats().kv_blocks_used == 0
-
-
-def _llm(base, **kwargs) -> LLM:
-    defaults = {"device": "cpu", "dtype": "float32", "block_size": 4, "max_lora_rank": 16, "max_loras": 4}
-    return LLM(str(base), **(defaults | kwargs))
-
-
 @pytest.mark.parametrize(
     ("arch", "backend"),
     [
@@ -76,24 +43,24 @@ def _llm(base, **kwargs) -> LLM:
 )
 def test_mixed_batch_with_vocab_lora_matches_peft(arch, backend, adapters):
     base, dirs, oracle = adapters[arch]
-    llm = _llm(base, lora_backend=backend)
+    llm = cpu_llm(base, lora_backend=backend)
     assert llm.engine.lora.backend == backend
-    _check(llm, dirs, oracle, seed=1, n=2 * (len(dirs) + 1), logprobs=True)
+    check_mixed_batch(llm, dirs, oracle, seed=1, n=2 * (len(dirs) + 1), logprobs=True)
 
 
 def test_vocab_lora_under_chunked_prefill_and_a_small_pool(adapters):
     """Prefill chunks of 7 tokens (so a prompt's embedding rows span steps) and 2 resident adapters
     (so vocabulary copies are evicted and uploaded again)."""
     base, dirs, oracle = adapters["qwen2"]
-    llm = _llm(base, max_num_batched_tokens=7, max_loras=2, num_kv_blocks=40)
-    _check(llm, dirs, oracle, seed=2, n=10)
+    llm = cpu_llm(base, max_num_batched_tokens=7, max_loras=2, num_kv_blocks=40)
+    check_mixed_batch(llm, dirs, oracle, seed=2, n=10)
 
 
 @pytest.mark.parametrize("backend", ["native", "torch"])
 def test_speculative_decoding_with_lm_head_lora_matches_peft(backend, adapters):
     """n-gram speculation scores several logits rows per sequence; each gets its adapter's head LoRA."""
     base, dirs, oracle = adapters["llama"]
-    llm = _llm(base, lora_backend=backend, speculative="ngram", num_speculative_tokens=3)
+    llm = cpu_llm(base, lora_backend=backend, speculative="ngram", num_speculative_tokens=3)
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 9, 10, 9, 10], [3, 4, 3, 4, 3], [8, 9, 8, 9, 8]]
     names = ["head-v-r8", "both-only-rslora", None, "embed-q-r4"]
     loras = [LoRARequest(n, str(dirs[n])) if n else None for n in names]
@@ -110,7 +77,7 @@ def test_triton_path_and_decode_graphs_with_vocab_lora(adapters):
     from engine.decode_graphs import EagerReplay
 
     base, dirs, oracle = adapters["qwen2"]
-    llm = _llm(base, attention_backend="triton", lora_backend="triton")
+    llm = cpu_llm(base, attention_backend="triton", lora_backend="triton")
     eng = llm.engine
     eng.runner.use_decode_graphs(EagerReplay(), eng.lora.pool, max_batch=8)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

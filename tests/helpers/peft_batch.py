@@ -1,0 +1,47 @@
+"""One mixed-adapter batch checked against HF + PEFT: the shared oracle check of the adapter-kind tests."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, LoRARequest, SamplingParams
+
+NEW = 6  # tokens generated per prompt
+
+
+def cpu_llm(base: Path, **kwargs) -> LLM:
+    """A float32 CPU engine on checkpoint `base` with small blocks and room for 4 rank-16 adapters."""
+    defaults = {"device": "cpu", "dtype": "float32", "block_size": 4, "max_lora_rank": 16, "max_loras": 4}
+    return LLM(str(base), **(defaults | kwargs))
+
+
+def check_mixed_batch(
+    llm: LLM, dirs: Mapping[str, Path], oracle, seed: int, n: int, logprobs: bool = False
+) -> None:
+    """n prompts of mixed lengths, each on one of `dirs`' adapters or the base in turn, in one batch:
+    greedy tokens (and with `logprobs` each token's log-probability, to 1e-4) equal `oracle`'s (PEFT), and
+    every KV block is free or cached afterwards."""
+    rng = random.Random(seed)
+    names = [*dirs, None]
+    reqs = [
+        ([rng.randrange(3, 96) for _ in range(rng.randrange(2, 30))], names[i % len(names)]) for i in range(n)
+    ]
+    loras = [LoRARequest(name, str(dirs[name])) if name else None for _, name in reqs]
+    top = 1 if logprobs else None
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=top)
+    outs = llm.generate([p for p, _ in reqs], params, lora_request=loras)
+    for (prompt, name), out in zip(reqs, outs, strict=True):
+        comp = out.outputs[0]
+        adapter = dirs[name] if name else None
+        assert comp.token_ids == oracle.greedy(prompt, NEW, adapter), f"adapter {name}"
+        if logprobs:
+            ref = torch.log_softmax(oracle.logits(prompt + comp.token_ids, adapter), -1)
+            for i, (tok, entry) in enumerate(zip(comp.token_ids, comp.logprobs, strict=True)):
+                want = float(ref[len(prompt) - 1 + i, tok])
+                assert entry[tok].logprob == pytest.approx(want, abs=1e-4), name
+    assert llm.engine.get_stats().kv_blocks_used == 0
