@@ -11,8 +11,6 @@ from api.cluster.options import ClusterOptions
 from api.settings import ServerSettings
 from tests.api.cluster.conftest import DEMO
 
-pytest.importorskip("ray.serve")
-
 
 def _settings(tmp_path) -> ServerSettings:
     settings = ServerSettings.build(str(DEMO / "base"), env={"LORAPLEX_DATA_DIR": str(tmp_path)})
