@@ -8,9 +8,10 @@ import random
 
 import pytest
 
-from engine import LLM, LoRARequest, SamplingParams
+from engine import LLM
 from engine.lora.adapter_checkpoint import inspect_adapter
 from engine.model_config import ModelConfig
+from tests.helpers.peft_batch import check_requests
 from tests.helpers.tiny_adapters import ADAPTER_SPECS, PeftGreedyOracle, build_adapter
 from tests.helpers.tiny_models import GEMMA_ARCHS
 
@@ -41,13 +42,7 @@ def _run_and_check(llm: LLM, dirs, oracle, seed: int, n: int) -> None:
     names = [*dirs, None]
     reqs = [([rng.randrange(3, 96) for _ in range(rng.randrange(WINDOW + 1, 30))], names[i % len(names)])
             for i in range(n)]  # fmt: skip
-    loras = [LoRARequest(name, str(dirs[name])) if name else None for _, name in reqs]
-    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
-    outs = llm.generate([p for p, _ in reqs], params, lora_request=loras)
-    for (prompt, name), out in zip(reqs, outs, strict=True):
-        expected = oracle.greedy(prompt, NEW, dirs[name] if name else None)
-        assert out.outputs[0].token_ids == expected, f"adapter {name}"
-    assert llm.engine.get_stats().kv_blocks_used == 0
+    check_requests(llm, dirs, oracle, reqs, NEW)
 
 
 def _llm(base, **kwargs) -> LLM:

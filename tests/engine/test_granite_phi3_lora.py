@@ -9,10 +9,11 @@ import random
 import pytest
 from safetensors.torch import load_file
 
-from engine import LLM, LoRARequest, SamplingParams
+from engine import LLM
 from engine.lora.adapter_checkpoint import AdapterError, inspect_adapter
 from engine.model_config import ModelConfig
 from lora_registry.validation import validate_adapter
+from tests.helpers.peft_batch import check_requests
 from tests.helpers.tiny_adapters import ADAPTER_SPECS, PHI3_ADAPTER_SPECS, PeftGreedyOracle, build_adapter
 
 pytestmark = pytest.mark.slow  # the PEFT oracle on tiny models
@@ -43,13 +44,7 @@ def _run_and_check(llm: LLM, dirs, oracle, seed: int, n: int) -> None:
     reqs = [
         ([rng.randrange(3, 96) for _ in range(rng.randrange(2, 30))], rng.choice(names)) for _ in range(n)
     ]
-    loras = [LoRARequest(name, str(dirs[name])) if name else None for _, name in reqs]
-    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
-    outs = llm.generate([p for p, _ in reqs], params, lora_request=loras)
-    for (prompt, name), out in zip(reqs, outs, strict=True):
-        expected = oracle.greedy(prompt, NEW, dirs[name] if name else None)
-        assert out.outputs[0].token_ids == expected, f"adapter {name}"
-    assert llm.engine.get_stats().kv_blocks_used == 0
+    check_requests(llm, dirs, oracle, reqs, NEW)
 
 
 def _llm(base, **kwargs) -> LLM:

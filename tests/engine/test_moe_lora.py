@@ -18,6 +18,7 @@ from engine import LLM, LoRARequest, SamplingParams
 from engine.lora.adapter_checkpoint import AdapterError
 from engine.model_config import ModelConfig
 from lora_registry.validation import InvalidAdapter, validate_adapter
+from tests.helpers.peft_batch import check_requests
 from tests.helpers.tiny_adapters import PeftGreedyOracle, build_adapter
 from tests.helpers.tiny_models import MOE_ARCHS
 
@@ -60,13 +61,7 @@ def _run_and_check(llm: LLM, dirs, oracle, seed: int, n: int) -> None:
         ([rng.randrange(3, 96) for _ in range(rng.randrange(2, 30))], rng.choice(names)) for _ in range(n)
     ]
     assert None in {name for _, name in reqs} and len({name for _, name in reqs}) >= 3
-    loras = [LoRARequest(name, str(dirs[name])) if name else None for _, name in reqs]
-    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
-    outs = llm.generate([p for p, _ in reqs], params, lora_request=loras)
-    for (prompt, name), out in zip(reqs, outs, strict=True):
-        expected = oracle.greedy(prompt, NEW, dirs[name] if name else None)
-        assert out.outputs[0].token_ids == expected, f"adapter {name}"
-    assert llm.engine.get_stats().kv_blocks_used == 0
+    check_requests(llm, dirs, oracle, reqs, NEW)
 
 
 def _llm(base, **kwargs) -> LLM:

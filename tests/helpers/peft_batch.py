@@ -23,22 +23,35 @@ def cpu_llm(base: Path, **kwargs) -> LLM:
 def check_mixed_batch(
     llm: LLM, dirs: Mapping[str, Path], oracle, seed: int, n: int, logprobs: bool = False
 ) -> None:
-    """n prompts of mixed lengths, each on one of `dirs`' adapters or the base in turn, in one batch:
-    greedy tokens (and with `logprobs` each token's log-probability, to 1e-4) equal `oracle`'s (PEFT), and
-    every KV block is free or cached afterwards."""
+    """n prompts of mixed lengths, each on one of `dirs`' adapters or the base in turn, in one batch,
+    checked by `check_requests`."""
     rng = random.Random(seed)
     names = [*dirs, None]
     reqs = [
         ([rng.randrange(3, 96) for _ in range(rng.randrange(2, 30))], names[i % len(names)]) for i in range(n)
     ]
+    check_requests(llm, dirs, oracle, reqs, NEW, logprobs)
+
+
+def check_requests(
+    llm: LLM,
+    dirs: Mapping[str, Path],
+    oracle,
+    reqs: list[tuple[list[int], str | None]],
+    new: int,
+    logprobs: bool = False,
+) -> None:
+    """Generate `new` greedy tokens for each (prompt, adapter name or None) of `reqs` in one batch: the
+    tokens (and with `logprobs` each token's log-probability, to 1e-4) equal `oracle`'s (PEFT), and every
+    KV block is free or cached afterwards."""
     loras = [LoRARequest(name, str(dirs[name])) if name else None for _, name in reqs]
     top = 1 if logprobs else None
-    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=top)
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, logprobs=top)
     outs = llm.generate([p for p, _ in reqs], params, lora_request=loras)
     for (prompt, name), out in zip(reqs, outs, strict=True):
         comp = out.outputs[0]
         adapter = dirs[name] if name else None
-        assert comp.token_ids == oracle.greedy(prompt, NEW, adapter), f"adapter {name}"
+        assert comp.token_ids == oracle.greedy(prompt, new, adapter), f"adapter {name}"
         if logprobs:
             ref = torch.log_softmax(oracle.logits(prompt + comp.token_ids, adapter), -1)
             for i, (tok, entry) in enumerate(zip(comp.token_ids, comp.logprobs, strict=True)):
