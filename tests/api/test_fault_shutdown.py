@@ -7,7 +7,6 @@ a stream cut without an error event. The process exits within seconds of the dra
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -23,19 +22,13 @@ from typer.testing import CliRunner
 from api.cli.main import app
 from api.settings import ServerSettings
 from tests.helpers.live_server import ADMIN_TOKEN, free_port, wait_until
+from tests.helpers.shutdown_load import check_outcome, healthy, one_long_request
 from tests.helpers.tiny_models import build_checkpoint, save_char_tokenizer
 
 GRACE = 1.0
 CLIENTS = 16
 EXIT_AFTER_DRAIN = 5.0
 SLOW_MODEL = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def _requests_seen(url: str) -> int:
@@ -47,49 +40,6 @@ def _requests_seen(url: str) -> int:
         ):
             seen += int(float(line.split()[-1]))
     return seen
-
-
-def _one_request(url: str, i: int, out: list, started: threading.Event) -> None:
-    """One long completion (streamed for odd `i`); appends (kind, status, content type, body, end time)."""
-    body = {"prompt": f"bye {i}", "max_tokens": 220, "temperature": 0, "ignore_eos": True}
-    try:
-        if i % 2:
-            with httpx.stream(
-                "POST", f"{url}/v1/completions", json=body | {"stream": True}, timeout=120
-            ) as r:
-                lines = []
-                for line in r.iter_lines():
-                    if line:
-                        lines.append(line)
-                        started.set()
-                out.append(
-                    ("stream", r.status_code, r.headers.get("content-type", ""), lines, time.monotonic())
-                )
-        else:
-            r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-            out.append(("json", r.status_code, r.headers.get("content-type", ""), r.text, time.monotonic()))
-    except httpx.HTTPError as exc:  # a connection reset or a truncated body is a failure of the test
-        out.append(("broken", 0, "", repr(exc), time.monotonic()))
-
-
-def _check(kind: str, status: int, ctype: str, body, cut: list) -> None:
-    """Assert one response is complete or cleanly cut; record the cut ones in `cut`."""
-    if status != 200:
-        assert status == 503 and ctype.startswith("application/json"), (kind, status, ctype, body)
-        err = json.loads(body if kind == "json" else "".join(body))["error"]
-        assert err["type"] == "service_unavailable" and err["code"] == "server_shutting_down", err
-        cut.append(kind)
-        return
-    if kind == "json":
-        assert json.loads(body)["choices"][0]["finish_reason"] == "length"
-        return
-    assert body[-1] == "data: [DONE]", body[-3:]  # never a stream cut mid-body
-    last = json.loads(body[-2].removeprefix("data: "))
-    if "error" in last:
-        assert last["error"]["type"] == "service_unavailable", last
-        cut.append("stream-event")
-    else:
-        assert last["choices"][0]["finish_reason"] == "length", last
 
 
 @pytest.mark.slow
@@ -110,10 +60,11 @@ def test_sigterm_under_load_cuts_cleanly_and_exits_fast(tmp_path):
     url = f"http://127.0.0.1:{port}"
     results: list = []
     try:
-        assert wait_until(lambda: _healthy(url), timeout=180), "server did not start"
+        assert wait_until(lambda: healthy(url), timeout=180), "server did not start"
         started = threading.Event()
         threads = [
-            threading.Thread(target=_one_request, args=(url, i, results, started)) for i in range(CLIENTS)
+            threading.Thread(target=one_long_request, args=(url, i, results, started, 220))
+            for i in range(CLIENTS)
         ]
         for t in threads:
             t.start()
@@ -137,7 +88,7 @@ def test_sigterm_under_load_cuts_cleanly_and_exits_fast(tmp_path):
     cut: list[str] = []
     for kind, status, ctype, body, _ in results:
         assert kind != "broken", body
-        _check(kind, status, ctype, body, cut)
+        check_outcome(kind, status, ctype, body, cut)
     assert cut, "no request was still running at the end of the grace period: the test did not test it"
     assert drained - signalled < GRACE + 10  # requests end soon after the grace, never run on
     assert exited - drained <= EXIT_AFTER_DRAIN, f"exit took {exited - drained:.1f}s after the drain"

@@ -15,48 +15,17 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.api.cluster.conftest import DEMO, stale_ray_environment
-from tests.api.test_fault_shutdown import _check
 from tests.helpers.live_server import ADMIN_TOKEN, free_port, wait_until
 from tests.helpers.redis_service import REDIS_URL, require_redis
+from tests.helpers.shutdown_load import check_outcome, healthy, one_long_request
 from tests.lora_registry.pg import postgres_database
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")]
 GRACE = 0.3
 CLIENTS = 32
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def _one_request(url: str, i: int, out: list, started: threading.Event) -> None:
-    """One long completion (streamed for odd `i`); appends (kind, status, content type, body, end time)."""
-    body = {"prompt": f"bye {i}", "max_tokens": 56, "temperature": 0, "ignore_eos": True}
-    try:
-        if i % 2:
-            with httpx.stream(
-                "POST", f"{url}/v1/completions", json=body | {"stream": True}, timeout=120
-            ) as r:
-                lines = []
-                for line in r.iter_lines():
-                    if line:
-                        lines.append(line)
-                        started.set()
-                out.append(
-                    ("stream", r.status_code, r.headers.get("content-type", ""), lines, time.monotonic())
-                )
-        else:
-            r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-            out.append(("json", r.status_code, r.headers.get("content-type", ""), r.text, time.monotonic()))
-    except httpx.HTTPError as exc:
-        out.append(("broken", 0, "", repr(exc), time.monotonic()))
 
 
 def test_sigterm_under_load_drains_with_the_grace(tmp_path: Path) -> None:
@@ -100,10 +69,11 @@ def test_sigterm_under_load_drains_with_the_grace(tmp_path: Path) -> None:
                 lambda: any("cluster ready in" in line for line in lines), timeout=300, interval=0.5
             )
             assert ready, "".join(lines)
-            assert _healthy(url)
+            assert healthy(url)
             started = threading.Event()
             threads = [
-                threading.Thread(target=_one_request, args=(url, i, results, started)) for i in range(CLIENTS)
+                threading.Thread(target=one_long_request, args=(url, i, results, started, 56))
+                for i in range(CLIENTS)
             ]
             for t in threads:
                 t.start()
@@ -136,7 +106,7 @@ def test_sigterm_under_load_drains_with_the_grace(tmp_path: Path) -> None:
     cut: list[str] = []
     for kind, status, ctype, body, _ in results:
         assert kind != "broken", body
-        _check(kind, status, ctype, body, cut)
+        check_outcome(kind, status, ctype, body, cut)
     assert cut, "no request was still running at the end of the grace period: the test did not test it"
     assert drained - signalled < GRACE + 10, drained - signalled  # requests end soon after the grace
     assert "draining:" in out and "loraplex stopped" in out, out
