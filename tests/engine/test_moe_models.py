@@ -5,57 +5,39 @@ weights; the dense-layer rule (`decoder_sparse_step`, `mlp_only_layers`) is tran
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.model.loader import CheckpointError, load_model
 from engine.model.moe import SparseMoE
 from engine.model_config import ModelConfig
+from tests.helpers.hf_greedy import check_greedy, fp32_cpu_llm, random_prompts
 from tests.helpers.tiny_models import MOE_ARCHS
 
 pytestmark = pytest.mark.slow  # the HF oracle on tiny models
 
-NEW = 10
 LENGTHS = [3, 17, 40, 9, 1, 28, 33, 61]
-
-
-def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 96) for _ in range(n)] for n in lengths]
-
-
-def _check(llm: LLM, oracle, prompts: list[list[int]]):
-    """Greedy tokens == transformers' cached greedy decoding for every prompt; all KV blocks freed."""
-    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
-    outs = llm.generate(prompts, params)
-    for prompt, out in zip(prompts, outs, strict=True):
-        assert out.outputs[0].token_ids == oracle.greedy_cached(prompt, NEW), f"prompt of {len(prompt)}"
-    stats = llm.engine.get_stats()
-    assert stats.kv_blocks_used == 0
-    return stats
-
-
-def _llm(ckpt, **kwargs) -> LLM:
-    return LLM(str(ckpt), **({"device": "cpu", "dtype": "float32", "block_size": 4} | kwargs))
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_greedy_matches_hf(arch, checkpoint, oracle):
     ckpt = checkpoint(arch)
-    llm = _llm(ckpt)
+    llm = fp32_cpu_llm(ckpt)
     assert any(isinstance(m, SparseMoE) for m in llm.engine.model.modules())
-    _check(llm, oracle(ckpt), _prompts(1, LENGTHS))
+    check_greedy(llm, oracle(ckpt), random_prompts(1, LENGTHS))
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_chunked_prefill_and_preemption_match_hf(arch, checkpoint, oracle):
     """Chunks of 7 tokens; then a KV cache small enough that sequences are preempted and recomputed."""
     ckpt = checkpoint(arch)
-    _check(_llm(ckpt, max_num_batched_tokens=7), oracle(ckpt), _prompts(2, [23, 45, 12, 30]))
-    stats = _check(_llm(ckpt, num_kv_blocks=14), oracle(ckpt), _prompts(3, [20, 18, 27, 25]))
+    check_greedy(
+        fp32_cpu_llm(ckpt, max_num_batched_tokens=7), oracle(ckpt), random_prompts(2, [23, 45, 12, 30])
+    )
+    stats = check_greedy(
+        fp32_cpu_llm(ckpt, num_kv_blocks=14), oracle(ckpt), random_prompts(3, [20, 18, 27, 25])
+    )
     assert stats.num_preemptions > 0
 
 
@@ -67,7 +49,7 @@ def test_fused_expert_checkpoint_loads_the_same_weights(arch, checkpoint, oracle
     a = load_model(ModelConfig.from_dir(per_expert), torch.float32, torch.device("cpu")).state_dict()
     b = load_model(ModelConfig.from_dir(fused), torch.float32, torch.device("cpu")).state_dict()
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
-    _check(_llm(fused), oracle(fused), _prompts(4, [5, 30]))
+    check_greedy(fp32_cpu_llm(fused), oracle(fused), random_prompts(4, [5, 30]))
 
 
 def test_a_missing_expert_is_named(checkpoint, tmp_path):
