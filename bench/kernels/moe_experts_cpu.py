@@ -9,8 +9,9 @@ tokens (one per adapter), a one-token step and a prefill step of 256 tokens it t
 the experts with tokens (two GEMMs each: the engine's path before), `engine.model.moe_experts.
 experts_forward` (the engine's path: one `torch._grouped_mm` per projection over the sorted rows; the
 bits are checked equal), and `experts_forward` with every token on its own adapter's rank-`--rank` LoRA
-on every expert (`ExpertPageStore` pages, `ExpertLoRAStep` runs). Variants alternate and take the best of
-`--repeats`, which keeps a shared machine's noise out of the ratios as far as possible.
+on every expert (`ExpertPageStore` pages, `ExpertLoRAStep` runs). Times are the calling thread's CPU time
+(`time.thread_time`; torch runs these ops on the calling thread at `--threads 1`), so other processes on
+a shared machine do not count; variants alternate and take the best of `--repeats`.
 """
 
 from __future__ import annotations
@@ -67,12 +68,13 @@ def _lora_step(cfg: ModelConfig, n: int, rank: int, rows: int, gen: torch.Genera
 
 
 def _best(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Per variant, the least CPU time of this thread over `repeats` alternating calls."""
     best = dict.fromkeys(fns, float("inf"))
     for _ in range(repeats):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
+            best[name] = min(best[name], time.thread_time() - t0)
     return best
 
 
