@@ -149,3 +149,12 @@ def test_dense_model_refuses_target_parameters(checkpoint, tmp_path):
     llm = LLM(str(base), device="cpu", dtype="float32")
     with pytest.raises(AdapterError, match="target_parameters"):
         llm.generate([[5, 6]], SamplingParams(max_tokens=2), lora_request=LoRARequest("p", str(path)))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_other_lora_backends_apply_expert_lora(backend, adapters):
+    """The torch CPU path and the CUDA path's Triton SGMV context (interpreted on the CPU) carry the
+    step's expert LoRA as the native path does: PEFT's tokens for a mixed batch on Mixtral."""
+    base, dirs, oracle = adapters["mixtral"]
+    kw = {"lora_backend": backend} | ({"attention_backend": "triton"} if backend == "triton" else {})
+    check_requests(cpu_llm(base, **kw), dirs, oracle, _requests(5, ["both-r16", None, "experts-r4"], 3), 3)
