@@ -7,7 +7,9 @@ run, and for each run adds that adapter's delta for that expert::
 
     out[run] += scaling[a, layer, p] * (x[run] @ A[a, layer, p, e].T) @ B[a, layer, p, e].T
 
-one GEMM pair per page the adapter's rank on p covers (pages are zero beyond the rank). Rows of base
+one GEMM pair per page the adapter's rank on p covers (pages are zero beyond the rank); short runs (decode
+rows) of a layer are applied together instead, their pages gathered into two row-vector `bmm`s
+(`add_pairs`). Rows of base
 requests and of adapters without expert LoRA have `row_adapter` = `num_adapters` and are never touched.
 """
 
@@ -68,6 +70,40 @@ class ExpertLoRAStep:
         for page in ad.pages[proj][: cdiv(rank, self.store.page_rank)]:
             v = x @ a[page, layer, expert].to(x.dtype).T
             out.addmm_(v, b[page, layer, expert].to(x.dtype).T, alpha=scale)
+
+    def add_pairs(
+        self,
+        layer: int,
+        proj: str,
+        rows: list[int],
+        experts: list[int],
+        adapters: list[int],
+        x: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """For every pair k: `out[rows[k]] += s * (x[rows[k]] @ A.T) @ B.T` with adapter `adapters[k]`'s
+        pages of expert `experts[k]`: the pages of all pairs gathered into `[K, page_rank, in]` and
+        `[K, out, page_rank]`, two row-vector `bmm`s and one `index_add_` (short runs: decode rows)."""
+        store, pr = self.store, self.store.page_rank
+        index, entry, scale = [], [], []
+        for row, e, j in zip(rows, experts, adapters, strict=True):
+            ad = self.adapters[j]
+            rank = ad.ranks[layer].get(proj, 0)
+            for page in ad.pages[proj][: cdiv(rank, pr)]:
+                index.append((page * store.cfg.num_layers + layer) * store.num_experts + e)
+                entry.append(row)
+                scale.append(ad.scalings[layer][proj])
+        if not index:
+            return
+        a_all, b_all = store.a[proj], store.b[proj]
+        device = out.device
+        idx = torch.tensor(index, dtype=torch.long, device=device)
+        at = torch.tensor(entry, dtype=torch.long, device=device)
+        a = a_all.view(-1, pr, a_all.shape[-1]).index_select(0, idx).to(x.dtype)  # [K, pr, in]
+        b = b_all.view(-1, b_all.shape[-2], pr).index_select(0, idx).to(x.dtype)  # [K, out, pr]
+        v = torch.bmm(x.index_select(0, at).unsqueeze(1), a.transpose(1, 2))  # [K, 1, pr]
+        v.mul_(torch.tensor(scale, dtype=x.dtype, device=device).view(-1, 1, 1))
+        out.index_add_(0, at, torch.bmm(v, b.transpose(1, 2)).squeeze(1))
 
 
 def expert_step(pool: AdapterPool, runs: Sequence[tuple[ResidentAdapter, range]]) -> ExpertLoRAStep | None:

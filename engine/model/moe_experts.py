@@ -7,6 +7,7 @@ For x [T, H], each token's top-k expert ids and routing weights, and the step's 
     order      = argsort(key)  (stable, once)           pairs grouped by expert, then by adapter
     gu  = grouped GEMM: for each expert e with rows, gu[rows_e] = x[rows_e] @ W_gate_up[e].T
           then per (expert e, adapter a) run:  gu[run] += s_a (x[run] @ A_a,e.T) @ B_a,e.T
+          (runs of fewer than `SHORT_RUN` rows: all of them at once, pages gathered, two `bmm`s)
     h   = silu(gu[:, :I]) * gu[:, I:]
     y   = grouped GEMM with W_down, then per run  y[run] += s_a (h[run] @ A'_a,e.T) @ B'_a,e.T
     out[t] = sum_j weight[t, j] * y[pair (t, j)]        (`index_add_` in pair order)
@@ -45,6 +46,19 @@ class ExpertLoRAHook(Protocol):
         """`out += scaling * (x @ A.T) @ B.T` of adapter `adapter` for `expert`'s projection `proj`."""
         ...
 
+    def add_pairs(
+        self,
+        layer: int,
+        proj: str,
+        rows: list[int],
+        experts: list[int],
+        adapters: list[int],
+        x: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """`add` for single rows: row `rows[k]` of x and out with adapter `adapters[k]`, `experts[k]`."""
+        ...
+
 
 def experts_forward(
     gate_up: torch.Tensor,
@@ -74,12 +88,13 @@ def experts_forward(
     sizes = per_expert.tolist()
     xs = x[tokens]
     gu = _grouped_linear(xs, gate_up, sizes, per_expert)
-    if lora is not None:
-        _add_runs(lora, layer, "gate_up", runs, groups, xs, gu)
+    plan = _RunPlan(runs, groups) if lora is not None else None
+    if lora is not None and plan is not None:
+        plan.apply(lora, layer, "gate_up", xs, gu)
     h = nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
     ys = _grouped_linear(h, down, sizes, per_expert)
-    if lora is not None:
-        _add_runs(lora, layer, "down", runs, groups, h, ys)
+    if lora is not None and plan is not None:
+        plan.apply(lora, layer, "down", h, ys)
     ys.mul_(weights.reshape(-1)[order].unsqueeze(1))
     return torch.zeros_like(x).index_add_(0, tokens, ys)
 
@@ -117,20 +132,39 @@ def _grouped_mm_works(device: str, dtype: torch.dtype) -> bool:
     return bool(torch.allclose(y.float(), ref.float(), rtol=1e-3, atol=1e-3))
 
 
-def _add_runs(
-    lora: ExpertLoRAHook,
-    layer: int,
-    proj: str,
-    runs: list[int],
-    groups: int,
-    x: torch.Tensor,
-    out: torch.Tensor,
-) -> None:
-    """Each (expert, adapter) run's LoRA delta into `out`: `runs[e * groups + j]` rows of adapter j within
-    expert e's rows, in that order (j = groups - 1: rows without expert LoRA, untouched)."""
-    lo = 0
-    for i, n in enumerate(runs):
-        e, j = divmod(i, groups)
-        if n and j < groups - 1:
+# (expert, adapter) runs shorter than this (decode rows) are applied together as gathered pairs, while
+# they are at most GATHER_MAX_PAIRS rows in all (the gathered pages are a copy of K pages); longer runs,
+# and all runs of a step with more such rows (a prefill over many adapters), multiply the pages in place
+SHORT_RUN = 4
+GATHER_MAX_PAIRS = 128
+
+
+class _RunPlan:
+    """A layer's (expert, adapter) runs over the sorted rows: `runs[e * groups + j]` rows of adapter j
+    within expert e's rows, in that order (j = groups - 1: rows without expert LoRA, never touched)."""
+
+    def __init__(self, runs: list[int], groups: int) -> None:
+        self.long: list[tuple[int, int, int, int]] = []  # (expert, adapter, first row, rows)
+        self.rows: list[int] = []  # rows of short runs, with their expert and adapter
+        self.experts: list[int] = []
+        self.adapters: list[int] = []
+        lo, short = 0, list[tuple[int, int, int, int]]()
+        for i, n in enumerate(runs):
+            e, j = divmod(i, groups)
+            if n and j < groups - 1:
+                (self.long if n >= SHORT_RUN else short).append((e, j, lo, n))
+            lo += n
+        if sum(n for *_, n in short) > GATHER_MAX_PAIRS:
+            self.long += short
+            return
+        for e, j, lo, n in short:
+            self.rows.extend(range(lo, lo + n))
+            self.experts.extend([e] * n)
+            self.adapters.extend([j] * n)
+
+    def apply(self, lora: ExpertLoRAHook, layer: int, proj: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Every run's LoRA delta for projection `proj` into `out` (rows of x and out: the sorted pairs)."""
+        for e, j, lo, n in self.long:
             lora.add(layer, proj, e, j, x[lo : lo + n], out[lo : lo + n])
-        lo += n
+        if self.rows:
+            lora.add_pairs(layer, proj, self.rows, self.experts, self.adapters, x, out)
