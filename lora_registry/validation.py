@@ -17,7 +17,7 @@ from engine.lora.adapter_checkpoint import (
     load_adapter_config,
     module_features,
 )
-from engine.lora.expert_checkpoint import sparse_layers
+from engine.lora.expert_targets import sparse_layers
 from engine.model_config import ModelConfig, ModelConfigError
 from lora_registry.config_limits import check_config_file
 from lora_registry.errors import InvalidAdapter, RegistryError

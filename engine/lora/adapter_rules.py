@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.lora.adapter_error import AdapterError
-from engine.lora.expert_checkpoint import names_an_expert
+from engine.lora.expert_targets import names_an_expert
 from engine.model.family import LoRATarget
 from engine.model.registry import model_family
 from engine.model_config import ModelConfig

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.lora.adapter_checkpoint import AdapterCheckpoint
-from engine.lora.expert_checkpoint import expert_features
+from engine.lora.expert_targets import expert_features
 from engine.model_config import ModelConfig
 from kernels.intmath import cdiv
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.lora.expert_checkpoint import sparse_layers
+from engine.lora.expert_targets import sparse_layers
 from engine.model_config import ModelConfig
 from tests.helpers.tiny_adapters import build_adapter
 
