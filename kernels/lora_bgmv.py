@@ -54,6 +54,7 @@ def _lora_bgmv_kernel(
     h_in,
     max_rank,
     max_pages,
+    n_split,  # programs per (row block, slice, segment), each on n_per_split output columns
     n_per_split,  # output columns per program (a multiple of BLOCK_N)
     m_stride,  # rows between a program's row blocks: the grid covers m_stride rows of each segment
     stride_xt,
@@ -67,7 +68,6 @@ def _lora_bgmv_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    N_SPLIT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     s = tl.program_id(1)
@@ -78,8 +78,8 @@ def _lora_bgmv_kernel(
     rank = tl.minimum(tl.load(ranks_ptr + s * stride_rk_s + slot), max_rank)
     if rank <= 0:
         return
-    pid_n = pid % N_SPLIT
-    pid_m = pid // N_SPLIT
+    pid_n = pid % n_split
+    pid_m = pid // n_split
     h_out = tl.load(b_table_ptr + s * 5 + 3)
     n_lo = pid_n * n_per_split
     if n_lo >= h_out:
@@ -158,7 +158,7 @@ def bgmv_config(
         "BLOCK_R": block_r,
         "BLOCK_K": block_k,
         "BLOCK_N": block_n,
-        "N_SPLIT": next_pow2(n_split),
+        "N_SPLIT": n_split,
         "num_warps": 4,
         "num_stages": 2,
     }
@@ -216,6 +216,7 @@ def _launch_bgmv(
         h_in,
         max_rank,
         page_table.shape[2],
+        n_split,
         n_per_split,
         grid_m * cfg["BLOCK_M"],
         x.stride(0),
@@ -229,7 +230,6 @@ def _launch_bgmv(
         BLOCK_R=cfg["BLOCK_R"],
         BLOCK_K=cfg["BLOCK_K"],
         BLOCK_N=cfg["BLOCK_N"],
-        N_SPLIT=n_split,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
