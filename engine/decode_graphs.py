@@ -27,22 +27,23 @@ A graph missing then (e.g. `capture_all` not called) is captured on first use of
 first compiles the Triton kernels). Prefill chunks, speculative verification steps (several query rows
 per sequence) and larger batches run eagerly, over the same pool tensors.
 
-`capture` is how a forward pass is recorded: `CudaGraphCapture` on a GPU, `EagerReplay` (re-run the
-same pass over the same buffers) where there is no CUDA, so the padded static path is testable on CPU.
+`capture` is how a forward pass is recorded (`engine/graph_capture.py`): `CudaGraphCapture` on a GPU,
+`EagerReplay` (re-run the same pass over the same buffers) where there is no CUDA, so the padded static
+path is testable on CPU.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
+from engine.graph_capture import CudaGraphCapture, EagerReplay, GraphCapture, Replay
 from engine.lora.backend import BGMV_MAX_ROWS
 from engine.lora.pool import AdapterPool
 from engine.lora.step_context import TritonLoRAContext
@@ -51,6 +52,17 @@ from engine.model.layers import ForwardBatch
 from engine.step_inputs import StepInputs
 from kernels.intmath import cdiv
 from kernels.lora_meta import LoRABatchMeta
+
+__all__ = [
+    "BUCKETS",
+    "CudaGraphCapture",
+    "DecodeGraphs",
+    "EagerReplay",
+    "GraphCapture",
+    "GraphStats",
+    "enable_decode_graphs",
+    "padded_segments",
+]
 
 log = logging.getLogger(__name__)
 
@@ -63,58 +75,6 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # batches spread over adapters, and a grid sized for the whole bucket would leave most programs idle.
 # Per kernel: the BGMV graph serves steps of at most BGMV_MAX_ROWS rows per adapter, mostly 1-8.
 GRID_ROWS = {"sgmv": 16, "bgmv": 8}
-
-Replay = Callable[[], None]
-
-
-class GraphCapture(Protocol):
-    def capture(self, forward: Callable[[], torch.Tensor]) -> tuple[Replay, torch.Tensor]:
-        """Record `forward` (which reads only static buffers); return (replay, the static output)."""
-        ...
-
-    def memory_bytes(self) -> int:
-        """Device memory held for graphs and their pool now (0 where nothing is recorded)."""
-        ...
-
-
-class CudaGraphCapture:
-    """A `torch.cuda.CUDAGraph` per capture, after one warm-up pass on a side stream; all graphs of one
-    `CudaGraphCapture` share one memory pool."""
-
-    def __init__(self) -> None:
-        self._pool: tuple[int, int] | None = None
-
-    def memory_bytes(self) -> int:
-        return int(torch.cuda.memory_reserved())
-
-    def capture(self, forward: Callable[[], torch.Tensor]) -> tuple[Replay, torch.Tensor]:
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            forward()  # compiles the kernels and fills the launchers' caches outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the adapter loader's thread may use CUDA meanwhile; only this thread must not
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = forward()
-        return graph.replay, out
-
-
-class EagerReplay:
-    """No CUDA: a "replay" runs the forward pass again over the static buffers (tests, CPU)."""
-
-    def memory_bytes(self) -> int:
-        return 0
-
-    def capture(self, forward: Callable[[], torch.Tensor]) -> tuple[Replay, torch.Tensor]:
-        out = forward()
-
-        def replay() -> None:
-            out.copy_(forward())
-
-        return replay, out
 
 
 @dataclass(slots=True)

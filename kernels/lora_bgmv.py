@@ -118,7 +118,9 @@ def _lora_bgmv_kernel(
                     other=0.0,
                 ).to(tl.float32)
                 a = tl.load(
-                    a_ptr + a_rows[:, None] + offs_k[None, :], mask=mask_r[:, None] & mask_k[None, :], other=0.0
+                    a_ptr + a_rows[:, None] + offs_k[None, :],
+                    mask=mask_r[:, None] & mask_k[None, :],
+                    other=0.0,
                 ).to(tl.float32)
                 v += tl.sum(x[:, None, :] * a[None, :, :], axis=2)
             v = v * scale

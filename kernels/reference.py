@@ -99,10 +99,9 @@ def lora_shrink_expand_ref(
     meta: LoRABatchMeta,
     y: Tensor,  # [T, sum_s H_out_s], updated in place
 ) -> None:
-    """The whole LoRA delta of a packed projection (the fused kernel's semantics)::
-
-        v = zeros(num_slices, T, max_pages * page_rank);  lora_shrink_ref(x, ..., v)
-        lora_expand_ref(v, ..., y)           # y[t, slice s] += scale * (x[t] @ A.T) @ B.T
+    """The whole LoRA delta of a packed projection (the fused kernel's semantics): `lora_shrink_ref` into
+    a float32 ``v [num_slices, T, max_pages * page_rank]``, then `lora_expand_ref` of ``v`` into ``y``, i.e.
+    ``y[t, slice s] += scalings[s, slot] * (x[t] @ A.T) @ B.T`` for every row with an adapter.
     """
     max_rank = page_table.shape[2] * a_pools[0].shape[1]
     v = torch.zeros(len(a_pools), x.shape[0], max_rank, dtype=torch.float32, device=x.device)

@@ -181,7 +181,11 @@ class TritonLoRAContext:
     """
 
     def __init__(
-        self, pool: AdapterPool, slots: list[int], meta: LoRABatchMeta | None = None, kernel: str | None = None
+        self,
+        pool: AdapterPool,
+        slots: list[int],
+        meta: LoRABatchMeta | None = None,
+        kernel: str | None = None,
     ) -> None:
         self.pool = pool
         self.slots = slots

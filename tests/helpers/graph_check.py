@@ -97,9 +97,9 @@ class CheckedReplay:
 
 
 def engine_tensors(engine) -> Callable[[], list[torch.Tensor]]:
-    """The tensors of an `LLMEngine` that live outside any forward pass: weights (not oneDNN-packed ones, which
-    no Triton kernel reads), KV cache, the decode
-    graphs' static buffers, the adapter pool's tensors and the kernels' cached pointer tables."""
+    """The tensors of an `LLMEngine` that live outside any forward pass: weights (oneDNN-packed ones are
+    skipped: no Triton kernel reads them), KV cache, the decode graphs' static buffers, the adapter pool's
+    tensors and the kernels' cached pointer tables."""
     from kernels._common import live_pointer_tables
 
     def tensors() -> list[torch.Tensor]:
