@@ -94,8 +94,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--words", type=int, default=len(WORDS), choices=range(1, len(WORDS) + 1), metavar="N",
-                   help=f"prompt words per adapter, 1..{len(WORDS)} (fewer: a quicker smoke test)")  # fmt: skip
+    words = f"prompt words per adapter, 1..{len(WORDS)} (fewer: a quicker smoke test)"
+    p.add_argument(
+        "--words", type=int, default=len(WORDS), choices=range(1, len(WORDS) + 1), metavar="N", help=words
+    )
     return p.parse_args(argv)
 
 

@@ -55,7 +55,7 @@ def test_every_command_line_of_the_check_script_parses() -> None:
         "bench.gpu.step_profile": step_profile.parse_args,
         "bench.gpu.features": features.parse_args,
     }
-    for name, argv in steps.items():
+    for argv in steps.values():
         if argv[0] == "-m":
             parsers[argv[1]](argv[2:])
         else:
