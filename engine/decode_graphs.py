@@ -44,7 +44,7 @@ import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.graph_capture import CudaGraphCapture, EagerReplay, GraphCapture, Replay
-from engine.lora.backend import BGMV_MAX_ROWS
+from engine.lora import backend as lora_backend
 from engine.lora.pool import AdapterPool
 from engine.lora.step_context import TritonLoRAContext
 from engine.model.decoder import DecoderForCausalLM
@@ -73,8 +73,9 @@ if TYPE_CHECKING:
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # LoRA kernel grids of a graph cover this many rows of each adapter's segment and loop over more: decode
 # batches spread over adapters, and a grid sized for the whole bucket would leave most programs idle.
-# Per kernel: the BGMV graph serves steps of at most BGMV_MAX_ROWS rows per adapter, mostly 1-8.
-GRID_ROWS = {"sgmv": 16, "bgmv": 8}
+# Per kernel: the BGMV graph serves steps of at most BGMV_MAX_ROWS rows per adapter, mostly 1-4 (32 adapters
+# over a batch of 64-128), and a narrow row block lets its tiles take wide loads (kernels/lora_bgmv.py).
+GRID_ROWS = {"sgmv": 16, "bgmv": 4}
 
 
 @dataclass(slots=True)
@@ -155,14 +156,14 @@ class DecodeGraphs:
 
     def graph_keys(self) -> list[tuple[int, str | None]]:
         """Every (bucket, LoRA kernel) a step can replay, largest bucket first: no LoRA, and with the
-        adapter pool BGMV, and SGMV for buckets that can hold more than BGMV_MAX_ROWS rows of one
-        adapter."""
+        adapter pool BGMV, and SGMV for buckets that can hold more than `BGMV_MAX_ROWS` rows of one
+        adapter (`engine.lora.backend`; read at call time)."""
         keys: list[tuple[int, str | None]] = []
         for size in sorted(self.buckets, reverse=True):
             keys.append((size, None))
             if self.pool is not None:
                 keys.append((size, "bgmv"))
-                if size > BGMV_MAX_ROWS:
+                if size > lora_backend.BGMV_MAX_ROWS:
                     keys.append((size, "sgmv"))
         return keys
 

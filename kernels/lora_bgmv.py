@@ -36,6 +36,7 @@ _OP = "lora_bgmv"
 # Programs a launch aims for (enough to stream the pages over every SM of a large GPU); the output
 # columns of a slice are split into up to that many ranges, each recomputing the shrink from L2.
 _TARGET_PROGRAMS = 512
+_PRODUCT = 8192  # elements of a program's broadcast product per loop iteration (registers: 64 a thread)
 
 
 @triton.jit
@@ -144,15 +145,16 @@ def bgmv_config(
 ) -> dict:
     """Heuristic block sizes (then the tuning hook's override, problem keys as the arguments).
 
-    ``BLOCK_M`` covers a decode segment's rows (at most 8; longer segments loop), ``BLOCK_R`` the rank
-    (at most 32; higher ranks loop over chunks), the K and N tiles keep each broadcast product at about
-    4096 elements per program; ``N_SPLIT`` splits each slice's columns so that about `_TARGET_PROGRAMS`
-    programs run.
+    ``BLOCK_M`` covers a decode segment's rows (2 to 8; longer segments loop), ``BLOCK_R`` the rank (at
+    most 32; higher ranks loop over chunks); the K and N tiles are as wide as an ``M x R x tile`` product
+    of `_PRODUCT` elements allows (up to 256), so that the ``H_in`` loop takes few, wide loads (each
+    iteration waits for its loads). ``N_SPLIT`` splits each slice's columns so that about
+    `_TARGET_PROGRAMS` programs run.
     """
-    block_m = min(next_pow2(max_tokens_per_slot), 8)
+    block_m = max(2, min(next_pow2(max_tokens_per_slot), 8))
     block_r = max(8, min(next_pow2(max_rank), 32))
-    block_k = max(16, min(next_pow2(h_in), 4096 // (block_m * block_r), 128))
-    block_n = max(16, min(next_pow2(max_h_out), 4096 // (block_m * block_r), 128))
+    block_k = max(16, min(next_pow2(h_in), _PRODUCT // (block_m * block_r), 256))
+    block_n = max(16, min(next_pow2(max_h_out), _PRODUCT // (block_m * block_r), 256))
     programs = num_slices * num_segments * cdiv(max_tokens_per_slot, block_m)
     n_split = max(1, min(cdiv(_TARGET_PROGRAMS, max(programs, 1)), cdiv(max_h_out, block_n)))
     default = {

@@ -16,7 +16,8 @@
 # 4. overhead.log/json — bench.gpu.lora_overhead on a random ~1B Llama in bfloat16: decode steps at batch
 #                    1, 64, 256 with 32 distinct rank-16 adapters vs base-only on the same engine vs a
 #                    LoRA-disabled engine; prefill of 4 x 1024-token prompts on 4 adapters, the same three
-#                    ways; engine start, decode-graph count, capture time and graph memory
+#                    ways; the mixed decode batches again with the fused BGMV kernel off (SGMV only);
+#                    engine start, decode-graph count, capture time and graph memory
 # 5. profile.log   — bench.gpu.step_profile: where a mixed and a base decode step's time goes (batch 64)
 # 6. features.log  — the demo model on CUDA: adapters' outputs, speculative = plain greedy, structured
 #                    (JSON-schema) output, seeded sampling repeats (bench/gpu/features.py)
@@ -83,7 +84,7 @@ step kernels 70 "$PY" bench/kernels/triton_gpu.py --dtype bfloat16 --hidden 2048
   --decode-batches 1,64,256 --prefill-tokens 4096
 step parity 75 "$PY" -m bench.gpu.e2e --skip-throughput --json "$DIR/parity.json"
 step overhead 150 "$PY" -m bench.gpu.lora_overhead --size 1b --dtype bfloat16 --batches 1,64,256 \
-  --adapters 32 --rank 16 --json "$DIR/overhead.json"
+  --adapters 32 --rank 16 --compare-sgmv --json "$DIR/overhead.json"
 step profile 45 "$PY" -m bench.gpu.step_profile --size 1b --requests 64 --steps 10
 step features 45 "$PY" -m bench.gpu.features --device cuda
 

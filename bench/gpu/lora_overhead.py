@@ -13,6 +13,10 @@ reported). Then, interleaved and repeated ``--repeats`` times (the best repeat c
 - **prefill**: ``--prefill-prompts`` prompts of ``--prefill-len`` tokens on ``--prefill-adapters`` adapters
   in one step (one generated token); the prefill step's time, the same three ways.
 
+``--compare-sgmv`` adds a fourth decode run: the mixed batch with the fused BGMV kernel off (every step
+on the SGMV shrink/expand pair, `engine.lora.backend.BGMV_MAX_ROWS` set to 0 for it), so the kernel rule
+is checked in the same run.
+
 Ratios, all from the same run: mixed / base (the LoRA overhead; goal ≤ 1.15 at decode batches 64 and 256,
 ≤ 1.2 at prefill) and LoRA-disabled / base-on-LoRA-engine time (base-only batches at full speed: goal ≥ 0.98).
 
@@ -23,10 +27,12 @@ Usage: ``python -m bench.gpu.lora_overhead [--size 1b] [--batches 1,64,256] [--j
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -46,6 +52,7 @@ class Leg:
     mixed_ms: float = 0.0
     base_ms: float = 0.0
     no_lora_ms: float = 0.0
+    mixed_sgmv_ms: float = 0.0  # mixed with the BGMV kernel off (--compare-sgmv; 0: not measured)
 
     @property
     def lora_overhead(self) -> float:
@@ -85,13 +92,14 @@ class OverheadResult:
             f"{nl.start_s:.1f} s ({nl.graphs} graphs, {nl.graph_capture_s:.1f} s, "
             f"{nl.graph_memory_mib:.0f} MiB)\n",
             "| step | batch | tokens | mixed (ms) | base, LoRA engine (ms) | LoRA off (ms) | mixed / base | "
-            "LoRA off / base |",
-            "|---|---|---|---|---|---|---|---|",
+            "LoRA off / base | mixed, SGMV only (ms) |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for g in self.legs:
+            sgmv = f"{g.mixed_sgmv_ms:.2f}" if g.mixed_sgmv_ms else "-"
             rows.append(
                 f"| {g.kind} | {g.batch} | {g.tokens} | {g.mixed_ms:.2f} | {g.base_ms:.2f} | "
-                f"{g.no_lora_ms:.2f} | **{g.lora_overhead:.2f}x** | {g.base_speed:.2f} |"
+                f"{g.no_lora_ms:.2f} | **{g.lora_overhead:.2f}x** | {g.base_speed:.2f} | {sgmv} |"
             )
         return "\n".join(rows)
 
@@ -167,15 +175,19 @@ def measure(args: argparse.Namespace) -> OverheadResult:
     for kind, batch, length, n_adapters, params in cases:
         prompts = make_prompts(batch, length, spec.vocab_size, seed=batch)
         per_req = [loras[i % n_adapters] for i in range(batch)]
-        runs: dict[str, list[float]] = {"mixed": [], "base": [], "no_lora": []}
-        legs = (("mixed", lora_eng, per_req), ("base", lora_eng, None), ("no_lora", plain_eng, None))
+        legs = [("mixed", lora_eng, per_req), ("base", lora_eng, None), ("no_lora", plain_eng, None)]
+        if args.compare_sgmv and kind == "decode":
+            legs.append(("mixed_sgmv", lora_eng, per_req))
+        runs: dict[str, list[float]] = {name: [] for name, _, _ in legs}
         for r in range(args.repeats + 1):  # the first round warms up (graphs, kernels, allocator)
             for name, eng, reqs in legs:
-                run = timed_run(eng, prompts, params, reqs, f"{kind}{batch}-{name}{r}")
+                with _bgmv_off(name == "mixed_sgmv"):
+                    run = timed_run(eng, prompts, params, reqs, f"{kind}{batch}-{name}{r}")
                 if r > 0:
                     runs[name].append(_decode_ms(run, batch) if kind == "decode" else _prefill_ms(run))
         leg = Leg(kind, batch, batch if kind == "decode" else batch * length)
         leg.mixed_ms, leg.base_ms, leg.no_lora_ms = (min(runs[k]) for k in ("mixed", "base", "no_lora"))
+        leg.mixed_sgmv_ms = min(runs.get("mixed_sgmv") or [0.0])
         result.legs.append(leg)
         print(
             f"{kind} batch {batch}: {leg.mixed_ms:.2f} / {leg.base_ms:.2f} / {leg.no_lora_ms:.2f} ms",
@@ -183,6 +195,19 @@ def measure(args: argparse.Namespace) -> OverheadResult:
         )
     lora_eng.lora.shutdown()
     return result
+
+
+@contextlib.contextmanager
+def _bgmv_off(off: bool) -> Iterator[None]:
+    """While `off`: no step takes the fused BGMV kernel (`BGMV_MAX_ROWS` = 0), every one the SGMV pair."""
+    from engine.lora import backend
+
+    saved = backend.BGMV_MAX_ROWS
+    backend.BGMV_MAX_ROWS = 0 if off else saved
+    try:
+        yield
+    finally:
+        backend.BGMV_MAX_ROWS = saved
 
 
 def _device_name(device: str) -> str:
@@ -220,6 +245,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prefill-adapters", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kv-gib", type=float, default=4.0, help="KV cache budget of each engine")
+    ap.add_argument("--compare-sgmv", action="store_true", help="decode: also time mixed with BGMV off")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/loraplex-gpu-e2e"))
     ap.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
     args = ap.parse_args(argv)

@@ -63,6 +63,7 @@ def test_every_command_line_of_the_check_script_parses() -> None:
             triton_gpu.parse_args(argv[1:])
     overhead = lora_overhead.parse_args(steps["overhead"][2:])
     assert overhead.batches == [1, 64, 256] and overhead.adapters == 32 and overhead.rank == 16
+    assert overhead.compare_sgmv
     assert (overhead.prefill_prompts, overhead.prefill_len, overhead.prefill_adapters) == (4, 1024, 4)
 
 
@@ -104,12 +105,13 @@ def test_overhead_script_on_cpu(tmp_path, capsys) -> None:
     argv = ["--device", "cpu", "--size", "tiny", "--dtype", "float32", "--adapters", "2", "--batches", "1,3"]
     argv += ["--prompt-len", "6", "--new-tokens", "3", "--prefill-prompts", "2", "--prefill-len", "12"]
     argv += ["--prefill-adapters", "2", "--repeats", "1", "--kv-gib", "0.05", "--workdir", str(tmp_path)]
-    assert lora_overhead.main([*argv, "--json", str(out)]) == 0
+    assert lora_overhead.main([*argv, "--compare-sgmv", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     legs = [(g["kind"], g["batch"], g["tokens"]) for g in result["legs"]]
     assert legs == [("decode", 1, 1), ("decode", 3, 3), ("prefill", 2, 24)]
     for g in result["legs"]:
         assert g["mixed_ms"] > 0 and g["base_ms"] > 0 and g["no_lora_ms"] > 0 and g["lora_overhead"] > 0
+    assert [g["mixed_sgmv_ms"] > 0 for g in result["legs"]] == [True, True, False]  # decode legs only
     assert result["lora_engine"]["graphs"] == 0  # no CUDA graphs on CPU
     assert "| prefill | 2 | 24 |" in capsys.readouterr().out
 

@@ -124,7 +124,8 @@ def test_config_splits_columns_for_few_segments() -> None:
     one = bgmv_config(1, 2048, 2048, 16, 3, 1)
     many = bgmv_config(1, 2048, 2048, 16, 3, 256)
     assert one["N_SPLIT"] > many["N_SPLIT"] == 1
-    assert one["BLOCK_M"] == 1 and bgmv_config(16, 2048, 2048, 16, 3, 1)["BLOCK_M"] == 8
+    assert one["BLOCK_M"] == 2 and bgmv_config(16, 2048, 2048, 16, 3, 1)["BLOCK_M"] == 8
+    assert one["BLOCK_K"] == 256 and bgmv_config(8, 2048, 2048, 16, 3, 1)["BLOCK_K"] == 64
 
 
 CASE = make_case([[4, 8], [8, 0]], [0, 1, -1], 16, [16, 8], 8, torch.float32)
