@@ -12,7 +12,7 @@ Each bucket's inputs live in static device buffers. A step of B sequences in a b
 0..B-1 and pads rows B..S-1 so that they do no harm:
 - KV slot -1: `write_kv` skips the row, so it writes no KV;
 - context length 1 over block 0: the row attends to one cached position; its output is discarded;
-- adapter slot -1: the SGMV kernels skip the row;
+- adapter slot -1: the LoRA kernels skip the row;
 - the logits of padded rows are computed and ignored.
 Launch shapes come from the bucket and kernel alone (LoRA segments = S, grids over `GRID_ROWS` rows of
 a segment; the kernels read the real extent from the buffers and loop over longer segments), so every
