@@ -158,3 +158,21 @@ def test_other_lora_backends_apply_expert_lora(backend, adapters):
     base, dirs, oracle = adapters["mixtral"]
     kw = {"lora_backend": backend} | ({"attention_backend": "triton"} if backend == "triton" else {})
     check_requests(cpu_llm(base, **kw), dirs, oracle, _requests(5, ["both-r16", None, "experts-r4"], 3), 3)
+
+
+def test_prefix_cache_and_ngram_speculation_with_expert_adapters(adapters):
+    """Repetitive prompts with a shared prefix on expert adapters and base rows, under n-gram speculation:
+    prefix-cache hits, drafts verified (multi-row runs per request) through the experts' LoRA, and
+    PEFT's tokens."""
+    base, dirs, oracle = adapters["qwen3_moe"]
+    rng = random.Random(6)
+    shared = [rng.randrange(3, 96) for _ in range(9)]
+    reqs = []
+    for i, name in enumerate(["experts-r4", None, "both-r16", "experts-r4", None]):
+        phrase = [rng.randrange(3, 96) for _ in range(rng.randrange(2, 5))]
+        reqs.append(((shared if i % 2 == 0 else []) + phrase * rng.randrange(2, 5), name))
+    llm = cpu_llm(base, speculative="ngram", num_speculative_tokens=3)
+    for _ in range(2):  # the second round reuses the first's cached blocks
+        check_requests(llm, dirs, oracle, reqs, NEW)
+    stats = llm.engine.get_stats()
+    assert stats.prefix_cache_hits > 0 and stats.spec_verifications > 0
