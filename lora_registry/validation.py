@@ -17,6 +17,7 @@ from engine.lora.adapter_checkpoint import (
     load_adapter_config,
     module_features,
 )
+from engine.lora.expert_targets import sparse_layers
 from engine.model_config import ModelConfig, ModelConfigError
 from lora_registry.config_limits import check_config_file
 from lora_registry.errors import InvalidAdapter, RegistryError
@@ -44,6 +45,11 @@ def model_fingerprint(model: ModelConfig) -> str:
         "head_dim": model.head_dim,
         "vocab_size": model.vocab_size,
     }
+    moe = model.extra.get("moe")
+    if moe:  # expert adapters are shaped by the experts (other models' fingerprints are unchanged)
+        facts["moe"] = {k: moe[k] for k in ("num_experts", "intermediate_size")} | {
+            "sparse_layers": sparse_layers(model)
+        }
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
 
 
@@ -72,6 +78,18 @@ def validate_adapter(
 
 def max_adapter_bytes(model: ModelConfig, max_lora_rank: int) -> int:
     """The largest valid adapter file for `model`: every projection of every layer at `max_lora_rank`,
-    in float64 (8 bytes), plus the header: sum over layers and projections of r·(in + out)·8 + slack."""
+    in float64 (8 bytes), plus the header: sum over layers and projections of r·(in + out)·8 + slack, plus
+    a MoE model's expert LoRA (`max_expert_bytes`)."""
     per_layer = sum(max_lora_rank * sum(module_features(model, p)) * 8 for p in PROJECTIONS)
-    return model.num_layers * per_layer + HEADER_SLACK_BYTES
+    return model.num_layers * per_layer + max_expert_bytes(model, max_lora_rank) + HEADER_SLACK_BYTES
+
+
+def max_expert_bytes(model: ModelConfig, max_lora_rank: int) -> int:
+    """The largest LoRA on a MoE model's routed experts, in float64: per sparse layer and expert, the
+    per-expert layout's gate, up and down LoRAs (the larger layout): 3·r·(hidden + expert inter)·8."""
+    layers = sparse_layers(model)
+    if not layers:
+        return 0
+    moe = model.extra["moe"]
+    per_expert = 3 * max_lora_rank * (model.hidden_size + int(moe["intermediate_size"])) * 8
+    return len(layers) * int(moe["num_experts"]) * per_expert

@@ -31,7 +31,7 @@ from engine.lora.cpu_cache import CpuAdapterCache
 from engine.lora.dora import BaseWeights
 from engine.lora.held_files import AdapterFilesGone
 from engine.lora.loader import AdapterLoader
-from engine.lora.pool import AdapterPool
+from engine.lora.pool import AdapterPool, ResidentAdapter
 from engine.lora.residency import AdapterResidency
 from engine.lora_request import LoRARequest
 from engine.model.linear import LoRAStepContext
@@ -49,6 +49,7 @@ class LoRAInfo:
     rank: int | None
     pinned: bool
     pages: int
+    memory_bytes: int = 0  # device bytes of its pages (projections and MoE experts); 0 when not resident
 
 
 @dataclass(slots=True)
@@ -64,6 +65,14 @@ class LoRAPoolStats:
     load_failures: int
     load_seconds_total: float
     last_load_seconds: float
+
+
+def _device_rank(dev: ResidentAdapter) -> int:
+    """The largest rank of a resident adapter, over its projections and its experts."""
+    ranks = [r for layer in dev.layer_ranks for r in layer]
+    if dev.experts is not None:
+        ranks += [r for layer in dev.experts.ranks for r in layer.values()]
+    return max(ranks, default=0)
 
 
 REMOVED_MEMORY = 4096  # removed digests remembered, so late requests for them retire them again
@@ -248,10 +257,11 @@ class LoRAManager:
                 tier = "loading"
             else:
                 tier = "disk"
-            rank = max((max(r) for r in dev.layer_ranks), default=0) if dev else (ckpt.rank if ckpt else None)
+            rank = _device_rank(dev) if dev else (ckpt.rank if ckpt else None)
             pinned = digest in res.pinned
             names = self.loader.names_of(digest)
-            out.append(LoRAInfo(digest, names, tier, rank, pinned, dev.num_pages if dev else 0))
+            pages, memory = (dev.num_pages, dev.memory_bytes) if dev else (0, 0)
+            out.append(LoRAInfo(digest, names, tier, rank, pinned, pages, memory))
         return out
 
     # ---- per step ---------------------------------------------------------------------------------

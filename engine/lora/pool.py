@@ -20,6 +20,10 @@ per-row epilogue `y ← y ⊙ f + c` (`engine/lora/dora.py`), computed at upload
 pool's `base` weights (host side, float32; cached with the host copy, so once per load) and held in the
 pool's `epilogues` store (`engine/lora/epilogue.py`) under the adapter's `epi_slot`.
 
+LoRA on a mixture-of-experts model's routed experts lives in the pool's `experts` store
+(`engine/lora/expert_pages.py`: pages of per-expert A/B rows, grown as expert adapters arrive);
+`ResidentAdapter.memory_bytes` is an adapter's device bytes in both kinds of pages.
+
 An adapter with LoRA on embed_tokens / lm_head, or trainable tokens, keeps its device copy of those
 (at vocabulary width) in `ResidentAdapter.vocab` (`engine/lora/vocab_step.py`), outside the pages;
 dropped on eviction.
@@ -34,6 +38,7 @@ import torch
 from engine.lora.adapter_checkpoint import PROJECTIONS, AdapterCheckpoint, module_features
 from engine.lora.dora import BaseWeights, row_epilogue
 from engine.lora.epilogue import EpilogueStore
+from engine.lora.expert_pages import ExpertPageStore, ExpertResident
 from engine.lora.vocab_step import VocabLoRA, device_vocab_lora
 from engine.model_config import ModelConfig
 from kernels.intmath import cdiv
@@ -54,6 +59,8 @@ class ResidentAdapter:
     epi_slot: int = -1  # slot in the pool's epilogue store (DoRA / lora_bias adapters), -1: none
     epi_modules: frozenset[int] = frozenset()  # module indices with epilogue vectors
     vocab: VocabLoRA | None = None  # its embed_tokens / lm_head LoRA on the device (`vocab_step.py`)
+    experts: ExpertResident | None = None  # its pages of LoRA on a MoE model's experts (`expert_pages.py`)
+    memory_bytes: int = 0  # device bytes of its pages (projections and experts)
 
 
 class AdapterPool:
@@ -98,6 +105,10 @@ class AdapterPool:
         self._free_pages = [list(range(num_pages)) for _ in PROJECTIONS]
         self._free_slots = list(range(self.max_slots))
         self.resident: dict[str, ResidentAdapter] = {}
+        # LoRA on a MoE model's routed experts (pages allocated as expert adapters arrive)
+        self.experts = (
+            ExpertPageStore(cfg, num_pages, page_rank, dtype, device) if cfg.extra.get("moe") else None
+        )
         # Data the compute paths derive from the current residents (e.g. the CPU path's gather indices),
         # keyed by what it depends on; cleared on every upload and eviction so it never goes stale.
         self.step_cache: dict[str, object] = {}
@@ -112,8 +123,11 @@ class AdapterPool:
         return need
 
     def fits(self, ckpt: AdapterCheckpoint) -> bool:
-        return bool(self._free_slots) and all(
-            n <= len(free) for n, free in zip(self.pages_needed(ckpt), self._free_pages, strict=True)
+        experts_fit = not ckpt.experts or (self.experts is not None and self.experts.fits(ckpt))
+        return (
+            bool(self._free_slots)
+            and experts_fit
+            and all(n <= len(free) for n, free in zip(self.pages_needed(ckpt), self._free_pages, strict=True))
         )
 
     def pages_used(self) -> int:
@@ -159,6 +173,12 @@ class AdapterPool:
                 layer_ranks[w.layer][m] = w.rank
                 layer_scalings[w.layer][m] = w.scaling
         entry = ResidentAdapter(ckpt.digest, slot, pages, layer_ranks, layer_scalings, num_pages=sum(need))
+        entry.memory_bytes = sum(
+            len(plist) * (self.a[m][0].nbytes + self.b[m][0].nbytes) for m, plist in enumerate(pages)
+        )
+        if ckpt.experts and self.experts is not None:
+            entry.experts = self.experts.upload(ckpt)
+            entry.memory_bytes += entry.experts.memory_bytes
         epi = self._epilogues(ckpt)
         if epi:
             entry.epi_slot, entry.epi_modules = self.epilogues.add(epi), frozenset(epi)
@@ -195,6 +215,8 @@ class AdapterPool:
         self.page_table[:, entry.slot] = 0
         if entry.epi_slot >= 0:
             self.epilogues.remove(entry.epi_slot)
+        if entry.experts is not None and self.experts is not None:
+            self.experts.evict(entry.experts)
         for m, plist in enumerate(entry.pages):
             self._free_pages[m].extend(plist)
         self._free_slots.append(entry.slot)

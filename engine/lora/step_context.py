@@ -24,7 +24,8 @@ After the LoRA pass, rows of a DoRA or lora_bias adapter get that adapter's per-
 rows are not touched.
 
 Both contexts also carry the step's embedding / LM-head LoRA (`vocab`, `engine/lora/vocab_step.py`),
-which the model applies to its lookups and logits.
+which the model applies to its lookups and logits, and its LoRA on a MoE model's experts (`experts`,
+`engine/lora/expert_step.py`), which the MoE block applies per (expert, adapter) run.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch
 from engine.lora.backend import apply_triton_lora, lora_kernel_for, max_rows_per_adapter
 from engine.lora.cpu_plans import GatherPlan, NativePlan, Segment, cached_plan, gather_plan, native_plan
 from engine.lora.epilogue import RowEpilogue
+from engine.lora.expert_step import expert_step
 from engine.lora.pool import MODULE_INDEX, AdapterPool, ResidentAdapter
 from engine.lora.vocab_step import VocabLoRAStep, adapter_runs
 from kernels.lora_meta import LoRABatchMeta, build_lora_batch_meta
@@ -79,6 +81,7 @@ class CpuLoRAContext:
             pool.epilogues, [(s.adapter, range(s.start, s.end)) for s in segments if s.adapter.epi_slot >= 0]
         )
         self.vocab = VocabLoRAStep([(s.adapter, range(s.start, s.end)) for s in segments])
+        self.experts = expert_step(pool, [(s.adapter, range(s.start, s.end)) for s in segments])
         if native:  # the plan is made by the first `apply`, which knows the activations' dtype
             self._native_segments = segments
             return
@@ -203,6 +206,8 @@ class TritonLoRAContext:
         self.epilogue = RowEpilogue(pool.epilogues, runs)
         vocab = {r.slot: r for r in pool.resident.values() if r.vocab is not None}
         self.vocab = VocabLoRAStep(adapter_runs(slots, vocab) if vocab else [])
+        experts = {r.slot: r for r in pool.resident.values() if r.experts is not None}
+        self.experts = expert_step(pool, adapter_runs(slots, experts) if experts else [])
 
     @property
     def meta(self) -> LoRABatchMeta:
