@@ -26,10 +26,11 @@ def tensor_parallel(
     after one-line ValueErrors for sizes the model or machine cannot take. On CPU every rank, this one
     included, gets `num_threads // N` threads (`num_threads` default: the CPUs this process may use)."""
     world = config.tensor_parallel_size
+    if isinstance(world, int) and world > 1:
+        check_tensor_parallel(checkpoint, world)  # the model's limits first: they hold on any machine
     config.check_parallel()
     if world == 1:
         return None
-    check_tensor_parallel(checkpoint, world)
     threads = 1
     if device.type == "cpu":
         threads = max(1, (config.num_threads or available_cpus()) // world)
