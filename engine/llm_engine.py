@@ -60,6 +60,8 @@ class LLMEngine:
         self.thread_governor = None
         checkpoint = ModelConfig.from_dir(config.model)
         self.tp = tensor_parallel(config, checkpoint, self.device)  # None: one rank
+        if self.tp is not None:
+            self.tp.group.launch()  # the workers load their shards while this process loads its own
         # False (a server's engine process): a failed worker group is raised out of `step`, not restarted
         self.recover_worker_group = True
         # under tensor parallel the threads are split over the ranks (and no governor: it would change

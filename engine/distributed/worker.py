@@ -9,6 +9,7 @@ ends the process, which closes its sockets, so rank 0's next collective fails at
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -25,7 +26,7 @@ from engine.engine_config import EngineConfig
 
 if TYPE_CHECKING:
     from engine.distributed.group import ProcessGroup
-    from engine.lora.pool import ResidentAdapter
+    from engine.lora.pool import AdapterPool, ResidentAdapter
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +41,7 @@ class WorkerSpec:
     port: int  # the process group's rendezvous
     control_port: int  # rank 0's socket for this worker's channel
     device: str  # e.g. "cpu", "cuda:1"
-    num_kv_blocks: int
     num_threads: int
-    lora_backend: str | None  # the backend rank 0 chose (None: LoRA disabled)
     lora_dtype: str  # the pool's dtype name
     timeout: float
 
@@ -56,13 +55,17 @@ class WorkerSpec:
 
 
 def worker_main(spec: WorkerSpec) -> None:
-    """The worker process's life (module docstring): connect, build, report, join, serve, exit."""
+    """The worker process's life (module docstring): connect, load the shard, take rank 0's sizes
+    (`{"num_kv_blocks": n, "lora_backend": name or null}`, JSON), report ready, join, serve, exit."""
     conn = Channel.connect(spec.control_port)
     conn.send_bytes(str(spec.rank).encode())
     try:
         worker = _Worker(spec)
+        sizes = json.loads(conn.recv_bytes())
+        worker.allocate(int(sizes["num_kv_blocks"]), sizes["lora_backend"])
     except BaseException as exc:  # reported to rank 0, which raises it at start
-        conn.send_bytes(f"error: {exc}".encode())
+        with contextlib.suppress(OSError):
+            conn.send_bytes(f"error: {exc}".encode())
         os._exit(1)
     conn.send_bytes(b"ready")
     try:
@@ -79,7 +82,6 @@ class _Worker:
         from engine.attention import select_backend
         from engine.distributed.shard import TensorShard
         from engine.distributed.shard_model import load_shard
-        from engine.lora.pool import AdapterPool
         from engine.model_config import ModelConfig, resolve_dtype
 
         torch.set_num_threads(spec.num_threads)
@@ -95,21 +97,29 @@ class _Worker:
         self.model = load_shard(
             checkpoint, self.shard, dtype, self.device, self._all_reduce, cfg.packed_cpu_gemms
         )
-        local = self.shard.local_config()
-        shape = (local.num_layers, 2, spec.num_kv_blocks, cfg.block_size, local.num_kv_heads, local.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.kv_layers = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(local.num_layers)]
+        self.dtype = dtype
         self.backend = select_backend(self.device, cfg.attention_backend)
-        self.pool = None
-        if spec.lora_backend is not None:
-            from engine.model_config import resolve_lora_dtype
+        self.lora_backend: str | None = None
+        self.pool: AdapterPool | None = None
 
+    def allocate(self, num_kv_blocks: int, lora_backend: str | None) -> None:
+        """This rank's KV cache (its heads, rank 0's block count) and adapter pool (rank 0's layout;
+        `lora_backend` None: LoRA disabled)."""
+        from engine.lora.pool import AdapterPool
+        from engine.model_config import resolve_lora_dtype
+
+        cfg, local = self.spec.config, self.shard.local_config()
+        shape = (local.num_layers, 2, num_kv_blocks, cfg.block_size, local.num_kv_heads, local.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_layers = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(local.num_layers)]
+        self.lora_backend = lora_backend
+        if lora_backend is not None:
             self.pool = AdapterPool(
                 local,
                 cfg.adapter_pool_pages(),
                 cfg.lora_page_rank,
                 cfg.max_lora_rank,
-                resolve_lora_dtype(spec.lora_dtype, dtype),
+                resolve_lora_dtype(self.spec.lora_dtype, self.dtype),
                 self.device,
                 None,
                 self.shard,
@@ -154,7 +164,7 @@ class _Worker:
         lora = None
         if len(step.lora_runs):
             assert self.pool is not None, "LoRA runs only come with LoRA enabled"
-            assert self.spec.lora_backend is not None, "set with the pool"
+            assert self.lora_backend is not None, "set with the pool"
             by_slot = {r.slot: r for r in self.pool.resident.values()}
             counts: list[int] = []
             adapters: list[ResidentAdapter | None] = []
@@ -169,6 +179,6 @@ class _Worker:
             if row < step.inputs.num_tokens:
                 counts.append(step.inputs.num_tokens - row)
                 adapters.append(None)
-            lora = lora_context(self.pool, self.spec.lora_backend, counts, adapters)
+            lora = lora_context(self.pool, self.lora_backend, counts, adapters)
         batch = to_forward_batch(step.inputs, lora, self.device)
         self.model(batch, self.kv_layers, self.backend)

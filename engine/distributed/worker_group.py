@@ -19,6 +19,7 @@ at their slots (the KV contents of the old workers are gone, so the caller drops
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import socket
@@ -68,48 +69,61 @@ class WorkerGroup:
         self._procs: list[subprocess.Popen] = []
         self._conns: list[Channel] = []
         self._group: ProcessGroup | None = None
+        self._listener: socket.socket | None = None  # workers connect here while starting
+        self._port = 0  # the process group's rendezvous
         self.restarts = 0
 
     # ---- life cycle -------------------------------------------------------------------------------
-    def start(self) -> None:
-        """Start the workers, wait until each has loaded its shard, and join the group with them;
-        WorkerGroupError (one line) when a worker cannot start."""
-        port = free_port()
-        listener = socket.create_server(("127.0.0.1", 0))
-        control = listener.getsockname()[1]
+    def launch(self) -> None:
+        """Start the worker processes, which import and load their shards while this process loads its
+        own; `start` then hands them the KV and pool sizes and joins the group."""
+        if self._listener is not None:
+            return
+        self._port = free_port()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        control = self._listener.getsockname()[1]
         env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        for rank in range(1, self.world):
+            device = f"cuda:{rank}" if self.device.type == "cuda" else "cpu"
+            spec = WorkerSpec(
+                self.config,
+                rank,
+                self.world,
+                self._port,
+                control,
+                device,
+                self.num_threads,
+                self.config.lora_dtype,
+                self.timeout,
+            )
+            cmd = [sys.executable, "-m", "engine.distributed"]
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env)
+            assert proc.stdin is not None, "stdin is a pipe"
+            proc.stdin.write((spec.to_json() + "\n").encode())
+            proc.stdin.close()
+            self._procs.append(proc)
+
+    def start(self) -> None:
+        """Launch the workers (unless `launch` did), give them rank 0's KV cache size and LoRA backend,
+        wait until each is ready and join the group with them; WorkerGroupError (one line) when a worker
+        cannot start."""
+        self.launch()
+        assert self._listener is not None, "launch made it"
+        sizes = json.dumps({"num_kv_blocks": self.num_kv_blocks, "lora_backend": self.lora_backend})
         try:
-            for rank in range(1, self.world):
-                device = f"cuda:{rank}" if self.device.type == "cuda" else "cpu"
-                spec = WorkerSpec(
-                    self.config,
-                    rank,
-                    self.world,
-                    port,
-                    control,
-                    device,
-                    self.num_kv_blocks,
-                    self.num_threads,
-                    self.lora_backend,
-                    self.config.lora_dtype,
-                    self.timeout,
-                )
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "engine.distributed"], stdin=subprocess.PIPE, env=env
-                )
-                assert proc.stdin is not None, "stdin is a pipe"
-                proc.stdin.write((spec.to_json() + "\n").encode())
-                proc.stdin.close()
-                self._procs.append(proc)
-            self._conns = self._accept(listener)
+            self._conns = self._accept(self._listener)
+            for conn in self._conns:
+                conn.send_bytes(sizes.encode())
             for rank, conn in enumerate(self._conns, start=1):
                 self._await_ready(rank, conn)
-            self._group = ProcessGroup(0, self.world, port, self.device, self.timeout)
-        except (WorkerGroupError, CollectiveError) as exc:
+            self._group = ProcessGroup(0, self.world, self._port, self.device, self.timeout)
+        except (WorkerGroupError, CollectiveError, OSError) as exc:
             self.close()
             raise WorkerGroupError(str(exc)) from None
         finally:
-            listener.close()
+            if self._listener is not None:
+                self._listener.close()
+                self._listener = None
         for ckpt, slot, pages in self._resident.values():  # a restart: the pool as it was
             self._send(sp.encode_upload(ckpt, slot, pages))
 
@@ -173,6 +187,9 @@ class WorkerGroup:
                 proc.wait(timeout=5.0)
         for conn in self._conns:
             conn.close()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
         self._procs, self._conns = [], []
 
     def worker_pids(self) -> list[int]:
