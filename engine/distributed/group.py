@@ -63,7 +63,8 @@ class ProcessGroup:
         except (RuntimeError, dist.DistStoreError) as exc:
             raise CollectiveError(f"rank {rank} could not join the {world}-rank group: {exc}") from exc
         self._closed = False
-        self.collective_seconds = 0.0  # time spent in collectives (benchmarks split a step with it)
+        self.collective_seconds = 0.0  # time spent in all-reduces (benchmarks split a step with it)
+        self.collective_calls = 0
 
     def _wait(self, work) -> None:
         if self._closed:
@@ -83,6 +84,7 @@ class ProcessGroup:
         else:
             self._wait(self._pg.allreduce([t]))
         self.collective_seconds += time.perf_counter() - start
+        self.collective_calls += 1
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """Every rank's `t` (same shape on all), concatenated along dim 0 in rank order."""

@@ -201,6 +201,11 @@ class WorkerGroup:
         """Seconds rank 0 spent in collectives since the group (re)started."""
         return self._group.collective_seconds if self._group is not None else 0.0
 
+    @property
+    def collective_calls(self) -> int:
+        """All-reduces rank 0 ran since the group (re)started."""
+        return self._group.collective_calls if self._group is not None else 0
+
     # ---- per step ---------------------------------------------------------------------------------
     def all_reduce(self, t: torch.Tensor) -> None:
         """The row-parallel layers' sum over ranks (rank 0's model is wired to this)."""
