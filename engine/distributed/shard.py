@@ -28,10 +28,14 @@ LoRA follows the layer it adapts, so it adds no communication of its own:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from engine.lora.adapter_checkpoint import AdapterCheckpoint
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # LoRA slices split by output rows
 ROW = ("o_proj", "down_proj")  # LoRA slices split by input columns
@@ -48,6 +52,23 @@ TENSOR_PARALLEL_ARCHITECTURES = (
     "Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration",
 )
+
+
+def unsharded_adapter_kind(ckpt: AdapterCheckpoint) -> str | None:
+    """Why the adapter `ckpt` cannot be served under tensor parallel (kinds whose extra tensors are not
+    sharded: DoRA, lora_bias, embed_tokens / lm_head LoRA, trainable tokens, modules_to_save), or None."""
+    kinds = [
+        name
+        for name, present in (
+            ("DoRA", ckpt.use_dora),
+            ("lora_bias", ckpt.lora_bias),
+            ("embed_tokens/lm_head LoRA", bool(ckpt.vocab)),
+            ("trainable_token_indices", bool(ckpt.tokens)),
+            ("modules_to_save", bool(ckpt.saved)),
+        )
+        if present
+    ]
+    return f"{', '.join(kinds)} adapters are not supported under tensor parallel" if kinds else None
 
 
 class TensorParallelError(ValueError):

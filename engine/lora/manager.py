@@ -108,6 +108,10 @@ class LoRAManager:
         cpu = CpuAdapterCache(max_cpu_loras or max(64, 4 * max_loras))
         chosen = select_lora_backend(backend, device, dtype, compute_dtype)
         loader = AdapterLoader(model, max_lora_rank, pin_memory=device.type == "cuda")
+        if shard is not None:
+            from engine.distributed.shard import unsharded_adapter_kind
+
+            loader.refuse = unsharded_adapter_kind
         return cls(loader, AdapterResidency(pool, cpu, chosen, device))
 
     @property

@@ -149,12 +149,9 @@ class AdapterPool:
     def place(self, ckpt: AdapterCheckpoint, slot: int, pages: list[list[int]]) -> ResidentAdapter:
         """Copy an adapter's weights (this rank's part of them) into the free `pages` (per module) and
         give it the free `slot`: `upload`'s choice, or on another tensor-parallel rank rank 0's."""
-        if self.shard is not None and (
-            ckpt.use_dora or ckpt.lora_bias or ckpt.vocab or ckpt.tokens or ckpt.saved
-        ):
-            raise ValueError(
-                "DoRA, lora_bias and embed_tokens/lm_head adapters are not supported under tensor parallel"
-            )
+        assert self.shard is None or not (ckpt.use_dora or ckpt.lora_bias or ckpt.vocab), (
+            "the loader refuses adapter kinds tensor parallel does not shard"
+        )
         self.step_cache.clear()
         self._free_slots.remove(slot)
         for m, plist in enumerate(pages):
