@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import weakref
 from collections import abc
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,9 @@ class LLMEngine:
         checkpoint = ModelConfig.from_dir(config.model)
         self.tp = tensor_parallel(config, checkpoint, self.device)  # None: one rank
         if self.tp is not None:
+            # the workers stop when this engine is collected or the interpreter exits, even one whose
+            # start failed past this point
+            weakref.finalize(self, self.tp.group.close)
             self.tp.group.launch()  # the workers load their shards while this process loads its own
         # False (a server's engine process): a failed worker group is raised out of `step`, not restarted
         self.recover_worker_group = True

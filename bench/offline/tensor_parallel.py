@@ -7,9 +7,11 @@ A random-weight Llama of the given shape; `--batch` requests of 64 random prompt
 tokens each, on the base model and on 4 random rank-16 adapters (all 7 projections) mixed. Legs run
 alternately `--repeats` times: TP=1 with `--threads` threads, TP=2 with `--threads / 2` per rank.
 Reported per leg (best run): decode step time (median over the run's decode steps), for TP=2 the time
-rank 0 waits in all-reduces per decode step (the collective itself plus any imbalance between the ranks)
-and the all-reduces per step (2 per layer with or without LoRA: LoRA adds none), and whether TP=2's
-tokens equal TP=1's.
+rank 0 waits in all-reduces per decode step (the collective itself plus any imbalance between the ranks:
+on a loaded machine mostly the other rank not being scheduled), the all-reduces per step (2 per layer
+with or without LoRA: LoRA adds none), the quickest single all-reduce (its own cost when no rank is
+waited for) and that cost times the all-reduces as a share of the step, and whether TP=2's tokens equal
+TP=1's.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class Leg:
     decode_step_ms: float = float("inf")  # median decode step of the best run
     collective_ms: float = 0.0  # rank 0's all-reduce time per decode step (TP=2)
     allreduces_per_step: float = 0.0
+    fastest_allreduce_us: float = 0.0  # rank 0's quickest all-reduce: its own cost, no rank waited for
     tokens: list[list[int]] = field(default_factory=list, repr=False)
 
     @property
@@ -63,6 +66,8 @@ def run_leg(engine, prompts, loras, params, leg: Leg, tag: str) -> None:
         leg.decode_step_ms = med
         leg.collective_ms = statistics.median(coll) * 1e3 if coll else 0.0
         leg.allreduces_per_step = statistics.mean(calls) if calls else 0.0
+    if group is not None:
+        leg.fastest_allreduce_us = group.fastest_collective * 1e6
     leg.tokens = [final[f"{tag}-{i}"] for i in range(len(prompts))]
 
 
@@ -103,14 +108,16 @@ def main(argv: list[str] | None = None) -> None:
                 run_leg(engines[tp], prompts, loras if lora else None, params, leg, f"r{r}-{tp}-{lora}")
         engines[2].shutdown()
     rows = [
-        "| leg | decode step ms | rank-0 all-reduce ms/step | compute ms/step | all-reduces/step |",
-        "|---|---|---|---|---|",
+        "| leg | decode step ms | rank-0 all-reduce wait ms/step | compute ms/step | all-reduces/step "
+        "| fastest all-reduce us | all-reduce cost / step |",
+        "|---|---|---|---|---|---|---|",
     ]
     for (tp, lora), leg in legs.items():
         name = f"TP={tp} ({args.threads // tp} thr/rank), {'4 adapters mixed' if lora else 'base'}"
+        floor = leg.fastest_allreduce_us * leg.allreduces_per_step / 1e3 / leg.decode_step_ms
         rows.append(
             f"| {name} | {leg.decode_step_ms:.1f} | {leg.collective_ms:.2f} | {leg.compute_ms:.1f} "
-            f"| {leg.allreduces_per_step:.0f} |"
+            f"| {leg.allreduces_per_step:.0f} | {leg.fastest_allreduce_us:.0f} | {floor:.1%} |"
         )
     same = all(legs[(2, lo)].tokens == legs[(1, lo)].tokens for lo in (False, True))
     rows.append(f"\nTP=2 tokens equal TP=1: {same}; shape {asdict(spec)}, batch {args.batch}")

@@ -65,6 +65,7 @@ class ProcessGroup:
         self._closed = False
         self.collective_seconds = 0.0  # time spent in all-reduces (benchmarks split a step with it)
         self.collective_calls = 0
+        self.fastest_collective = float("inf")  # seconds of the quickest all-reduce: ~ its pure cost
 
     def _wait(self, work) -> None:
         if self._closed:
@@ -83,8 +84,10 @@ class ProcessGroup:
             t.copy_(wide)
         else:
             self._wait(self._pg.allreduce([t]))
-        self.collective_seconds += time.perf_counter() - start
+        took = time.perf_counter() - start
+        self.collective_seconds += took
         self.collective_calls += 1
+        self.fastest_collective = min(self.fastest_collective, took)
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """Every rank's `t` (same shape on all), concatenated along dim 0 in rank order."""

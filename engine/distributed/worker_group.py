@@ -202,6 +202,11 @@ class WorkerGroup:
         return self._group.collective_seconds if self._group is not None else 0.0
 
     @property
+    def fastest_collective(self) -> float:
+        """Seconds of rank 0's quickest all-reduce: the collective's own cost, with no rank waited for."""
+        return self._group.fastest_collective if self._group is not None else float("inf")
+
+    @property
     def collective_calls(self) -> int:
         """All-reduces rank 0 ran since the group (re)started."""
         return self._group.collective_calls if self._group is not None else 0
