@@ -53,7 +53,8 @@ def run_leg(engine, prompts, loras, params, leg: Leg, tag: str) -> None:
         outs = engine.step()
         dt = time.perf_counter() - t0
         tokens, decodes = engine.runner.last_batch
-        if tokens and tokens == decodes:
+        ran = engine.get_stats().last_step_tokens > 0  # not a step that waited for an adapter load
+        if ran and tokens and tokens == decodes:
             steps.append(dt)
             if group:
                 coll.append(group.collective_seconds - c0)
