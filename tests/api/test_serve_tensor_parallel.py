@@ -1,14 +1,15 @@
 """A real server with `tensor_parallel_size=2` (gloo, two ranks on the CPU), driven by the openai client.
 
 Its greedy answers for the base model and each adapter equal HF + PEFT's (as the TP=1 server's do,
-tests/api/test_server_openai.py). kill -9 of the worker rank mid-stream ends the stream with the
-retryable SSE error within seconds, `/health` says unhealthy until the engine and its group are back,
-and the answers afterwards are right again.
+tests/api/test_server_openai.py); structured output and n > 1 work as at TP=1. kill -9 of the worker
+rank mid-stream ends the stream with the retryable SSE error within seconds, `/health` says unhealthy
+until the engine and its group are back, and the answers afterwards are right again.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -73,6 +74,23 @@ def worker_pids(engine_pid: int) -> list[int]:
 
 def test_answers_equal_peft(server, text_model, tok):
     check_answers(server, text_model, tok)
+
+
+def test_structured_output_and_n2_under_tp(server):
+    """Grammar masks and `n > 1` are rank 0's business: a regex-constrained sampled completion with n=2
+    under TP=2 matches its grammar in both choices."""
+    r = client(server).completions.create(
+        model=server.state.settings.served_model_name,
+        prompt=PROMPT,
+        max_tokens=30,
+        temperature=1.0,
+        seed=3,
+        n=2,
+        extra_body={"guided_regex": "(yes|no), [0-9]{2,4}!"},
+    )
+    assert len(r.choices) == 2
+    for choice in r.choices:
+        assert re.fullmatch(r"(yes|no), [0-9]{2,4}!", choice.text), choice.text
 
 
 def test_worker_killed_mid_stream_ends_it_and_recovers(server, text_model, tok):
