@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -60,6 +61,8 @@ class AdapterLoader:
         self._held: dict[str, HeldAdapterFiles] = {}  # digest -> its files, opened for waiting requests
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        # why this engine cannot serve a valid adapter (e.g. a kind tensor parallel does not shard), or None
+        self.refuse: Callable[[AdapterCheckpoint], str | None] | None = None
 
     # ---- identity ---------------------------------------------------------------------------------
     def resolve(self, lr: LoRARequest) -> str:
@@ -220,6 +223,9 @@ class AdapterLoader:
         t0 = time.perf_counter()
         contents = held.read() if held is not None else None
         ckpt = inspect_adapter(path, self.model, self.max_lora_rank, load_weights=True, contents=contents)
+        problem = self.refuse(ckpt) if self.refuse is not None else None
+        if problem:
+            raise AdapterError(problem)
         if self.pin_memory:
             ckpt = _pin_host_memory(ckpt)
         dt = time.perf_counter() - t0

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence, Set
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +38,9 @@ from engine.lora_request import LoRARequest
 from engine.model.linear import LoRAStepContext
 from engine.model_config import ModelConfig
 from engine.scheduler.output import ScheduledSequence
+
+if TYPE_CHECKING:
+    from engine.distributed.shard import TensorShard
 
 
 @dataclass(slots=True)
@@ -101,15 +105,22 @@ class LoRAManager:
         max_loras: int,
         backend: str,
         base: BaseWeights | None = None,
+        shard: TensorShard | None = None,
     ) -> LoRAManager:
         """The engine's manager: a pool of `num_pages` pages per projection
         (`EngineConfig.adapter_pool_pages`), a host cache of `max_cpu_loras` adapters (default
         `max(64, 4 * max_loras)`). `dtype` is the pool's (adapter weights), `compute_dtype` the model's;
-        `base`: the model's projection weights, which DoRA adapters need (`engine/lora/dora.py`)."""
-        pool = AdapterPool(model, num_pages, page_rank, max_lora_rank, dtype, device, base)
+        `base`: the model's projection weights, which DoRA adapters need (`engine/lora/dora.py`); `shard`:
+        tensor parallel rank 0's shard (its pool holds its part of every adapter)."""
+        local = model if shard is None else shard.local_config()
+        pool = AdapterPool(local, num_pages, page_rank, max_lora_rank, dtype, device, base, shard)
         cpu = CpuAdapterCache(max_cpu_loras or max(64, 4 * max_loras))
         chosen = select_lora_backend(backend, device, dtype, compute_dtype)
         loader = AdapterLoader(model, max_lora_rank, pin_memory=device.type == "cuda")
+        if shard is not None:
+            from engine.distributed.shard import unsharded_adapter_kind
+
+            loader.refuse = unsharded_adapter_kind
         return cls(loader, AdapterResidency(pool, cpu, chosen, device))
 
     @property

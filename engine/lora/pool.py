@@ -27,11 +27,17 @@ LoRA on a mixture-of-experts model's routed experts lives in the pool's `experts
 An adapter with LoRA on embed_tokens / lm_head, or trainable tokens, keeps its device copy of those
 (at vocabulary width) in `ResidentAdapter.vocab` (`engine/lora/vocab_step.py`), outside the pages;
 dropped on eviction.
+
+Under tensor parallel each rank has its own pool over its shard's widths (`cfg` is the rank's local
+config) and `shard` cuts every adapter to the rank's part (`engine/distributed/shard.py`). Rank 0 decides
+slots and pages; with `journal` set, its pool records every upload and eviction, which the worker group
+replays on the other ranks with `place` at the same slot and pages.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,6 +48,9 @@ from engine.lora.expert_pages import ExpertPageStore, ExpertResident
 from engine.lora.vocab_step import VocabLoRA, device_vocab_lora
 from engine.model_config import ModelConfig
 from kernels.intmath import cdiv
+
+if TYPE_CHECKING:
+    from engine.distributed.shard import TensorShard
 
 MODULE_INDEX = {m: i for i, m in enumerate(PROJECTIONS)}
 
@@ -75,6 +84,7 @@ class AdapterPool:
         dtype: torch.dtype,
         device: torch.device,
         base: BaseWeights | None = None,
+        shard: TensorShard | None = None,
     ) -> None:
         if page_rank < 1:
             raise ValueError(f"lora page_rank must be >= 1, got {page_rank}")
@@ -87,6 +97,9 @@ class AdapterPool:
         self.cfg, self.page_rank, self.num_pages = cfg, page_rank, num_pages
         self.dtype, self.device = dtype, device
         self.base = base  # the base model's weights (DoRA norms, base biases); None: DoRA refused
+        self.shard = shard  # tensor parallel: this rank's part of each adapter (None: all of it)
+        # rank 0 under tensor parallel: ("upload", ckpt, slot, pages) / ("evict", digest) in order
+        self.journal: list[tuple] | None = None
         layers = cfg.num_layers
         self.a: list[torch.Tensor] = []
         self.b: list[torch.Tensor] = []
@@ -144,9 +157,21 @@ class AdapterPool:
         if not self.fits(ckpt):
             raise RuntimeError("adapter pool has no room; evict first")
         need = self.pages_needed(ckpt)
+        pages = [self._free_pages[m][:n] for m, n in enumerate(need)]
+        return self.place(ckpt, self._free_slots[0], pages)
+
+    def place(self, ckpt: AdapterCheckpoint, slot: int, pages: list[list[int]]) -> ResidentAdapter:
+        """Copy an adapter's weights (this rank's part of them) into the free `pages` (per module) and
+        give it the free `slot`: `upload`'s choice, or on another tensor-parallel rank rank 0's."""
+        assert self.shard is None or not (ckpt.use_dora or ckpt.lora_bias or ckpt.vocab), (
+            "the loader refuses adapter kinds tensor parallel does not shard"
+        )
         self.step_cache.clear()
-        slot = self._free_slots.pop(0)
-        pages = [[self._free_pages[m].pop(0) for _ in range(n)] for m, n in enumerate(need)]
+        self._free_slots.remove(slot)
+        for m, plist in enumerate(pages):
+            for page in plist:
+                self._free_pages[m].remove(page)
+        need = [len(p) for p in pages]
         layer_ranks = [[0] * len(PROJECTIONS) for _ in range(self.cfg.num_layers)]
         layer_scalings = [[0.0] * len(PROJECTIONS) for _ in range(self.cfg.num_layers)]
         pr = self.page_rank
@@ -160,8 +185,10 @@ class AdapterPool:
             for w in ckpt.modules:
                 m = MODULE_INDEX[w.module]
                 assert w.lora_a is not None and w.lora_b is not None, "uploading an adapter needs its weights"
-                a = w.lora_a.to(self.device, self.dtype)
-                b = w.lora_b.to(self.device, self.dtype)
+                a, b = w.lora_a, w.lora_b
+                if self.shard is not None:
+                    a, b = self.shard.lora(w.module, a, b)
+                a, b = a.to(self.device, self.dtype), b.to(self.device, self.dtype)
                 for j, page in enumerate(pages[m]):
                     lo, hi = j * pr, min((j + 1) * pr, w.rank)
                     if lo >= hi:
@@ -184,6 +211,8 @@ class AdapterPool:
             entry.epi_slot, entry.epi_modules = self.epilogues.add(epi), frozenset(epi)
         entry.vocab = device_vocab_lora(ckpt, self.cfg.vocab_size, self.dtype, self.device)
         self.resident[ckpt.digest] = entry
+        if self.journal is not None:
+            self.journal.append(("upload", ckpt, slot, pages))
         return entry
 
     def _epilogues(self, ckpt: AdapterCheckpoint) -> dict[int, torch.Tensor]:
@@ -209,6 +238,8 @@ class AdapterPool:
     def evict(self, digest: str) -> None:
         """Return an adapter's pages and slot to the free lists (its weights are no longer served)."""
         entry = self.resident.pop(digest)
+        if self.journal is not None:
+            self.journal.append(("evict", digest))
         self.step_cache.clear()
         self.ranks[:, :, entry.slot] = 0
         self.scalings[:, :, entry.slot] = 0

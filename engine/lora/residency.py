@@ -98,11 +98,15 @@ class AdapterResidency:
             adapters.append(res)
         if not any_lora:
             return None
-        counts = [it.num_tokens for it in items]
-        if self.backend != "triton":
-            native = self.backend == "native"
-            return CpuLoRAContext(self.pool, token_segments(counts, adapters), native=native)
-        slots = [
-            (-1 if a is None else a.slot) for a, n in zip(adapters, counts, strict=True) for _ in range(n)
-        ]
-        return TritonLoRAContext(self.pool, slots)
+        return lora_context(self.pool, self.backend, [it.num_tokens for it in items], adapters)
+
+
+def lora_context(
+    pool: AdapterPool, backend: str, counts: Sequence[int], adapters: Sequence[ResidentAdapter | None]
+) -> LoRAStepContext:
+    """The step context of `backend` for flat-batch requests of `counts` rows each using `adapters`
+    (None: the base model), in that order."""
+    if backend != "triton":
+        return CpuLoRAContext(pool, token_segments(counts, adapters), native=backend == "native")
+    slots = [(-1 if a is None else a.slot) for a, n in zip(adapters, counts, strict=True) for _ in range(n)]
+    return TritonLoRAContext(pool, slots)
