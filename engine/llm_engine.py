@@ -84,6 +84,7 @@ class LLMEngine:
                 page_rank=config.lora_page_rank,
                 max_loras=config.max_loras,
                 backend=config.lora_backend,
+                side_budget=config.lora_side_memory_bytes,
                 base=ProjectionBaseWeights(self.model),
             )
         self.scheduler = Scheduler(

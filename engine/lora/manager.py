@@ -64,6 +64,8 @@ class LoRAPoolStats:
     load_failures: int
     load_seconds_total: float
     last_load_seconds: float
+    side_bytes_used: int = 0  # device bytes resident adapters keep beside their pages
+    side_bytes_budget: int = 0
 
 
 REMOVED_MEMORY = 4096  # removed digests remembered, so late requests for them retire them again
@@ -92,15 +94,20 @@ class LoRAManager:
         max_loras: int,
         backend: str,
         base: BaseWeights | None = None,
+        side_budget: int | None = None,
     ) -> LoRAManager:
         """The engine's manager: a pool of `num_pages` pages per projection
         (`EngineConfig.adapter_pool_pages`), a host cache of `max_cpu_loras` adapters (default
         `max(64, 4 * max_loras)`). `dtype` is the pool's (adapter weights), `compute_dtype` the model's;
-        `base`: the model's projection weights, which DoRA adapters need (`engine/lora/dora.py`)."""
-        pool = AdapterPool(model, num_pages, page_rank, max_lora_rank, dtype, device, base)
+        `base`: the model's projection weights, which DoRA adapters need (`engine/lora/dora.py`);
+        `side_budget`: bytes for what adapters keep beside their pages (`engine/lora/side_memory.py`;
+        None: as much as the pages take); an adapter whose side stores exceed it is refused at load."""
+        pool = AdapterPool(model, num_pages, page_rank, max_lora_rank, dtype, device, base, side_budget)
         cpu = CpuAdapterCache(max_cpu_loras or max(64, 4 * max_loras))
         chosen = select_lora_backend(backend, device, dtype, compute_dtype)
-        loader = AdapterLoader(model, max_lora_rank, pin_memory=device.type == "cuda")
+        loader = AdapterLoader(
+            model, max_lora_rank, pin_memory=device.type == "cuda", check=pool.check_side_budget
+        )
         return cls(loader, AdapterResidency(pool, cpu, chosen, device))
 
     @property
@@ -308,6 +315,8 @@ class LoRAManager:
             load_failures=load.failures,
             load_seconds_total=load.seconds_total,
             last_load_seconds=load.last_seconds,
+            side_bytes_used=pool.side_used,
+            side_bytes_budget=pool.side_budget,
         )
 
     def shutdown(self) -> None:
