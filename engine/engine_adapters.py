@@ -38,7 +38,24 @@ class EngineAdapters:
         if self.lora is None:
             raise ValueError("a lora_request was given but the engine was created with enable_lora=False")
         self.key_for_limit(lora_request)
-        return self._keys(lora_request, [self.lora.admit(lr) for lr, _ in lora_request.members()])
+        digests = [self.lora.admit(lr) for lr, _ in lora_request.members()]
+        if lora_request.mix:
+            self._check_members(lora_request, digests)
+        return self._keys(lora_request, digests)
+
+    def _check_members(self, lr: LoRARequest, digests: list[str | None]) -> None:
+        """ValueError for a mix member already in memory that a mix cannot combine (those not loaded
+        yet are checked once resident, `_refused_mixes`)."""
+        assert self.lora is not None
+        for (member, _), digest in zip(lr.mix, digests, strict=True):
+            if digest is None:
+                continue
+            ckpt = self.lora.residency.host_copy(digest)
+            res = self.lora.pool.resident.get(digest)
+            why = checkpoint_problem(ckpt, member.name) if ckpt is not None else None
+            why = why or (member_problem(res, member.name) if res is not None else None)
+            if why:
+                raise ValueError(why)
 
     def key_for_limit(self, lr: LoRARequest) -> None:
         """ValueError when the mix `lr` has more members than `max_loras` (it could never be scheduled)."""
@@ -161,15 +178,8 @@ class EngineAdapters:
         if not lora_request.mix:
             return manager.add_lora(lora_request, in_use)
         self.key_for_limit(lora_request)
-        digests = []
-        for lr, _ in lora_request.mix:
-            digests.append(manager.add_lora(lr, in_use))
-            ckpt = manager.residency.host_copy(digests[-1])
-            res = manager.pool.resident.get(digests[-1])
-            why = checkpoint_problem(ckpt, lr.name) if ckpt is not None else None
-            why = why or (member_problem(res, lr.name) if res is not None else None)
-            if why:
-                raise ValueError(why)
+        digests = [manager.add_lora(lr, in_use) for lr, _ in lora_request.mix]
+        self._check_members(lora_request, list(digests))
         return mix_key(digests, [w for _, w in lora_request.mix])
 
     def prefetch(self, lora_request: LoRARequest) -> None:

@@ -86,17 +86,17 @@ def test_mixes_under_chunked_prefill_keep_their_kv_apart(adapters):
 
 
 def test_a_mix_with_a_dora_member_is_refused(adapters):
-    """`LLM.generate` refuses it up front; a request queued on the engine directly (as the server does)
-    ends with the same error once the member is loaded, and the engine goes on serving."""
+    """`LLM.generate` refuses it up front; a request queued on a fresh engine (as the server does, the
+    members not loaded yet) ends with the same error once the member is resident while the engine goes
+    on serving, and once the member is in memory `add_request` refuses it at once."""
     base, dirs, _ = adapters["llama"]
-    llm = cpu_llm(base)
     dora = LoRARequest("dora-r4", str(dirs["dora-r4"]))
     mix = LoRARequest.weighted([(LoRARequest("plain-a", str(dirs["plain-a"])), 0.5), (dora, 0.5)])
     params = SamplingParams(max_tokens=2, temperature=0.0)
     why = "adapter 'dora-r4' uses DoRA or lora_bias, which a weighted mix cannot combine"
     with pytest.raises(ValueError, match=why):
-        llm.generate([PROMPTS[0]], params, lora_request=mix)
-    eng = llm.engine
+        cpu_llm(base).generate([PROMPTS[0]], params, lora_request=mix)
+    eng = cpu_llm(base).engine
     eng.add_request("bad", PROMPTS[0], params, mix)
     eng.add_request("good", PROMPTS[1], params, lora_request("mix-ab", dirs, MIXES))
     done = {}
@@ -104,6 +104,8 @@ def test_a_mix_with_a_dora_member_is_refused(adapters):
         done |= {o.request_id: o for o in eng.step() if o.finished}
     assert why in (done["bad"].error or "")
     assert done["good"].error is None and len(done["good"].outputs[0].token_ids) == 2
+    with pytest.raises(ValueError, match=why):
+        eng.add_request("again", PROMPTS[0], params, mix)
 
 
 def test_a_mix_larger_than_max_loras_is_refused(adapters):
