@@ -5,7 +5,9 @@
 
 On the benchmark Llama (`bench.common.workload.ModelSpec`, random weights, vocab 8000): rank-16 adapters
 on all 7 projections; the "saved head" adapters carry in addition a whole trained `lm_head` copy
-(`modules_to_save`), so each of their rows computes its logits with its own head. Every run is one batch
+(`modules_to_save`), so each of their rows computes its logits with its own head; they run with a side
+budget that holds all 4 copies, and once with the default budget (the pages' bytes), which may hold
+fewer, so their requests take turns. Every run is one batch
 of `--requests` greedy requests, the adapters (or mixes) in turn; the three kinds are timed interleaved,
 best of `--repeats`, in one engine each. Memory: the device bytes the resident adapters take, pages and
 side stores (`engine/lora/side_memory.py`).
@@ -61,6 +63,7 @@ def run(requests: int = 16, prompt_len: int = 32, new_tokens: int = 16, repeats:
         kinds = {
             "plain LoRA": [LoRARequest(f"p{i}", str(plain[i])) for i in range(4)],
             "saved LM head": [LoRARequest(f"s{i}", str(saved[i])) for i in range(4)],
+            "saved LM head, default side budget": [LoRARequest(f"s{i}", str(saved[i])) for i in range(4)],
             "mix of 2": [
                 LoRARequest.weighted(
                     [
@@ -73,8 +76,16 @@ def run(requests: int = 16, prompt_len: int = 32, new_tokens: int = 16, repeats:
         }
         prompts = make_prompts(requests, prompt_len, spec.vocab_size)
         params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        heads = 4 * spec.vocab_size * spec.hidden_size * 4  # room for the 4 saved heads (float32)
         engines = {
-            k: LLM(str(base), device="cpu", dtype="float32", max_loras=8, max_lora_rank=16).engine
+            k: LLM(
+                str(base),
+                device="cpu",
+                dtype="float32",
+                max_loras=8,
+                max_lora_rank=16,
+                lora_side_memory_bytes=None if "default" in k else heads + 2**20,
+            ).engine
             for k in kinds
         }
         runs: dict[str, list] = {k: [] for k in kinds}
