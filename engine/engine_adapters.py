@@ -37,7 +37,7 @@ class EngineAdapters:
             return None, ()
         if self.lora is None:
             raise ValueError("a lora_request was given but the engine was created with enable_lora=False")
-        self.key_for_limit(lora_request)
+        self.check_mix_size(lora_request)
         digests = [self.lora.admit(lr) for lr, _ in lora_request.members()]
         if lora_request.mix:
             self._check_members(lora_request, digests)
@@ -57,7 +57,7 @@ class EngineAdapters:
             if why:
                 raise ValueError(why)
 
-    def key_for_limit(self, lr: LoRARequest) -> None:
+    def check_mix_size(self, lr: LoRARequest) -> None:
         """ValueError when the mix `lr` has more members than `max_loras` (it could never be scheduled)."""
         limit = self.scheduler.config.max_loras
         if len(lr.members()) > limit:
@@ -177,7 +177,7 @@ class EngineAdapters:
         manager, in_use = self.manager(), self.scheduler.running_adapters()
         if not lora_request.mix:
             return manager.add_lora(lora_request, in_use)
-        self.key_for_limit(lora_request)
+        self.check_mix_size(lora_request)
         digests = [manager.add_lora(lr, in_use) for lr, _ in lora_request.mix]
         self._check_members(lora_request, list(digests))
         return mix_key(digests, [w for _, w in lora_request.mix])
