@@ -118,7 +118,9 @@ class LoRAManager:
         what adapters keep beside their pages (`engine/lora/side_memory.py`; None: as much as the pages
         take); an adapter whose side stores exceed it is refused at load."""
         local = model if shard is None else shard.local_config()
-        pool = AdapterPool(local, num_pages, page_rank, max_lora_rank, dtype, device, base, shard, side_budget)
+        pool = AdapterPool(
+            local, num_pages, page_rank, max_lora_rank, dtype, device, base, shard, side_budget
+        )
         cpu = CpuAdapterCache(max_cpu_loras or max(64, 4 * max_loras))
         chosen = select_lora_backend(backend, device, dtype, compute_dtype)
         loader = AdapterLoader(
