@@ -8,8 +8,9 @@ For the step's flat token batch `x` [T, H]:
 2. sort the step's T*k (token, expert) pairs by expert once (`argsort` of the flat choices, stable),
    so each expert's rows are one contiguous segment of the gathered input;
 3. one GEMM per projection per expert that has tokens: `gu = x_e @ W_gate_up[e].T`,
-   `h = silu(gate) * up`, `y_e = h @ W_down[e].T` over the expert's segment (on the CPU a torch loop
-   over the experts with tokens: the experts without any are never read);
+   `h = silu(gate) * up`, `y_e = h @ W_down[e].T` over the expert's segment (on CUDA the Triton
+   fused-MoE kernel, `kernels/fused_moe.py`; elsewhere a torch loop over the experts with tokens: the
+   experts without any are never read);
 4. combine: each pair's output times its routing weight, summed into its token's row (`index_add_`).
 
 Qwen2-MoE adds a shared expert (a dense gated MLP) scaled by `sigmoid(x @ w_shared_gate.T)`.
@@ -119,8 +120,24 @@ class SparseMoE(nn.Module):
         return weights.to(x.dtype), ids
 
     def forward(self, x: torch.Tensor, lora: LoRAStepContext | None = None, fused=None) -> torch.Tensor:
-        """The block's output [T, H]; `lora` and `fused` are unused (no LoRA on experts; torch ops)."""
+        """The block's output [T, H]; `lora` and `fused` are unused (no LoRA on experts). The routed
+        experts run the Triton fused-MoE kernel on CUDA (`triton_experts`), the torch loop elsewhere."""
         weights, ids = self.route(x)
+        out = self.triton_experts(x, weights, ids) if x.is_cuda else self.torch_experts(x, weights, ids)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            gate = torch.sigmoid(nn.functional.linear(x, self.shared_expert_gate.weight))
+            out.add_(gate * self.shared_expert(x, None))
+        return out
+
+    def triton_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum [T, H] by `kernels/fused_moe.py` (pairs sorted by expert on the
+        device, one grouped GEMM per projection, no host synchronization)."""
+        from kernels.fused_moe import fused_moe
+
+        return fused_moe(x, self.experts.gate_up, self.experts.down, weights, ids)
+
+    def torch_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum [T, H] by a torch loop over the experts that have tokens."""
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # pairs sorted by expert, once
         tokens = order // self.top_k
@@ -137,11 +154,7 @@ class SparseMoE(nn.Module):
             ys[start : start + n] = nn.functional.linear(h, self.experts.down[e])
             start += n
         ys.mul_(weights.reshape(-1)[order].unsqueeze(1))
-        out = torch.zeros_like(x).index_add_(0, tokens, ys)
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            gate = torch.sigmoid(nn.functional.linear(x, self.shared_expert_gate.weight))
-            out.add_(gate * self.shared_expert(x, None))
-        return out
+        return torch.zeros_like(x).index_add_(0, tokens, ys)
 
 
 def is_sparse_layer(cfg: ModelConfig, layer: int) -> bool:
