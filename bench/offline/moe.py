@@ -7,8 +7,10 @@ parameters (its MLP as wide as the k experts a token runs), in one run::
 Both models are built here with transformers' own configs (random weights, nothing downloaded). Per batch
 size the two engines decode the same prompts alternately, `--rounds` times; the figure is each leg's best
 mean decode-step time (`bench.common.workload.timed_run`), and the ratio MoE / dense (issue 28's goal:
-<= 1.3x). `--moe-block` adds the MoE block alone against the dense MLP on decode-sized inputs (the
-routed experts through the engine's `SparseMoE`), which is where the CPU path's time goes.
+<= 1.3x), beside the ratio of weight bytes a step reads (a batch reads the union of its rows'
+experts). `--moe-block` adds the MoE block alone against the dense MLP on decode-sized inputs (the
+routed experts through the engine's `SparseMoE`, by `torch._grouped_mm`, and with experts of 2-4 rows
+as `W_e @ seg.T`): where the CPU path's time goes, and two candidate formulations of it.
 """
 
 from __future__ import annotations
@@ -51,6 +53,14 @@ class MoEShape:
         mlp = 3 * self.hidden * self.top_k * self.expert_inter + (self.experts * self.hidden if moe else 0)
         return self.layers * (attn + mlp + 2 * self.hidden) + self.hidden + self.vocab * self.hidden
 
+    def step_bytes_ratio(self, batch: int) -> float:
+        """MoE / dense weight bytes one decode step of `batch` rows reads, routing uniform: a layer reads
+        the union of its rows' experts, E * (1 - (1 - k/E)^batch) of them on average."""
+        distinct = self.experts * (1 - (1 - self.top_k / self.experts) ** batch)
+        dense = self.active_params(False)
+        return (dense + self.layers * (3 * self.hidden * self.expert_inter * (distinct - self.top_k)
+                                       + self.experts * self.hidden)) / dense  # fmt: skip
+
     def total_params(self, moe: bool) -> int:
         """All parameters (the MoE's experts that no token runs included)."""
         extra = self.layers * 3 * self.hidden * self.expert_inter * (self.experts - self.top_k) if moe else 0
@@ -88,11 +98,13 @@ class DecodePoint:
 @dataclass(slots=True)
 class BlockPoint:
     """The MoE block alone vs the dense MLP on `rows` decode rows (best of N, ms, all layers): the
-    engine's block (`SparseMoE`), and the same routed experts by `torch._grouped_mm` (`grouped_experts`)."""
+    engine's block (`SparseMoE`), the same routed experts by `torch._grouped_mm` (`grouped_experts`) and
+    with small segments streamed (`streamed_experts`)."""
 
     rows: int
     moe_block_ms: float
     grouped_mm_ms: float
+    streamed_ms: float
     dense_mlp_ms: float
 
 
@@ -122,17 +134,21 @@ class MoEBenchResult:
             f"active params: MoE {self.active_params['moe'] / 1e6:.2f} M, dense "
             f"{self.active_params['dense'] / 1e6:.2f} M; total: MoE {self.total_params['moe'] / 1e6:.1f} M",
             "",
-            "| decode batch | MoE step | dense step | MoE / dense |",
-            "|---|---|---|---|",
+            "| decode batch | MoE step | dense step | MoE / dense | weight bytes MoE / dense |",
+            "|---|---|---|---|---|",
         ]
-        lines += [f"| {p.batch} | {p.moe_step_ms:.2f} ms | {p.dense_step_ms:.2f} ms | {p.ratio:.2f}x |"
-                  for p in self.points]  # fmt: skip
+        shape = MoEShape(**self.shape)
+        lines += [f"| {p.batch} | {p.moe_step_ms:.2f} ms | {p.dense_step_ms:.2f} ms | {p.ratio:.2f}x | "
+                  f"{shape.step_bytes_ratio(p.batch):.2f}x |" for p in self.points]  # fmt: skip
         if self.blocks:
-            head = "| rows | MoE block | same by grouped_mm | dense MLP | block / dense | grouped / dense |"
-            lines += ["", head, "|---|---|---|---|---|---|"]
+            head = (
+                "| rows | MoE block | by grouped_mm | streamed small segments | dense MLP | block / dense |"
+            )
+            lines += ["", head + " grouped / dense | streamed / dense |", "|---|---|---|---|---|---|---|---|"]
             for b in self.blocks:
-                cells = [f"{v:.2f} ms" for v in (b.moe_block_ms, b.grouped_mm_ms, b.dense_mlp_ms)]
-                cells += [f"{v / b.dense_mlp_ms:.2f}x" for v in (b.moe_block_ms, b.grouped_mm_ms)]
+                moe = (b.moe_block_ms, b.grouped_mm_ms, b.streamed_ms)
+                cells = [f"{v:.2f} ms" for v in (*moe, b.dense_mlp_ms)]
+                cells += [f"{v / b.dense_mlp_ms:.2f}x" for v in moe]
                 lines.append(f"| {b.rows} | " + " | ".join(cells) + " |")
         return "\n".join(lines)
 
@@ -169,6 +185,31 @@ def grouped_experts(moe, x: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(x).index_add_(0, tokens, ys)
 
 
+def streamed_experts(moe, x: torch.Tensor, max_rows: int = 4) -> torch.Tensor:
+    """`SparseMoE`'s routed output with the engine's loop, but an expert with at most `max_rows` rows
+    computed as `(W_e @ seg.T).T`: the GEMM library then streams W_e once (a GEMV-like kernel) instead
+    of re-blocking it inside `F.linear`, which at 2-4 rows costs more than the multiply."""
+    weights, ids = moe.route(x)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    tokens = order // moe.top_k
+    counts = torch.bincount(flat, minlength=moe.experts.num_experts).tolist()
+    xs = x[tokens]
+    ys = torch.empty_like(xs)
+    inter, start = moe.experts.inter, 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        seg, w_gu, w_d = xs[start : start + n], moe.experts.gate_up[e], moe.experts.down[e]
+        small = 1 < n <= max_rows
+        gu = (w_gu @ seg.T).T if small else torch.nn.functional.linear(seg, w_gu)
+        h = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+        ys[start : start + n] = (w_d @ h.T).T if small else torch.nn.functional.linear(h, w_d)
+        start += n
+    ys.mul_(weights.reshape(-1)[order].unsqueeze(1))
+    return torch.zeros_like(x).index_add_(0, tokens, ys)
+
+
 def _block_ms(moe_model, dense_model, rows: int, repeats: int) -> BlockPoint:
     """Every layer's MoE block vs every layer's dense MLP on the same random `rows` x `hidden` input."""
     from engine.model.moe import SparseMoE
@@ -189,12 +230,14 @@ def _block_ms(moe_model, dense_model, rows: int, repeats: int) -> BlockPoint:
         return 1e3 * min(times)
 
     with torch.no_grad():
-        for b in moe_blocks:  # the candidate computes what the block computes
+        for b in moe_blocks:  # the candidates compute what the block computes
             torch.testing.assert_close(grouped_experts(b, x), b(x), rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(streamed_experts(b, x), b(x), rtol=1e-4, atol=1e-4)
         moe_ms = best(lambda: [b(x) for b in moe_blocks])
         grouped_ms = best(lambda: [grouped_experts(b, x) for b in moe_blocks])
+        streamed_ms = best(lambda: [streamed_experts(b, x) for b in moe_blocks])
         dense_ms = best(lambda: [m(x, None) for m in mlps])
-    return BlockPoint(rows, moe_ms, grouped_ms, dense_ms)
+    return BlockPoint(rows, moe_ms, grouped_ms, streamed_ms, dense_ms)
 
 
 def run_moe_bench(workdir: Path, shape: MoEShape = MoEShape(), batches=(1, 8, 32), new_tokens: int = 24,

@@ -9,7 +9,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from bench.offline.moe import MoEShape, build_models, grouped_experts, main
+from bench.offline.moe import MoEShape, build_models, grouped_experts, main, streamed_experts
 
 pytestmark = pytest.mark.slow  # builds and runs two engines
 
@@ -27,7 +27,7 @@ def test_parameter_counts_are_the_checkpoints(tmp_path):
     assert TINY.active_params(True) - TINY.active_params(False) == TINY.layers * TINY.experts * TINY.hidden
 
 
-def test_grouped_formulation_equals_the_block(tmp_path):
+def test_candidate_formulations_equal_the_block(tmp_path):
     from engine.model.loader import load_model
     from engine.model.moe import SparseMoE
     from engine.model_config import ModelConfig
@@ -37,6 +37,8 @@ def test_grouped_formulation_equals_the_block(tmp_path):
     block = next(m for m in model.modules() if isinstance(m, SparseMoE))
     x = torch.randn(9, TINY.hidden)
     torch.testing.assert_close(grouped_experts(block, x), block(x), rtol=1e-5, atol=1e-6)
+    for max_rows in (0, 4, 64):  # nothing, the small experts, every expert streamed
+        torch.testing.assert_close(streamed_experts(block, x, max_rows), block(x), rtol=1e-5, atol=1e-6)
 
 
 def test_cli_runs_both_models_per_batch(tmp_path, capsys):
@@ -50,5 +52,15 @@ def test_cli_runs_both_models_per_batch(tmp_path, capsys):
     assert all(p.moe_step_ms > 0 and p.dense_step_ms > 0 for p in r.points)
     out = capsys.readouterr().out
     assert "| decode batch | MoE step | dense step | MoE / dense |" in out and "grouped_mm" in out
+    assert TINY.step_bytes_ratio(1) == pytest.approx(TINY.active_params(True) / TINY.active_params(False))
+    assert 1 < TINY.step_bytes_ratio(3) < TINY.step_bytes_ratio(64)
     saved = json.loads((tmp_path / "r.json").read_text())
     assert saved["points"][1]["ratio"] == pytest.approx(r.points[1].ratio)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message printed without a GPU")
+def test_gpu_check_needs_cuda():
+    from bench.kernels import fused_moe_gpu
+
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        fused_moe_gpu.main(["--tokens", "1"])
