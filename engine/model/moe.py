@@ -123,11 +123,18 @@ class SparseMoE(nn.Module):
         """The block's output [T, H]; `lora` and `fused` are unused (no LoRA on experts). The routed
         experts run the Triton fused-MoE kernel on CUDA (`triton_experts`), the torch loop elsewhere."""
         weights, ids = self.route(x)
-        out = self.triton_experts(x, weights, ids) if x.is_cuda else self.torch_experts(x, weights, ids)
+        if self.uses_triton(x):
+            out = self.triton_experts(x, weights, ids)
+        else:
+            out = self.torch_experts(x, weights, ids)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             gate = torch.sigmoid(nn.functional.linear(x, self.shared_expert_gate.weight))
             out.add_(gate * self.shared_expert(x, None))
         return out
+
+    def uses_triton(self, x: torch.Tensor) -> bool:
+        """Whether the routed experts of a step over `x` run the Triton kernel: on CUDA tensors."""
+        return x.is_cuda
 
     def triton_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum [T, H] by `kernels/fused_moe.py` (pairs sorted by expert on the
