@@ -34,6 +34,9 @@ class EngineConfig:
         None  # pages per projection; default: room for 2*max_loras max-rank adapters
     )
     lora_page_rank: int = 16
+    # device bytes for what resident adapters keep beside their pages (modules_to_save copies, token rows,
+    # embedding/LM-head LoRA, DoRA vectors; engine/lora/side_memory.py); None: as much as the pages take
+    lora_side_memory_bytes: int | None = None
     # Adapter-aware admission (engine/scheduler/admission.py): requests whose adapter is in the device pool
     # are admitted ahead of those whose adapter is not, each of which is passed over in at most
     # `lora_max_bypass_steps` steps; False: plain policy order.

@@ -111,6 +111,7 @@ class LLMEngine:
                 page_rank=config.lora_page_rank,
                 max_loras=config.max_loras,
                 backend=config.lora_backend,
+                side_budget=config.lora_side_memory_bytes,
                 base=ProjectionBaseWeights(self.model) if self.tp is None else None,
                 shard=self.tp.shard if self.tp is not None else None,
             )
@@ -243,7 +244,7 @@ class LLMEngine:
                 f"request needs {self.kv.blocks_needed(max_total)} KV blocks for {max_total} tokens but the "
                 f"cache has {self.num_kv_blocks}; lower max_tokens or raise num_kv_blocks"
             )
-        lora_key = self.adapters.key_for(lora_request)
+        lora_key, lora_keys = self.adapters.key_for(lora_request)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs = []
         for i, choice in enumerate(params.choices()):
@@ -255,6 +256,7 @@ class LLMEngine:
             seqs.append(
                 Sequence(seq_id, ids, choice, arrival, priority, lora_request, lora_key, gen, max_total)
             )
+            seqs[-1].lora_keys = lora_keys
             self.structured.attach(seqs[-1])
         texts = [self._sequence_text(params) for _ in seqs]
         self._groups[request_id] = RequestGroup(request_id, text, ids, seqs, texts, params.n)
@@ -500,5 +502,8 @@ class LLMEngine:
 
 
 def _adapter_names(requests) -> list[str]:
-    """Distinct adapter names of `requests`, sorted (the base model is left out)."""
-    return sorted({r.lora_request.name for r in requests if r.lora_request is not None})
+    """Distinct adapter names of `requests` (a weighted mix's members), sorted (the base model is left
+    out)."""
+    return sorted(
+        {lr.name for r in requests if r.lora_request is not None for lr, _ in r.lora_request.members()}
+    )

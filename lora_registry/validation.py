@@ -18,6 +18,7 @@ from engine.lora.adapter_checkpoint import (
     module_features,
 )
 from engine.lora.expert_targets import sparse_layers
+from engine.lora.side_memory import check_side_budget
 from engine.model_config import ModelConfig, ModelConfigError
 from lora_registry.config_limits import check_config_file
 from lora_registry.errors import InvalidAdapter, RegistryError
@@ -54,9 +55,11 @@ def model_fingerprint(model: ModelConfig) -> str:
 
 
 def validate_adapter(
-    directory: Path, model: ModelConfig, max_lora_rank: int
+    directory: Path, model: ModelConfig, max_lora_rank: int, side_budget: tuple[int, int] | None = None
 ) -> tuple[AdapterCheckpoint, bytes]:
     """(checkpoint facts, canonical config bytes) of the adapter in `directory`, or `InvalidAdapter`.
+    `side_budget`: (bytes, bytes per element) the serving engine's pool has for side stores
+    (`engine/lora/side_memory.py`): an adapter whose side stores exceed it is refused, with the numbers.
 
     The config's fields are bounded first (`config_limits`) and the weights file's size against the
     largest adapter the model admits, before the adapter reader loads either."""
@@ -71,6 +74,8 @@ def validate_adapter(
     try:
         checkpoint = inspect_adapter(directory, model, max_lora_rank=max_lora_rank, load_weights=True)
         config = canonical_config_bytes(load_adapter_config(directory / CONFIG_FILE))
+        if side_budget is not None:
+            check_side_budget(checkpoint, model, side_budget[1], side_budget[0])
     except AdapterError as exc:
         raise InvalidAdapter(str(exc)) from exc
     return checkpoint, config

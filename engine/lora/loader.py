@@ -48,8 +48,17 @@ class LoadStats:
 class AdapterLoader:
     """Adapter identities (name -> digest -> files) and the background thread that reads them."""
 
-    def __init__(self, model: ModelConfig, max_lora_rank: int, pin_memory: bool = False) -> None:
+    def __init__(
+        self,
+        model: ModelConfig,
+        max_lora_rank: int,
+        pin_memory: bool = False,
+        check: Callable[[AdapterCheckpoint], None] | None = None,
+    ) -> None:
+        """`check(ckpt)`: raises `AdapterError` for an adapter the engine cannot hold (e.g. the pool's side
+        budget), so it fails to load like an invalid one."""
         self.model = model
+        self.check = check
         self.max_lora_rank = max_lora_rank
         self.pin_memory = pin_memory  # page-locked host copies (CUDA: faster, asynchronous uploads)
         self.stats = LoadStats()
@@ -226,6 +235,8 @@ class AdapterLoader:
         problem = self.refuse(ckpt) if self.refuse is not None else None
         if problem:
             raise AdapterError(problem)
+        if self.check is not None:
+            self.check(ckpt)
         if self.pin_memory:
             ckpt = _pin_host_memory(ckpt)
         dt = time.perf_counter() - t0

@@ -69,6 +69,8 @@ class LoRAPoolStats:
     load_failures: int
     load_seconds_total: float
     last_load_seconds: float
+    side_bytes_used: int = 0  # device bytes resident adapters keep beside their pages
+    side_bytes_budget: int = 0
 
 
 def _device_rank(dev: ResidentAdapter) -> int:
@@ -106,17 +108,24 @@ class LoRAManager:
         backend: str,
         base: BaseWeights | None = None,
         shard: TensorShard | None = None,
+        side_budget: int | None = None,
     ) -> LoRAManager:
         """The engine's manager: a pool of `num_pages` pages per projection
         (`EngineConfig.adapter_pool_pages`), a host cache of `max_cpu_loras` adapters (default
         `max(64, 4 * max_loras)`). `dtype` is the pool's (adapter weights), `compute_dtype` the model's;
         `base`: the model's projection weights, which DoRA adapters need (`engine/lora/dora.py`); `shard`:
-        tensor parallel rank 0's shard (its pool holds its part of every adapter)."""
+        tensor parallel rank 0's shard (its pool holds its part of every adapter); `side_budget`: bytes for
+        what adapters keep beside their pages (`engine/lora/side_memory.py`; None: as much as the pages
+        take); an adapter whose side stores exceed it is refused at load."""
         local = model if shard is None else shard.local_config()
-        pool = AdapterPool(local, num_pages, page_rank, max_lora_rank, dtype, device, base, shard)
+        pool = AdapterPool(
+            local, num_pages, page_rank, max_lora_rank, dtype, device, base, shard, side_budget
+        )
         cpu = CpuAdapterCache(max_cpu_loras or max(64, 4 * max_loras))
         chosen = select_lora_backend(backend, device, dtype, compute_dtype)
-        loader = AdapterLoader(model, max_lora_rank, pin_memory=device.type == "cuda")
+        loader = AdapterLoader(
+            model, max_lora_rank, pin_memory=device.type == "cuda", check=pool.check_side_budget
+        )
         if shard is not None:
             from engine.distributed.shard import unsharded_adapter_kind
 
@@ -329,6 +338,8 @@ class LoRAManager:
             load_failures=load.failures,
             load_seconds_total=load.seconds_total,
             last_load_seconds=load.last_seconds,
+            side_bytes_used=pool.side_used,
+            side_bytes_budget=pool.side_budget,
         )
 
     def shutdown(self) -> None:

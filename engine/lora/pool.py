@@ -46,6 +46,7 @@ from engine.lora.adapter_checkpoint import PROJECTIONS, AdapterCheckpoint, modul
 from engine.lora.dora import BaseWeights, row_epilogue
 from engine.lora.epilogue import EpilogueStore
 from engine.lora.expert_pages import ExpertPageStore, ExpertResident
+from engine.lora.side_memory import check_side_budget, page_pool_bytes, side_bytes
 from engine.lora.vocab_step import VocabLoRA, device_vocab_lora
 from engine.model_config import ModelConfig
 from kernels.intmath import cdiv
@@ -71,6 +72,7 @@ class ResidentAdapter:
     vocab: VocabLoRA | None = None  # its embed_tokens / lm_head LoRA on the device (`vocab_step.py`)
     experts: ExpertResident | None = None  # its pages of LoRA on a MoE model's experts (`expert_pages.py`)
     memory_bytes: int = 0  # device bytes of its pages (projections and experts)
+    side_bytes: int = 0  # device bytes beside its pages (vocab copy, epilogue vectors; `side_memory.py`)
 
 
 class AdapterPool:
@@ -86,6 +88,7 @@ class AdapterPool:
         device: torch.device,
         base: BaseWeights | None = None,
         shard: TensorShard | None = None,
+        side_budget: int | None = None,
     ) -> None:
         if page_rank < 1:
             raise ValueError(f"lora page_rank must be >= 1, got {page_rank}")
@@ -130,6 +133,9 @@ class AdapterPool:
         # Data the compute paths derive from the current residents (e.g. the CPU path's gather indices),
         # keyed by what it depends on; cleared on every upload and eviction so it never goes stale.
         self.step_cache: dict[str, object] = {}
+        # what residents keep beside their pages, bounded like the pages (engine/lora/side_memory.py)
+        self.side_budget = side_budget or page_pool_bytes(cfg, num_pages, page_rank, dtype.itemsize)
+        self.side_used = 0
 
     # ---- capacity ---------------------------------------------------------------------------------
     def pages_needed(self, ckpt: AdapterCheckpoint) -> list[int]:
@@ -140,11 +146,22 @@ class AdapterPool:
             need[i] = max(need[i], cdiv(w.rank, self.page_rank))
         return need
 
+    def side_need(self, ckpt: AdapterCheckpoint) -> int:
+        """Device bytes `ckpt` keeps beside its pages when resident (`side_memory.side_bytes`)."""
+        if "side_bytes" not in ckpt.derived:
+            ckpt.derived["side_bytes"] = side_bytes(ckpt, self.cfg, self.dtype.itemsize)
+        return int(ckpt.derived["side_bytes"])
+
+    def check_side_budget(self, ckpt: AdapterCheckpoint) -> None:
+        """`AdapterError` (naming both numbers) when `ckpt` alone exceeds the side budget."""
+        check_side_budget(ckpt, self.cfg, self.dtype.itemsize, self.side_budget)
+
     def fits(self, ckpt: AdapterCheckpoint) -> bool:
         experts_fit = not ckpt.experts or (self.experts is not None and self.experts.fits(ckpt))
         return (
             bool(self._free_slots)
             and experts_fit
+            and self.side_used + self.side_need(ckpt) <= self.side_budget
             and all(n <= len(free) for n, free in zip(self.pages_needed(ckpt), self._free_pages, strict=True))
         )
 
@@ -223,6 +240,8 @@ class AdapterPool:
         if epi:
             entry.epi_slot, entry.epi_modules = self.epilogues.add(epi), frozenset(epi)
         entry.vocab = device_vocab_lora(ckpt, self.cfg.vocab_size, self.dtype, self.device)
+        entry.side_bytes = self.side_need(ckpt)
+        self.side_used += entry.side_bytes
         self.resident[ckpt.digest] = entry
         if self.journal is not None:
             self.journal.append(("upload", ckpt, slot, pages))
@@ -254,6 +273,7 @@ class AdapterPool:
         if self.journal is not None:
             self.journal.append(("evict", digest))
         self.step_cache.clear()
+        self.side_used -= entry.side_bytes
         self.ranks[:, :, entry.slot] = 0
         self.scalings[:, :, entry.slot] = 0
         self.page_table[:, entry.slot] = 0

@@ -72,8 +72,13 @@ class CpuLoRAContext:
     reads each pair's pages in place instead of gathering them (float32, bfloat16 or float16 activations).
     """
 
-    def __init__(self, pool: AdapterPool, segments: list[Segment], native: bool = False) -> None:
+    def __init__(
+        self, pool: AdapterPool, segments: list[Segment], native: bool = False, tag: str = ""
+    ) -> None:
+        """`tag` names this context's plans in the pool's step cache (one per pass of a weighted mix,
+        `engine/lora/mix.py`, so the passes do not evict each other's plans)."""
         self.pool = pool
+        self.tag = tag
         self.runs = segments  # every run, for fully-sharded slices (`sharded_shrink.py`)
         self.native: NativePlan | None = None
         self.gather: GatherPlan | None = None
@@ -90,7 +95,7 @@ class CpuLoRAContext:
         self.segments = [s for s in segments if s.end - s.start >= GATHER_MAX_ROWS]
         short = [s for s in segments if s.end - s.start < GATHER_MAX_ROWS]
         if short:
-            self.gather = cached_plan(pool, "cpu_gather", short, gather_plan)
+            self.gather = cached_plan(pool, "cpu_gather" + tag, short, gather_plan)
 
     def apply(self, layer_index: int, slice_names: tuple[str, ...], x: torch.Tensor, y: torch.Tensor) -> None:
         """y[t, slice s] += scaling * (x[t] @ A.T) @ B.T for every row t with an adapter (in place)."""
@@ -137,7 +142,9 @@ class CpuLoRAContext:
             assert self._native_segments is not None, "a native context keeps its segments for the plan"
             # threads and the activations' dtype are part of the cache key: a plan's calls fix both
             key = (torch.get_num_threads(), x.dtype)
-            self.native = cached_plan(self.pool, "cpu_native", self._native_segments, native_plan, *key)
+            self.native = cached_plan(
+                self.pool, "cpu_native" + self.tag, self._native_segments, native_plan, *key
+            )
         off = 0
         for m in mods:
             call = self.native.calls[m]

@@ -8,7 +8,8 @@ For the step's flat token batch `x` [T, H]:
 2. the routed experts (`engine/model/moe_experts.py`, `experts_forward`): the step's T*k (token, expert)
    pairs sorted by expert (and within an expert by adapter) once, one GEMM per projection per expert
    that has tokens, `gu = x_e @ W_gate_up[e].T`, `h = silu(gate) * up`, `y_e = h @ W_down[e].T`, each
-   adapter's LoRA delta for that expert added on its rows, and the weighted combine (`index_add_`).
+   adapter's LoRA delta for that expert added on its rows, and the weighted combine (`index_add_`); on
+   CUDA, for steps without expert LoRA on the layer, the Triton fused-MoE kernel (`kernels/fused_moe.py`).
 
 Qwen2-MoE adds a shared expert (a dense gated MLP) scaled by `sigmoid(x @ w_shared_gate.T)`.
 
@@ -121,14 +122,29 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoRAStepContext | None = None, fused=None) -> torch.Tensor:
         """The block's output [T, H]: the routed experts with the step's expert LoRA (`lora.experts`,
-        `engine/model/moe_experts.py`), plus Qwen2-MoE's gated shared expert; `fused` is unused."""
+        `engine/model/moe_experts.py`), plus Qwen2-MoE's gated shared expert; `fused` is unused. On CUDA a
+        step without expert LoRA on this layer runs the Triton fused-MoE kernel (`triton_experts`)."""
         weights, ids = self.route(x)
         hook = getattr(lora, "experts", None)
-        out = experts_forward(self.experts.gate_up, self.experts.down, x, weights, ids, hook, self.layer)
+        if self.uses_triton(x) and (hook is None or not hook.adapts(self.layer)):
+            out = self.triton_experts(x, weights, ids)
+        else:
+            out = experts_forward(self.experts.gate_up, self.experts.down, x, weights, ids, hook, self.layer)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             gate = torch.sigmoid(nn.functional.linear(x, self.shared_expert_gate.weight))
             out.add_(gate * self.shared_expert(x, None))
         return out
+
+    def uses_triton(self, x: torch.Tensor) -> bool:
+        """Whether the routed experts of a step over `x` run the Triton kernel: on CUDA tensors."""
+        return x.is_cuda
+
+    def triton_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum [T, H] by `kernels/fused_moe.py` (pairs sorted by expert on the
+        device, one grouped GEMM per projection, no host synchronization)."""
+        from kernels.fused_moe import fused_moe
+
+        return fused_moe(x, self.experts.gate_up, self.experts.down, weights, ids)
 
 
 def is_sparse_layer(cfg: ModelConfig, layer: int) -> bool:
