@@ -151,7 +151,11 @@ def serve(
     ] = None,
     replicas: Annotated[
         int | None,
-        typer.Option(help="Serve with N engine replicas on Ray Serve (see --router).", min=1),
+        typer.Option(
+            help="Serve with N engine replicas on Ray Serve (see --router); with --max-replicas, the "
+            "number to start with.",
+            min=1,
+        ),
     ] = None,
     min_replicas: Annotated[
         int | None,

@@ -210,7 +210,8 @@ def replica_id() -> str:
 def deployment_scale(deployment_name: str) -> dict[str, Any]:
     """What Serve's controller holds for `deployment_name` in the loraplex app: the replicas it aims at
     now (`target_replicas`; it moves with autoscaling) and its `autoscaling` config (None: a fixed
-    count). Read from the controller's instance details (what `serve status` shows)."""
+    count). Read from the controller's instance details (what `serve status` shows), through Serve's
+    internal client: Serve has no public call for one deployment's config."""
     from ray.serve.context import _get_global_client
 
     client = _get_global_client()
