@@ -22,6 +22,7 @@ class ReplicaPool:
 
     replica: str
     healthy: bool
+    reported: bool = True  # False: the replica is up but its engine has sent no statistics yet
     num_waiting: int = 0
     num_running: int = 0
     kv_usage: float = 0.0  # fraction of KV blocks in use
@@ -44,11 +45,12 @@ class ReplicaPool:
 
 
 def replica_pools(client: Any, names_by_digest: dict[str, str]) -> list[ReplicaPool]:
-    """Every replica's pool, sorted by replica id: from `client.replica_stats()` behind `--replicas`, else
-    the one engine's `client.stats` (an empty list before the first report)."""
+    """Every replica's pool, sorted by replica id: behind `--replicas` every live replica the ingress
+    polled (`client.replicas`) with its statistics from `client.replica_stats()` (none yet: `reported`
+    False), else the one engine's `client.stats` (an empty list before the first report)."""
     if hasattr(client, "replica_stats"):
-        health = {r["replica"]: bool(r.get("healthy")) for r in getattr(client, "replicas", [])}
-        parts = [(rid, stats, health.get(rid, False)) for rid, stats in client.replica_stats()]
+        stats = dict(client.replica_stats())
+        parts = [(r["replica"], stats.get(r["replica"]), bool(r.get("healthy"))) for r in client.replicas]
     else:
         parts = [(LOCAL, client.stats, bool(client.healthy))] if client.stats is not None else []
     pools = [_pool(rid, stats, ok, names_by_digest) for rid, stats, ok in parts]
@@ -56,6 +58,8 @@ def replica_pools(client: Any, names_by_digest: dict[str, str]) -> list[ReplicaP
 
 
 def _pool(replica: str, stats: Any, healthy: bool, names_by_digest: dict[str, str]) -> ReplicaPool:
+    if stats is None:
+        return ReplicaPool(replica, healthy, reported=False, tier_counts=dict.fromkeys(TIER_ORDER, 0))
     e = stats.engine
     adapters = []
     for a in stats.adapters:
