@@ -40,11 +40,6 @@ class ClusterOptions:
     max_replicas: int | None = None
     target_ongoing_requests: float | None = None  # None: the engine's `max_num_seqs` (a full batch)
 
-    @property
-    def autoscaling(self) -> bool:
-        """True when Serve scales the engine replicas (`--max-replicas` given)."""
-        return self.max_replicas is not None
-
     def autoscaling_config(self, default_target: float) -> dict[str, float | int] | None:
         """Serve's `autoscaling_config` for the engine deployment (None: a fixed `replicas`); the target
         is `target_ongoing_requests`, else `default_target`. Serve's delays stay at its defaults (up
