@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--system-prompts", type=int, default=8)
     ap.add_argument("--alpha", type=float, default=1.0, help="power-law exponent of popularity")
     ap.add_argument("--steady-s", type=float, default=30.0, help="seconds of the steady phase")
-    ap.add_argument("--rate", type=float, default=8.0, help="steady Poisson arrival rate (req/s)")
+    ap.add_argument("--rate", type=float, default=36.0, help="steady Poisson arrival rate (req/s)")
     ap.add_argument("--chats", type=int, default=24, help="base-model multi-turn conversations")
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--burst-s", type=float, default=10.0, help="seconds of the hot-adapter burst")

@@ -32,13 +32,13 @@ class WorkloadSpec:
     system_prompts: int = 8
     alpha: float = 1.0  # power-law exponent of adapter and system-prompt popularity
     steady_s: float = 30.0
-    rate: float = 8.0  # steady arrivals per second
+    rate: float = 36.0  # steady arrivals per second
     adapter_share: float = 0.7  # of the steady arrivals (the rest: chat turns)
     chats: int = 24
     turns: int = 4
     think_s: float = 3.0  # mean gap between a chat's turn arrivals
     burst_s: float = 10.0
-    burst_rate: float = 12.0
+    burst_rate: float = 54.0
     hot_share: float = 0.8
     hot_adapter: int | None = None  # None: adapters // 2
     system_tokens: int = 128
