@@ -89,6 +89,26 @@ def lora_expand_ref(
             y[tokens, cols] = (y[tokens, cols].float() + delta).to(y.dtype)
 
 
+def lora_shrink_expand_ref(
+    x: Tensor,  # [T, H_in]
+    a_pools: Sequence[Tensor],  # per slice [num_pages, page_rank, H_in]
+    b_pools: Sequence[Tensor],  # per slice [num_pages, H_out_s, page_rank]
+    page_table: Tensor,  # [num_slices, max_slots, max_pages] int32
+    ranks: Tensor,  # [num_slices, max_slots] int32
+    scalings: Tensor,  # [num_slices, max_slots] float32
+    meta: LoRABatchMeta,
+    y: Tensor,  # [T, sum_s H_out_s], updated in place
+) -> None:
+    """The whole LoRA delta of a packed projection (the fused kernel's semantics): `lora_shrink_ref` into
+    a float32 ``v [num_slices, T, max_pages * page_rank]``, then `lora_expand_ref` of ``v`` into ``y``, i.e.
+    ``y[t, slice s] += scalings[s, slot] * (x[t] @ A.T) @ B.T`` for every row with an adapter.
+    """
+    max_rank = page_table.shape[2] * a_pools[0].shape[1]
+    v = torch.zeros(len(a_pools), x.shape[0], max_rank, dtype=torch.float32, device=x.device)
+    lora_shrink_ref(x, a_pools, page_table, ranks, meta, v)
+    lora_expand_ref(v, b_pools, page_table, ranks, scalings, meta, y)
+
+
 def write_kv_ref(
     key: Tensor,  # [T, Hkv, D]
     value: Tensor,  # [T, Hkv, D]
@@ -199,3 +219,28 @@ def paged_attention_prefill_ref(
         pos = torch.arange(length - (hi - lo), length, device=q.device)
         out[lo:hi] = _attend(q[lo:hi], k, v, pos, scale, window, softcap).to(q.dtype)
     return out
+
+
+def fused_moe_ref(
+    x: Tensor,  # [T, H]
+    w_gate_up: Tensor,  # [E, 2I, H]: gate rows, then up rows
+    w_down: Tensor,  # [E, H, I]
+    topk_weights: Tensor,  # [T, k]
+    topk_ids: Tensor,  # [T, k] in [0, E)
+) -> Tensor:
+    """The routed experts' output of a MoE feed-forward block::
+
+        out[t] = Σ_j topk_weights[t, j] * Wd[e] · (silu(Wg[e] · x[t]) * (Wu[e] · x[t])),  e = topk_ids[t, j]
+        where Wg[e] = w_gate_up[e, :I], Wu[e] = w_gate_up[e, I:], Wd[e] = w_down[e]
+
+    Experts no token chose are never read. Returns ``[T, H]`` in ``x.dtype``.
+    """
+    inter = w_gate_up.shape[1] // 2
+    out = torch.zeros(x.shape[0], w_down.shape[1], dtype=torch.float32, device=x.device)
+    for e in torch.unique(topk_ids).tolist():
+        tokens, choice = (topk_ids == e).nonzero(as_tuple=True)
+        gu = x[tokens].float() @ w_gate_up[e].float().T
+        h = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+        y = (h @ w_down[e].float().T) * topk_weights[tokens, choice].float().unsqueeze(1)
+        out.index_add_(0, tokens, y)
+    return out.to(x.dtype)
