@@ -15,7 +15,7 @@ import torch
 
 
 def _loop(x, w_gate_up, w_down, weights, ids):
-    """The engine's CPU formula (the per-expert loop `engine/model/moe_experts.py` generalizes) on the GPU: a loop over experts with rows."""
+    """The per-expert loop (what `engine/model/moe_experts.py` generalizes) on the GPU."""
     inter = w_down.shape[2]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
