@@ -17,10 +17,10 @@ STATIC_DIR = Path(__file__).parent / "static"
 def mount_admin_ui(app: FastAPI) -> None:
     """Add `/admin` pages, `/admin/static`, and the handlers that turn session/CSRF failures into
     a redirect to the login form (401 for JSON endpoints) and a 403 page."""
-    from admin_ui.routes import adapter_detail, adapters, auth, dashboard, keys, playground, usage
+    from admin_ui.routes import adapter_detail, adapters, auth, dashboard, keys, playground, pool, usage
 
     app.state.admin_ui_templates = make_templates()
-    for module in (auth, dashboard, adapters, adapter_detail, playground, keys, usage):
+    for module in (auth, dashboard, adapters, adapter_detail, pool, playground, keys, usage):
         app.include_router(module.router)
     app.mount("/admin/static", StaticFiles(directory=str(STATIC_DIR)), name="admin_static")
     app.add_exception_handler(LoginRequired, _login_required)

@@ -20,6 +20,7 @@ FLASH_COOKIE = "loraplex_admin_flash"
 NAV = (
     ("dashboard", "/admin", "Dashboard"),
     ("adapters", "/admin/adapters", "Adapters"),
+    ("pool", "/admin/pool", "Pool"),
     ("playground", "/admin/playground", "Playground"),
     ("keys", "/admin/keys", "API keys"),
     ("usage", "/admin/usage", "Usage"),

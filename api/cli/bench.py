@@ -30,7 +30,8 @@ BENCHMARKS = {
     ),
     "cluster": (
         "bench.cluster.affinity",
-        "Ray Serve replicas: adapter loads and throughput, multiplexed routing vs plain load balancing.",
+        "Ray Serve replicas, one trace above their capacity: prefix hits, adapter loads, throughput and "
+        "TTFT per router (pow2, multiplex, Ray's prefix router, affinity).",
     ),
     "kernels-cpu": (
         "bench.kernels.lora_cpu",

@@ -168,7 +168,31 @@ def serve(
     ] = None,
     replicas: Annotated[
         int | None,
-        typer.Option(help="Serve with N engine replicas on Ray Serve (see --router).", min=1),
+        typer.Option(
+            help="Serve with N engine replicas on Ray Serve (see --router); with --max-replicas, the "
+            "number to start with.",
+            min=1,
+        ),
+    ] = None,
+    min_replicas: Annotated[
+        int | None,
+        typer.Option(help="Autoscaling (with --max-replicas): fewest engine replicas (default 1).", min=1),
+    ] = None,
+    max_replicas: Annotated[
+        int | None,
+        typer.Option(
+            help="Autoscale the engine replicas on Ray Serve up to this many (--replicas: how many to start "
+            "with, default --min-replicas).",
+            min=1,
+        ),
+    ] = None,
+    target_ongoing_requests: Annotated[
+        float | None,
+        typer.Option(
+            help="Autoscaling: requests running or queued per replica that Serve aims at (default: "
+            "--max-num-seqs).",
+            min=0,
+        ),
     ] = None,
     ray_address: Annotated[
         str | None, typer.Option(help="With --replicas: join this Ray cluster (default: start a local one).")
@@ -281,7 +305,9 @@ def serve(
         sock = bind_socket(host, port)
     except PortUnavailable as exc:
         fail(str(exc))
-    if replicas is not None:
+    scaling_flags = (max_replicas, min_replicas, target_ongoing_requests)
+    cluster = replicas is not None or any(v is not None for v in scaling_flags)  # each alone: refused later
+    if cluster:
         sock.close()  # Ray Serve's proxy listens itself: this was only the check
     if modules:  # before the server starts, so that it serves them from its first request
         try:
@@ -314,11 +340,11 @@ def serve(
         err.print("  Admin token  generated; shown here once the server is serving")
     elif settings.admin_token is None:
         err.print("  Admin token  set earlier (stored hashed); set LORAPLEX_ADMIN_TOKEN to choose one")
-    if replicas is not None:
+    if cluster:
         from api.cluster.options import ClusterOptions
 
         layout = ClusterOptions(
-            replicas,
+            replicas or min_replicas or 1,
             ray_address,
             ray_num_cpus,
             cpus_per_replica,
@@ -326,6 +352,9 @@ def serve(
             ingress_replicas,
             router,
             RouterWeights(router_w_prefix, router_w_adapter, router_w_load),
+            min_replicas=min_replicas,
+            max_replicas=max_replicas,
+            target_ongoing_requests=target_ongoing_requests,
         )
         _serve_replicas(settings, layout, on_serving)
     else:
@@ -349,8 +378,15 @@ def _serve_replicas(settings, layout, on_serving: Callable[[], None]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     where = layout.ray_address or "a new local Ray cluster"
     per = f"{layout.cpus_per_replica:g} CPU, {layout.gpus_per_replica:g} GPU each"
+    count = f"{layout.replicas} engine replicas"
+    scaling = layout.autoscaling_config(settings.engine.max_num_seqs)
+    if scaling is not None:
+        count = (
+            f"{count} (autoscaling {scaling['min_replicas']}-{scaling['max_replicas']}, target "
+            f"{scaling['target_ongoing_requests']:g} ongoing requests each)"
+        )
     stderr().print(
-        f"  Replicas     {layout.replicas} engine replicas ({per}) + {layout.ingress_replicas} ingress on "
+        f"  Replicas     {count} ({per}) + {layout.ingress_replicas} ingress on "
         f"{where} (Ray Serve, {layout.router} router)"
     )
     serve_cluster(settings, layout, on_serving)

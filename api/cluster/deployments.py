@@ -39,7 +39,9 @@ def engine_deployment(
     settings: ServerSettings, options: ClusterOptions, max_ongoing: int | None = None
 ) -> Any:
     """The engine deployment class (one `EngineReplica` per Serve replica), each replica asking Ray for
-    `options.cpus_per_replica` CPUs and `options.gpus_per_replica` GPUs. `max_ongoing` requests per
+    `options.cpus_per_replica` CPUs and `options.gpus_per_replica` GPUs; `options.replicas` of them, or,
+    with `--max-replicas`, as many as Serve's autoscaling asks for (target ongoing requests per replica:
+    `--target-ongoing-requests`, default the engine's `max_num_seqs`). `max_ongoing` requests per
     replica (default: the engine's `max_num_seqs`): past it, Ray sends an adapter's requests to another
     replica even though that one must load the adapter (load balance over affinity)."""
     from api.cluster.replica import EngineReplica, LoadedAdapter
@@ -88,6 +90,7 @@ def engine_deployment(
         EngineDeployment,
         name=ENGINE_DEPLOYMENT,
         num_replicas=options.replicas,
+        autoscaling_config=options.autoscaling_config(default_target=settings.engine.max_num_seqs),
         max_ongoing_requests=max_ongoing or max(8, settings.engine.max_num_seqs),
         num_cpus=options.cpus_per_replica,
         num_gpus=options.gpus_per_replica,

@@ -34,6 +34,24 @@ class ClusterOptions:
     # multiplexing by adapter digest (the adapter only)
     router: str = "affinity"
     router_weights: RouterWeights = field(default_factory=RouterWeights)
+    # Serve autoscaling of the engine replicas (off unless `max_replicas` is set): between `min_replicas`
+    # and `max_replicas`, starting at `replicas`, aiming at `target_ongoing_requests` per replica
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+    target_ongoing_requests: float | None = None  # None: the engine's `max_num_seqs` (a full batch)
+
+    def autoscaling_config(self, default_target: float) -> dict[str, float | int] | None:
+        """Serve's `autoscaling_config` for the engine deployment (None: a fixed `replicas`); the target
+        is `target_ongoing_requests`, else `default_target`. Serve's delays stay at its defaults (up
+        after 30 s over the target, down after 600 s under it)."""
+        if self.max_replicas is None:
+            return None
+        return {
+            "min_replicas": self.min_replicas if self.min_replicas is not None else 1,
+            "initial_replicas": self.replicas,
+            "max_replicas": self.max_replicas,
+            "target_ongoing_requests": self.target_ongoing_requests or default_target,
+        }
 
     def validate(self) -> None:
         """Raise ValueError for a layout Ray would refuse or could never place."""
@@ -43,6 +61,29 @@ class ClusterOptions:
             raise ValueError("--ingress-replicas must be at least 1")
         if self.cpus_per_replica < 0 or self.gpus_per_replica < 0:
             raise ValueError("--cpus-per-replica and --gpus-per-replica cannot be negative")
+        self._validate_autoscaling()
         if self.router not in ROUTERS:
             raise ValueError(f"--router must be one of {', '.join(ROUTERS)}, not {self.router!r}")
         self.router_weights.validate()
+
+    def _validate_autoscaling(self) -> None:
+        """Raise ValueError unless min ≤ replicas ≤ max, min ≥ 1 and the target is positive; the bounds
+        and the target mean nothing without `--max-replicas`."""
+        if self.max_replicas is None:
+            if self.min_replicas is not None or self.target_ongoing_requests is not None:
+                raise ValueError(
+                    "--min-replicas and --target-ongoing-requests need --max-replicas (autoscaling)"
+                )
+            return
+        low = self.min_replicas if self.min_replicas is not None else 1
+        if low < 1:
+            raise ValueError("--min-replicas must be at least 1 (the ingress needs an engine replica)")
+        if self.max_replicas < low:
+            raise ValueError(f"--max-replicas ({self.max_replicas}) is below --min-replicas ({low})")
+        if not low <= self.replicas <= self.max_replicas:
+            raise ValueError(
+                f"--replicas ({self.replicas}), the replicas to start with, must lie between "
+                f"--min-replicas ({low}) and --max-replicas ({self.max_replicas})"
+            )
+        if self.target_ongoing_requests is not None and self.target_ongoing_requests <= 0:
+            raise ValueError("--target-ongoing-requests must be positive")

@@ -141,18 +141,24 @@ def deployment(
     max_ongoing_requests: int,
     num_cpus: float = 0,
     num_gpus: float = 0,
+    autoscaling_config: dict[str, Any] | None = None,
     **options: Any,
 ) -> Any:
     """`cls` as a Serve deployment whose every replica asks Ray for `num_cpus` CPUs and `num_gpus` GPUs
-    (default none: engines pin their own threads; Ray then places replicas without counting them)."""
+    (default none: engines pin their own threads; Ray then places replicas without counting them).
+    With `autoscaling_config` (Serve's: min/initial/max replicas, target ongoing requests) Serve scales
+    the replicas and `num_replicas` is not passed (Serve refuses both)."""
     from ray import serve
 
     actor_options: dict[str, Any] = {"num_cpus": num_cpus}
     if num_gpus:
         actor_options["num_gpus"] = num_gpus
+    if autoscaling_config is not None:
+        options["autoscaling_config"] = autoscaling_config
+    else:
+        options["num_replicas"] = num_replicas
     return serve.deployment(
         name=name,
-        num_replicas=num_replicas,
         max_ongoing_requests=max_ongoing_requests,
         ray_actor_options=actor_options,
         **options,
@@ -199,6 +205,22 @@ def replica_id() -> str:
     from ray import serve
 
     return serve.get_replica_context().replica_id.unique_id
+
+
+def deployment_scale(deployment_name: str) -> dict[str, Any]:
+    """What Serve's controller holds for `deployment_name` in the loraplex app: the replicas it aims at
+    now (`target_replicas`; it moves with autoscaling) and its `autoscaling` config (None: a fixed
+    count). Read from the controller's instance details (what `serve status` shows), through Serve's
+    internal client: Serve has no public call for one deployment's config."""
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client()
+    if client is None:
+        raise RuntimeError("Serve is not running")
+    dep = client.get_serve_details()["applications"][APP_NAME]["deployments"][deployment_name]
+    config = dep.get("deployment_config") or {}
+    scaling = config.get("autoscaling_config")
+    return {"target_replicas": dep.get("target_num_replicas"), "autoscaling": scaling}
 
 
 def deployment_handle(deployment_name: str) -> Any:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import TYPE_CHECKING, cast
 
 from fastapi import APIRouter
@@ -13,6 +15,7 @@ from api.errors import error_responses
 if TYPE_CHECKING:
     from api.cluster.remote_client import RemoteEngineClient
 
+log = logging.getLogger("loraplex.cluster")
 router = APIRouter(prefix="/admin/api", tags=["admin"], responses=error_responses(401, 403, 503))
 
 
@@ -22,7 +25,9 @@ async def cluster_status(state: StateDep, _: AdminActor) -> dict:
     it last saw each name change (unix time), adapters made resident by its multiplexed loader, and its
     adapter pool (loads, residency by tier), its prefix cache's counters (prompt tokens looked up, hit); its
     engine's process id, its own cache dir (database blob
-    store; null with local blobs), the directory each adapter was loaded from, and its start-up phases."""
+    store; null with local blobs), the directory each adapter was loaded from, and its start-up phases.
+    Beside them, `deployment`: the engine replicas Serve aims at now and its autoscaling config (null
+    with a fixed `--replicas`), as Serve's controller holds them (null when it did not answer)."""
     client = cast("RemoteEngineClient", state.client)  # the ingress's client (this router is cluster-only)
     await client.poll()
     out = []
@@ -48,4 +53,16 @@ async def cluster_status(state: StateDep, _: AdminActor) -> dict:
                 "startup_seconds": r.get("startup_seconds", {}),
             }
         )
-    return {"replicas": sorted(out, key=lambda r: r["replica"])}
+    return {"replicas": sorted(out, key=lambda r: r["replica"]), "deployment": await _deployment_scale()}
+
+
+async def _deployment_scale() -> dict | None:
+    """The engine deployment's target replicas and autoscaling config, from Serve's controller."""
+    from api.cluster import ray_api
+    from api.cluster.deployments import ENGINE_DEPLOYMENT
+
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(ray_api.deployment_scale, ENGINE_DEPLOYMENT), 5.0)
+    except Exception as exc:  # the controller is busy or restarting: the replicas' own reports still stand
+        log.warning("Serve's controller did not report the engine deployment: %s", exc)
+        return None

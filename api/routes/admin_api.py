@@ -24,6 +24,7 @@ from api.adapter_contents import AdapterDetailView, current_contents
 from api.deps import AdminActor, StateDep
 from api.errors import APIError, error_responses
 from api.openai_protocol import LoadLoRARequest, RequestBody, UnloadLoRARequest
+from api.pool_view import replica_pools
 from api.state import AppState
 from lora_registry.errors import RegistryError
 from lora_registry.schemas import (
@@ -205,7 +206,9 @@ async def delete_adapter(name: str, state: StateDep, actor: AdminActor) -> Delet
 
 @router.get("/pool")
 async def pool_status(state: StateDep, _: AdminActor) -> dict:
-    """The engine's KV cache and adapter pool: pages used/free, residency of each adapter by tier."""
+    """The engine's KV cache and adapter pool: pages used/free, residency of each adapter by tier; with
+    `--replicas` summed over the replicas. `replicas`: each engine replica's own pool, queue and KV use
+    (`api.pool_view`; the single server lists its one engine as replica `local`)."""
     stats = state.client.stats
     if stats is None:
         raise APIError(503, "the engine has not reported statistics yet")
@@ -217,6 +220,7 @@ async def pool_status(state: StateDep, _: AdminActor) -> dict:
         "adapters": adapters,
         "healthy": state.client.healthy,
         "info": msgspec.structs.asdict(state.engine_info()),
+        "replicas": [p.to_json() for p in replica_pools(state.client, names)],
     }
 
 

@@ -1,282 +1,210 @@
-"""Cluster benchmark: adapter-affinity routing (Ray Serve multiplexing) vs plain load balancing.
+"""Cluster benchmark: routers of the engine replicas on Ray Serve, on one trace above their capacity.
 
-    loraplex bench cluster --replicas 2 --adapters 16 --requests 400 --rate 40
+    loraplex bench cluster --replicas 2 --runs 3 --routers pow2,multiplex,ray-prefix,affinity
 
-One local Ray cluster with N engine replicas of the demo model (`demo/base`). Two traffic phases run
-against the same replicas, one after the other: "balanced" sends requests without a multiplexed id
-(Ray's default routing: power of two choices on queue length, no adapter affinity), "multiplexed" sends
-each request with its adapter's digest as multiplexed id. Each phase has its own set of `--adapters`
-adapters (copies of the four demo adapters with slightly scaled weights, so each has its own digest), so
-neither phase finds the other's adapters resident. Requests arrive as a Poisson process at `--rate`
-req/s, adapter k drawn with probability ∝ 1/(k+1)^alpha. Reported per phase: adapter loads into the
-replicas' pools (host loads from disk and device-pool uploads) per 1,000 requests, and throughput
-(requests and output tokens per second, from first arrival to last completion). Replica pools are
-small on purpose (`--max-loras`, `--max-cpu-loras`): one replica cannot hold every adapter.
+One local Ray cluster, `--replicas` engine replicas of a random-weight Llama (built here; no download)
+with 16 random rank-8 adapters (`bench.cluster.workload`): 8 shared system prompts × 16 adapters with
+power-law popularity, base-model multi-turn chats, then a hot-adapter burst. The trace is built once and
+replayed identically for every router (`bench.cluster.routers`, by name: `affinity` is whatever
+`loraplex serve --router affinity` deploys at this commit), each on a freshly deployed engine deployment
+(cold caches), `--runs` times, the routers' order rotated between runs. Reported per router, median and
+min–max over the runs (`bench.cluster.report`): prefix-hit rate (the replicas' own counters), adapter
+loads per 1k requests, throughput, TTFT p50/p99 and burst p99, and the queue's growth and drain, which
+shows whether the arrival rate was above what the replicas drain.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
-import random
+import socket
 import sys
 import tempfile
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-DEMO = Path(__file__).resolve().parents[2] / "demo"
-DEMO_ADAPTERS = ("upper", "reverse", "rot13", "novowels")
-MAX_REQUESTS = 5000
+from bench.cluster.report import RunMetrics, markdown, run_metrics
+from bench.cluster.routers import ROUTERS, plan, ray_prefix_router_status
+from bench.cluster.workload import WorkloadSpec, attainable_hit_rate, build_trace
+
+MAX_ARRIVALS = 20_000
 
 
-@dataclass(slots=True)
-class PhaseResult:
-    routing: str
-    requests: int
-    ok: int
-    seconds: float
-    output_tokens: int
-    host_loads: int
-    device_uploads: int
-    multiplexed_loads: int  # LRU misses of Ray's multiplexed loaders (0 without affinity)
+def model_spec(vocab_size: int, max_len: int):
+    """The random model: small enough for 2 CPU replicas, prefill-heavy enough that prefix hits count."""
+    from bench.common.workload import ModelSpec
 
-    @property
-    def requests_per_s(self) -> float:
-        return self.ok / self.seconds if self.seconds else 0.0
-
-    def per_1000(self, n: int) -> float:
-        return 1000.0 * n / self.requests if self.requests else 0.0
+    return ModelSpec(vocab_size=vocab_size, hidden_size=256, intermediate_size=768, num_layers=4,
+                     num_heads=4, num_kv_heads=2, max_position_embeddings=max_len)  # fmt: skip
 
 
-def markdown(phases: list[PhaseResult]) -> str:
-    rows = [
-        "| routing | requests (ok) | host loads / 1k req | device uploads / 1k req | req/s | output tok/s |",
-        "|---|---|---|---|---|---|",
-    ]
-    for p in phases:
-        rows.append(
-            f"| {p.routing} | {p.requests} ({p.ok}) | {p.per_1000(p.host_loads):.0f} | "
-            f"{p.per_1000(p.device_uploads):.0f} | {p.requests_per_s:.1f} | "
-            f"{p.output_tokens / p.seconds:.0f} |"
-        )
-    if len(phases) == 2:
-        b, m = phases
-        rows.append(
-            f"\nmultiplexed vs balanced: {b.device_uploads / max(m.device_uploads, 1):.1f}x fewer "
-            "device uploads, "
-            f"{b.host_loads / max(m.host_loads, 1):.1f}x fewer host loads, "
-            f"{m.requests_per_s / b.requests_per_s:.2f}x the throughput"
-        )
-    return "\n".join(rows)
+def prepare(root: Path, args: argparse.Namespace, spec: WorkloadSpec):
+    """Build the model and adapters under `root`, register the adapters; (settings, [(name, digest)])."""
+    from api.settings import ServerSettings
+    from bench.common.workload import build_adapter, build_base
+    from lora_registry import open_registry
 
-
-def make_adapters(root: Path, count: int, tag: int) -> list[Path]:
-    """`count` distinct adapters: demo adapter k % 4 with lora_B scaled by 1 + 1e-3 * (k + 1 + 100 * tag)."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    out = []
-    for k in range(count):
-        src = DEMO / "adapters" / DEMO_ADAPTERS[k % len(DEMO_ADAPTERS)]
-        dst = root / f"p{tag}-a{k:02d}"
-        dst.mkdir(parents=True)
-        shutil.copy(src / "adapter_config.json", dst / "adapter_config.json")
-        weights = load_file(src / "adapter_model.safetensors")
-        scale = 1.0 + 1e-3 * (k + 1 + 100 * tag)
-        scaled = {n: (t * scale if "lora_B" in n else t).contiguous() for n, t in weights.items()}
-        save_file(scaled, dst / "adapter_model.safetensors")
-        out.append(dst)
-    return out
-
-
-def popularity(count: int, alpha: float) -> list[float]:
-    w = [1.0 / (k + 1) ** alpha for k in range(count)]
-    return [x / sum(w) for x in w]
-
-
-def random_text(rng: random.Random) -> str:
-    words = [
-        "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 6)))
-        for _ in range(rng.randint(1, 3))
-    ]
-    return " ".join(words)
-
-
-async def run_phase(client, routing: str, adapters, args, tokenizer) -> PhaseResult:
-    """Poisson arrivals over `adapters` ([(name, digest)]) through `client`; loads from the replicas."""
-    from api.engine_protocol import AddRequest
-    from bench.common.progress import progress
-    from engine import LoRARequest, SamplingParams
-
-    rng = random.Random(args.seed)
-    weights = popularity(len(adapters), args.alpha)
-    await client.poll()
-    before = _pool_counters(client)
-    ok = tokens = 0
-
-    async def one(i: int, name: str, digest: str) -> None:
-        nonlocal ok, tokens
-        ids = tokenizer.encode(random_text(rng) + "=")
-        req = AddRequest(
-            request_id=f"{routing}-{i}",
-            prompt_token_ids=ids,
-            params=SamplingParams(max_tokens=args.max_tokens, temperature=0.0),
-            lora=LoRARequest(name, "", digest),  # each replica fills in its own path for the digest
-        )
-        n = 0
-        try:
-            async for delta in client.generate(req):
-                n += len(delta.token_ids)
-            ok += 1
-            tokens += n
-        except Exception as exc:  # counted as not ok
-            print(f"request {i} failed: {exc}", file=sys.stderr)
-
-    tasks = []
-    t0 = time.monotonic()
-    with progress(args.quiet) as bar:
-        task = bar.add_task(f"{routing:11s}", total=args.requests)
-        for i in range(args.requests):
-            name, digest = rng.choices(adapters, weights)[0]
-            t = asyncio.create_task(one(i, name, digest))
-            t.add_done_callback(lambda _: bar.advance(task))
-            tasks.append(t)
-            await asyncio.sleep(rng.expovariate(args.rate))
-        await asyncio.gather(*tasks)
-    seconds = time.monotonic() - t0
-    await client.poll()
-    after = _pool_counters(client)
-    return PhaseResult(
-        routing,
-        args.requests,
-        ok,
-        seconds,
-        tokens,
-        after[0] - before[0],
-        after[1] - before[1],
-        after[2] - before[2],
+    max_len = 1 << max(9, (spec.longest_prompt() + spec.max_tokens).bit_length())
+    mspec = model_spec(spec.vocab_size, max_len)
+    base = build_base(root, mspec, seed=args.seed)
+    env = {"LORAPLEX_DATA_DIR": str(root / "data"), "LORAPLEX_MODEL": str(base)}
+    engine = dict(
+        device="cpu",
+        dtype="float32",
+        num_threads=args.threads,
+        max_loras=args.max_loras,
+        max_cpu_loras=args.max_cpu_loras,
+        max_lora_rank=args.rank,
+        max_num_seqs=args.max_num_seqs,
+        num_kv_blocks=args.kv_blocks,
     )
+    settings = ServerSettings.build(str(base), env=env, engine_kwargs=engine)
+    settings.registry_resync_seconds = 1.0
+    assert settings.registry is not None
+    reg = open_registry(settings.registry)
+    digests = []
+    try:
+        for k in range(spec.adapters):
+            path = build_adapter(root / "adapters" / f"a{k:02d}", mspec, rank=args.rank, seed=1000 + k)
+            res = reg.adapters.register(f"a{k:02d}", path, activate=True)
+            digests.append((f"a{k:02d}", res.version.digest))
+    finally:
+        reg.close()
+    return settings, digests
 
 
-def _pool_counters(client) -> tuple[int, int, int]:
-    """(host loads, device uploads, multiplexed loader misses) summed over the live replicas."""
-    from api.engine_protocol import decode_from_engine
-
-    loads = uploads = misses = 0
-    for r in client.replicas:
-        misses += r["multiplexed_loads"]
-        lora = decode_from_engine(r["stats"]).lora if r["stats"] else None
-        if lora:
-            loads, uploads = loads + lora["loads"], uploads + lora["device_uploads"]
-    return loads, uploads, misses
-
-
-async def _drive(settings, phases_adapters, args) -> list[PhaseResult]:
-    from api.cluster.deployments import ENGINE_DEPLOYMENT
+async def one_router(settings, name: str, args, trace, digests, spec: WorkloadSpec, run: int) -> RunMetrics:
+    """Deploy the engine deployment for router `name`, replay the trace, remove the deployment."""
+    from api.cluster import ray_api
+    from api.cluster.deployments import ENGINE_DEPLOYMENT, engine_deployment
+    from api.cluster.options import ClusterOptions
     from api.cluster.remote_client import RemoteEngineClient
-    from engine.tokenizer import load_tokenizer
+    from bench.cluster.replay import replay
+    from bench.cluster.routers import router_config
 
-    tokenizer = load_tokenizer(settings.model)
+    p = plan(name)
+    options = ClusterOptions(args.replicas, router=p.cluster_router)
+    deployment = engine_deployment(settings, options, args.max_ongoing)
+    if p.router_class is not None:
+        deployment = deployment.options(request_router_config=router_config(p.router_class))
+    await asyncio.to_thread(ray_api.run, deployment.bind(), None)
+    client = RemoteEngineClient(settings.engine, ENGINE_DEPLOYMENT, affinity=p.model_id)
+    await client.start()
+    try:
+        while len(client.replica_stats()) < args.replicas:  # every replica up and reporting
+            await asyncio.sleep(0.5)
+            await client.poll()
+        rep = await replay(client, trace, digests, spec.max_tokens)
+    finally:
+        await client.shutdown()
+        await asyncio.to_thread(ray_api.delete_app)
+    result = run_metrics(name, run, rep, trace, spec.steady_s)
+    print(
+        f"run {run} {name:10s} ok {result.ok}/{result.requests} {result.req_per_s:.2f} req/s "
+        f"hit {result.prefix_hit_rate:.1%} loads/1k {result.loads_per_1k:.0f} p99 {result.ttft_p99:.2f} s "
+        f"drain {result.drain_s:.1f} s",
+        file=sys.stderr,
+    )
+    return result
+
+
+async def run_all(settings, args, trace, digests, spec: WorkloadSpec, routers: list[str]) -> list[RunMetrics]:
     results = []
-    for routing, adapters in phases_adapters:
-        client = RemoteEngineClient(settings.engine, ENGINE_DEPLOYMENT, affinity=routing == "multiplexed")
-        await client.start()
-        try:
-            results.append(await run_phase(client, routing, adapters, args, tokenizer))
-        finally:
-            await client.shutdown()
+    for run in range(args.runs):
+        order = routers[run % len(routers) :] + routers[: run % len(routers)]  # rotate against drift
+        for name in order:
+            results.append(await one_router(settings, name, args, trace, digests, spec, run))
     return results
 
 
-def run(args: argparse.Namespace) -> list[PhaseResult]:
-    """Register both phases' adapters in a fresh registry, start the cluster, run both phases."""
-    import socket
+def spec_from(args: argparse.Namespace) -> WorkloadSpec:
+    return WorkloadSpec(
+        adapters=args.adapters,
+        system_prompts=args.system_prompts,
+        alpha=args.alpha,
+        steady_s=args.steady_s,
+        rate=args.rate,
+        chats=args.chats,
+        turns=args.turns,
+        burst_s=args.burst_s,
+        burst_rate=args.burst_rate if args.burst_rate is not None else 1.5 * args.rate,
+        hot_share=args.hot_share,
+        max_tokens=args.max_tokens,
+        system_tokens=args.system_tokens,
+        seed=args.seed,
+    )
 
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="loraplex bench cluster", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--routers", default=",".join(ROUTERS), help=f"comma-separated, of {', '.join(ROUTERS)}")
+    ap.add_argument("--runs", type=int, default=3, help="replays of the trace per router")
+    ap.add_argument("--adapters", type=int, default=16)
+    ap.add_argument("--system-prompts", type=int, default=8)
+    ap.add_argument("--alpha", type=float, default=1.0, help="power-law exponent of popularity")
+    ap.add_argument("--steady-s", type=float, default=30.0, help="seconds of the steady phase")
+    ap.add_argument("--rate", type=float, default=36.0, help="steady Poisson arrival rate (req/s)")
+    ap.add_argument("--chats", type=int, default=24, help="base-model multi-turn conversations")
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--burst-s", type=float, default=10.0, help="seconds of the hot-adapter burst")
+    ap.add_argument("--burst-rate", type=float, default=None, help="burst arrival rate (default 1.5x --rate)")
+    ap.add_argument("--hot-share", type=float, default=0.8, help="burst share of the hot adapter")
+    ap.add_argument("--system-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--max-loras", type=int, default=4, help="per replica")
+    ap.add_argument("--max-cpu-loras", type=int, default=8, help="per replica host cache")
+    ap.add_argument("--max-num-seqs", type=int, default=16, help="per replica running batch")
+    ap.add_argument("--kv-blocks", type=int, default=640, help="per replica KV cache blocks")
+    ap.add_argument("--threads", type=int, default=1, help="engine threads per replica")
+    ap.add_argument("--max-ongoing", type=int, default=None, help="requests per replica before Serve queues")
+    ap.add_argument("--ray-num-cpus", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    routers = [r.strip() for r in args.routers.split(",") if r.strip()]
+    try:
+        for r in routers:
+            plan(r)
+        spec = spec_from(args)
+        trace = build_trace(spec)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if args.replicas < 1 or args.runs < 1 or not 0 < len(trace) <= MAX_ARRIVALS:
+        ap.error(f"--replicas and --runs must be positive and the trace hold 1..{MAX_ARRIVALS} arrivals")
+    notes = []
+    if "ray-prefix" in routers and (why := ray_prefix_router_status()) is not None:
+        routers.remove("ray-prefix")
+        notes.append(f"ray-prefix left out: {why}")
     from api.cluster import ray_api
-    from api.cluster.deployments import engine_deployment
     from api.cluster.options import ClusterOptions
-    from api.settings import ServerSettings
-    from bench.common.progress import progress
-    from lora_registry import open_registry
 
+    ClusterOptions(args.replicas).validate()
+    offered = len(trace) / (spec.steady_s + spec.burst_s)
+    print(f"trace: {len(trace)} requests over {spec.steady_s + spec.burst_s:.0f} s ({offered:.2f} req/s)",
+          file=sys.stderr)  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="loraplex-bench-cluster-") as tmp:
-        root = Path(tmp)
-        env = {"LORAPLEX_DATA_DIR": str(root / "data"), "LORAPLEX_MODEL": str(DEMO / "base")}
-        engine = dict(
-            device="cpu",
-            dtype="float32",
-            num_threads=args.threads,
-            max_loras=args.max_loras,
-            max_cpu_loras=args.max_cpu_loras,
-            max_lora_rank=16,
-            num_kv_blocks=256,
-        )
-        settings = ServerSettings.build(str(DEMO / "base"), env=env, engine_kwargs=engine)
-        settings.registry_resync_seconds = 1.0
-        reg = open_registry(settings.registry)
-        phases = []
-        try:
-            with progress(args.quiet) as bar:
-                task = bar.add_task("register", total=2 * args.adapters)
-                for tag, routing in enumerate(("balanced", "multiplexed")):
-                    pairs = []
-                    for path in make_adapters(root / "adapters", args.adapters, tag):
-                        res = reg.adapters.register(path.name, path, activate=True)
-                        pairs.append((path.name, res.version.digest))
-                        bar.advance(task)
-                    phases.append((routing, pairs))
-        finally:
-            reg.close()
+        settings, digests = prepare(Path(tmp), args, spec)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         ray_api.init(None, args.ray_num_cpus)
         try:
             ray_api.start_http("127.0.0.1", port)
-            # Serve's own router: "balanced" (no id: power of two choices) vs "multiplexed" (the digest as
-            # id), as documented; the affinity router is not one of this benchmark's phases yet
-            options = ClusterOptions(args.replicas, router="multiplex")
-            app = engine_deployment(settings, options, args.max_ongoing).bind()
-            ray_api.run(app, route_prefix=None)
-            return asyncio.run(_drive(settings, phases, args))
+            results = asyncio.run(run_all(settings, args, trace, digests, spec, routers))
         finally:
             ray_api.shutdown()
-
-
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="loraplex bench cluster", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--replicas", type=int, default=2)
-    ap.add_argument("--adapters", type=int, default=16, help="adapters per phase")
-    ap.add_argument("--requests", type=int, default=600, help="requests per phase")
-    ap.add_argument("--rate", type=float, default=30.0, help="Poisson arrival rate (req/s)")
-    ap.add_argument("--alpha", type=float, default=1.0, help="power-law exponent of adapter popularity")
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--max-loras", type=int, default=4, help="per replica (pool: 2x as many adapters)")
-    ap.add_argument("--max-cpu-loras", type=int, default=8, help="per replica host cache")
-    ap.add_argument("--threads", type=int, default=1, help="engine threads per replica")
-    ap.add_argument(
-        "--max-ongoing", type=int, default=None, help="requests per replica before Ray spills (default: 256)"
-    )
-    ap.add_argument("--ray-num-cpus", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--quiet", action="store_true")
-    args = ap.parse_args(argv)
-    if not 1 <= args.requests <= MAX_REQUESTS:
-        ap.error(f"--requests must be in [1, {MAX_REQUESTS}]")
-    if args.rate <= 0 or args.replicas < 1 or args.adapters < 1:
-        ap.error("--rate, --replicas and --adapters must be positive")
-    phases = run(args)
-    print(markdown(phases))
+    attainable = attainable_hit_rate(trace, settings.engine.block_size)
+    print(markdown(results, offered, attainable))
+    for note in notes:
+        print(f"\n{note}")
     if args.json:
-        args.json.write_text(json.dumps([dataclasses.asdict(p) for p in phases], indent=2))
+        doc = {"argv": argv or sys.argv[1:], "notes": notes, "runs": [r.to_json() for r in results]}
+        args.json.write_text(json.dumps(doc, indent=2))
 
 
 if __name__ == "__main__":

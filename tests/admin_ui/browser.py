@@ -7,6 +7,8 @@ Without Chromium or the `playwright` package the browser tests are skipped local
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -67,3 +69,32 @@ def label_sits_with_input(label: list[float], field: list[float], stacked: bool)
     centred = abs((field[1] + field[3]) / 2 - (label[1] + label[3]) / 2) <= 3
     beside = 0 <= field[0] - label[2] <= 16 and centred
     return above or (beside and not stacked)
+
+
+@contextmanager
+def chromium_page(base_url: str, viewport: dict | None = None, timeout_ms: int = 30_000) -> Iterator:
+    """A page of a fresh headless Chromium on `base_url` (for tests outside this package, which have no
+    `browser` fixture); skipped (or failed under CI) like the UI tests when Chromium is missing."""
+    require(CHROMIUM.exists(), f"{CHROMIUM} is missing: apt-get install -y chromium")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        require(False, "the playwright package is not installed")
+        raise
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        try:
+            size = viewport or {"width": 1280, "height": 860}
+            context = browser.new_context(viewport=size, base_url=base_url)
+            context.set_default_timeout(timeout_ms)
+            yield context.new_page()
+        finally:
+            browser.close()
+
+
+def log_in(page, token: str, path: str = "/admin") -> None:
+    """Log `page` in with the admin token through the login form, landing on `path`."""
+    page.goto(path)
+    page.fill("#token", token)
+    page.click("button[type=submit]")
+    page.wait_for_url(f"**{path}")

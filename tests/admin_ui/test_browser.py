@@ -211,6 +211,19 @@ def test_dashboard_shows_engine_pool_and_traffic(page, shots):
     snap(page, shots, "dashboard")
 
 
+def test_pool_page_shows_the_engine_pool(page, shots):
+    """Without --replicas the pool page has one section: the local engine, with its adapters by tier."""
+    page.click("nav a:has-text('Pool')")
+    page.wait_for_url("**/admin/pool")
+    sections = page.locator("section[data-replica]")
+    assert sections.count() == 1 and sections.get_attribute("data-replica") == "local"
+    assert "healthy" in sections.locator("h2 .badge").inner_text()
+    rows = sections.locator("tbody tr[data-adapter]")
+    assert rows.count() >= 1  # the playground's adapters are held by the engine
+    assert UPLOADED in sections.locator("tbody").inner_text()
+    snap(page, shots, "pool")
+
+
 def test_usage_page_renders_its_charts(page, server, shots):
     assert server.state.usage.recorder.flush()  # the playground's requests are in the database now
     page.click("nav a:has-text('Usage')")
@@ -226,7 +239,12 @@ def test_usage_page_renders_its_charts(page, server, shots):
 def test_narrow_screen(page, shots):
     page.set_viewport_size(NARROW)
     try:
-        for path, name in (("/admin", "dashboard-narrow"), ("/admin/adapters", "adapters-narrow")):
+        narrow = (
+            ("/admin", "dashboard-narrow"),
+            ("/admin/adapters", "adapters-narrow"),
+            ("/admin/pool", "pool-narrow"),
+        )
+        for path, name in narrow:
             page.goto(path)
             width = page.evaluate(PAGE_WIDTH_JS)
             assert width <= NARROW["width"], f"{path} overflows horizontally ({width}px)"

@@ -10,7 +10,14 @@ from tests.helpers.live_server import ADMIN_TOKEN
 
 pytestmark = pytest.mark.slow  # a live server
 
-PAGES = ("/admin", "/admin/adapters", f"/admin/adapters/{PRELOADED[0]}", "/admin/playground", "/admin/keys")
+PAGES = (
+    "/admin",
+    "/admin/adapters",
+    f"/admin/adapters/{PRELOADED[0]}",
+    "/admin/pool",
+    "/admin/playground",
+    "/admin/keys",
+)
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +215,25 @@ def test_dashboard_json_reports_engine_and_pool(admin):
     assert data["engine"]["kv_blocks_total"] > 0 and data["lora"]["pages_total"] > 0
     assert data["chart_svg"].startswith("<svg")
     assert set(data["tier_counts"]) == {"device", "loading", "cpu", "disk"}
+
+
+def test_pool_lists_the_single_engine_as_one_replica(server, admin):
+    """`GET /admin/api/pool` and `/admin/pool` without --replicas: one replica, `local`, holding the
+    preloaded adapters; its numbers are the engine's own (the same as the summed top-level ones)."""
+    client, _ = admin
+    pool = httpx.get(
+        server.url + "/admin/api/pool", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=60
+    ).json()
+    (local,) = pool["replicas"]
+    assert local["replica"] == "local" and local["healthy"] is True
+    assert local["kv_blocks_total"] == pool["engine"]["kv_blocks_total"] > 0
+    assert local["lora"] == pool["lora"]
+    assert {a["active_name"] for a in local["adapters"]} >= set(PRELOADED)
+    assert set(local["tier_counts"]) == {"device", "loading", "cpu", "disk"}
+    html = client.get("/admin/pool").text
+    assert 'data-replica="local"' in html
+    for name in PRELOADED:
+        assert f'data-adapter="{name}"' in html
 
 
 def test_dashboard_names_the_lora_path(admin):

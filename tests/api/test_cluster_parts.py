@@ -89,3 +89,31 @@ def test_gateway_gauges_per_replica_carry_a_replica_label() -> None:
     gauges.refresh_replicas([("r2", two.engine, two.adapters)], max_loras=4)  # r1 was replaced
     assert set(samples("vllm:num_requests_running")) == {"r2"}
     assert set(samples("loraplex_lora_adapter_resident")) == {"r2"}
+
+
+def test_pool_view_lists_each_replica_with_its_own_pool() -> None:
+    """The admin pool page's data: every live replica the ingress polled, from its own statistics (the
+    ones the per-replica gauges are set from); a replica with no report yet is listed as such."""
+    from api.cluster.remote_client import RemoteEngineClient
+    from api.engine_protocol import encode
+    from api.pool_view import replica_pools
+
+    client = RemoteEngineClient(EngineConfig(model="."), "EngineReplica")
+    stats = _stats(2, 10, 100, ["d1", "d2"], 3)
+    stats.engine |= {"num_waiting": 4, "prefix_cache_queries": 200, "prefix_cache_hits": 50}
+    stats.adapters[1]["tier"] = "cpu"
+    client.replicas = [
+        {"replica": "r2", "healthy": False, "stats": None},
+        {"replica": "r1", "healthy": True, "stats": encode(stats)},
+    ]
+    one, two = replica_pools(client, {"d1": "support"})
+    assert (one.replica, one.healthy, one.reported) == ("r1", True, True)
+    assert (one.num_waiting, one.num_running, one.kv_blocks_total) == (4, 2, 100)
+    assert one.prefix_hit_rate == 0.25 and one.lora == {"loads": 3, "pages_used": 1}
+    assert [(a["label"], a["tier"], a["active_name"]) for a in one.adapters] == [
+        ("support", "device", "support"),
+        ("d2", "cpu", None),
+    ]
+    assert one.tier_counts == {"device": 1, "loading": 0, "cpu": 1, "disk": 0}
+    assert (two.replica, two.healthy, two.reported, two.adapters) == ("r2", False, False, [])
+    assert two.to_json()["prefix_hit_rate"] is None

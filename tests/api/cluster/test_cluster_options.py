@@ -74,3 +74,51 @@ def test_cli_refuses_unknown_routers_and_negative_weights(tmp_path, args: list[s
     env = {"LORAPLEX_DATA_DIR": str(tmp_path), "LORAPLEX_MODEL": str(DEMO / "base")}
     result = CliRunner().invoke(app, ["serve", "--port", "1", "--replicas", "2", *args], env=env)
     assert result.exit_code != 0 and message in result.output, result.output
+
+
+def test_autoscaling_options_become_serves_autoscaling_config(tmp_path) -> None:
+    from api.cluster.deployments import engine_deployment
+
+    settings = _settings(tmp_path)
+    options = ClusterOptions(2, min_replicas=1, max_replicas=4, target_ongoing_requests=24)
+    config = engine_deployment(settings, options)._deployment_config
+    scaling = config.autoscaling_config
+    assert (scaling.min_replicas, scaling.initial_replicas, scaling.max_replicas) == (1, 2, 4)
+    assert scaling.target_ongoing_requests == 24
+    # without a target: a replica is at its target with a full running batch
+    default = engine_deployment(settings, ClusterOptions(1, max_replicas=3))._deployment_config
+    assert default.autoscaling_config.min_replicas == 1
+    assert default.autoscaling_config.target_ongoing_requests == settings.engine.max_num_seqs
+    fixed = engine_deployment(settings, ClusterOptions(3))._deployment_config
+    assert fixed.autoscaling_config is None and fixed.num_replicas == 3
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (ClusterOptions(2, min_replicas=3, max_replicas=2), "is below --min-replicas"),
+        (ClusterOptions(5, min_replicas=1, max_replicas=4), "must lie between"),
+        (ClusterOptions(1, min_replicas=0, max_replicas=4), "--min-replicas must be at least 1"),
+        (ClusterOptions(2, min_replicas=2), "need --max-replicas"),
+        (ClusterOptions(2, target_ongoing_requests=8), "need --max-replicas"),
+        (ClusterOptions(1, max_replicas=2, target_ongoing_requests=0), "must be positive"),
+    ],
+)
+def test_impossible_autoscaling_is_refused(options: ClusterOptions, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        options.validate()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--min-replicas", "3", "--max-replicas", "2"], "is below --min-replicas"),
+        (["--replicas", "4", "--max-replicas", "2"], "must lie between"),
+        (["--target-ongoing-requests", "8"], "need --max-replicas"),
+        (["--min-replicas", "0", "--max-replicas", "2"], "--min-replicas"),
+    ],
+)
+def test_cli_refuses_impossible_autoscaling(tmp_path, args: list[str], message: str) -> None:
+    env = {"LORAPLEX_DATA_DIR": str(tmp_path), "LORAPLEX_MODEL": str(DEMO / "base")}
+    result = CliRunner().invoke(app, ["serve", "--port", "1", *args], env=env)
+    assert result.exit_code != 0 and message in result.output, result.output

@@ -1,7 +1,8 @@
 """SIGTERM under load on a real `loraplex serve --replicas 2` process (PostgreSQL registry, blobs in the
 database, Redis events), started with a stale Ray address file and `RAY_ADDRESS` naming a dead cluster.
 
-The start is a new local cluster, logs its phases and has no ingress crash; on SIGTERM the requests in
+The start is a new local cluster (engine replicas autoscaled: Serve's controller holds the flags' config),
+logs its phases and has no ingress crash; on SIGTERM the requests in
 flight finish within `--shutdown-grace` or end with the single server's contract (a retryable 503 with
 the OpenAI body, or an SSE error event then `data: [DONE]`); the process exits 0."""
 
@@ -15,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.api.cluster.conftest import DEMO, stale_ray_environment
@@ -26,6 +28,14 @@ from tests.lora_registry.pg import postgres_database
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")]
 GRACE = 0.3
 CLIENTS = 32
+
+
+def cluster_deployment(url: str) -> dict | None:
+    """The engine deployment's scale as `GET /admin/api/cluster` reports it (from Serve's controller)."""
+    r = httpx.get(f"{url}/admin/api/cluster", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["replicas"]) == 2
+    return r.json()["deployment"]
 
 
 def test_sigterm_under_load_drains_with_the_grace(tmp_path: Path) -> None:
@@ -48,9 +58,10 @@ def test_sigterm_under_load_drains_with_the_grace(tmp_path: Path) -> None:
         cmd = [loraplex, "serve", "--model", str(DEMO / "base"), "--port", str(port), "--device", "cpu"]
         cmd += ["--dtype", "float32", "--threads", "1", "--num-kv-blocks", "128", "--max-num-seqs", "2"]
         cmd += ["--max-seqs-per-client", str(CLIENTS), "--shutdown-grace", str(GRACE)]
+        # autoscaled between 1 and 2 replicas, starting with 2 (Serve waits 600 s before scaling down)
+        cmd += ["--replicas", "2", "--min-replicas", "1", "--max-replicas", "2"]
+        cmd += ["--target-ongoing-requests", "64"]
         cmd += [
-            "--replicas",
-            "2",
             "--ray-num-cpus",
             "2",
             "--cpus-per-replica",
@@ -70,6 +81,7 @@ def test_sigterm_under_load_drains_with_the_grace(tmp_path: Path) -> None:
             )
             assert ready, "".join(lines)
             assert healthy(url)
+            scale = cluster_deployment(url)
             started = threading.Event()
             threads = [
                 threading.Thread(target=one_long_request, args=(url, i, results, started, 56))
@@ -99,6 +111,11 @@ def test_sigterm_under_load_drains_with_the_grace(tmp_path: Path) -> None:
             reader.join(timeout=10)
             out = "".join(lines)
     assert code == 0, out
+    # the autoscaling flags reached Serve's controller
+    assert scale is not None and scale["target_replicas"] == 2, scale
+    auto = scale["autoscaling"]
+    assert (auto["min_replicas"], auto["initial_replicas"], auto["max_replicas"]) == (1, 2, 2), auto
+    assert auto["target_ongoing_requests"] == 64, auto
     assert not crashes, crashes
     assert "cluster ready in" in out and "started local" in out, out
     assert "Traceback" not in out, out

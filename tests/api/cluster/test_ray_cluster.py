@@ -1,7 +1,8 @@
 """`loraplex serve --replicas 2` on a local Ray cluster: a local cluster despite a stale Ray address, a
 start-up without ingress crashes, exact answers, adapter affinity, registry consistency across replicas,
-replicas with their own blob caches, per-replica metrics, shared prefixes routed to the replica holding
-them (the default affinity router), failover when an engine process or a replica dies."""
+replicas with their own blob caches, per-replica metrics and admin pool page, shared prefixes routed to
+the replica holding them (the default affinity router), failover when an engine process or a replica
+dies."""
 
 from __future__ import annotations
 
@@ -252,6 +253,37 @@ def test_metrics_carry_the_gateway_gauges_per_replica(cluster: Cluster) -> None:
         for s in resident
     )
     assert "loraplex_requests_total" in text  # the ingress's own counters beside them
+
+
+def test_admin_pool_shows_each_replicas_own_pool(cluster: Cluster) -> None:
+    """`GET /admin/api/pool` lists every replica's pool from the reports its gauges come from; the page
+    `/admin/pool` in a real Chromium shows one section per replica, the adapter on the one that served."""
+    from tests.admin_ui.browser import chromium_page, log_in
+    from tests.helpers.live_server import ADMIN_TOKEN
+
+    served = _complete(cluster.url, "novowels", "hello world")
+    assert served.status_code == 200
+    holder = served.headers["x-loraplex-replica"]
+    time.sleep(1.0)  # the ingress polls the replicas twice a second
+    replicas = {r["replica"] for r in cluster.replicas()}
+    with cluster.admin() as c:
+        pool = c.get("/admin/api/pool").json()
+    per = {p["replica"]: p for p in pool["replicas"]}
+    assert set(per) == replicas and len(per) == 2
+    for p in per.values():
+        assert p["healthy"] is True
+        assert p["kv_blocks_total"] == 128  # each replica's own cache, not the sum
+        assert p["lora"]["pages_total"] > 0 and p["num_waiting"] >= 0 and p["num_running"] >= 0
+    assert pool["engine"]["kv_blocks_total"] == sum(p["kv_blocks_total"] for p in per.values())
+    held = [a for a in per[holder]["adapters"] if a["active_name"] == "novowels"]
+    assert held and held[0]["tier"] in ("device", "cpu"), per[holder]["adapters"]
+    with chromium_page(cluster.url) as page:
+        log_in(page, ADMIN_TOKEN, "/admin/pool")
+        sections = page.locator("section[data-replica]")
+        assert sorted(sections.evaluate_all("els => els.map(e => e.dataset.replica)")) == sorted(replicas)
+        mine = page.locator(f'section[data-replica="{holder}"]')
+        assert mine.locator('tr[data-adapter="novowels"]').count() == 1
+        assert "128 blocks" in mine.locator('[data-field="kv_usage"]').inner_text()
 
 
 def _prefix_hits(cluster: Cluster) -> dict[str, int]:
