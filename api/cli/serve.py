@@ -153,6 +153,17 @@ def serve(
         int | None,
         typer.Option(help="Serve with N engine replicas on Ray Serve (see --router).", min=1),
     ] = None,
+    prefill_replicas: Annotated[
+        int | None,
+        typer.Option(
+            help="Prefill/decode disaggregation on Ray Serve: P prefill replicas (with --decode-replicas).",
+            min=1,
+        ),
+    ] = None,
+    decode_replicas: Annotated[
+        int | None,
+        typer.Option(help="With --prefill-replicas: D decode replicas that continue each prefill.", min=1),
+    ] = None,
     ray_address: Annotated[
         str | None, typer.Option(help="With --replicas: join this Ray cluster (default: start a local one).")
     ] = None,
@@ -258,7 +269,11 @@ def serve(
         sock = bind_socket(host, port)
     except PortUnavailable as exc:
         fail(str(exc))
-    if replicas is not None:
+    disaggregated = prefill_replicas is not None or decode_replicas is not None
+    if disaggregated and (prefill_replicas is None or decode_replicas is None or replicas is not None):
+        sock.close()
+        fail("--prefill-replicas and --decode-replicas go together, and replace --replicas")
+    if replicas is not None or disaggregated:
         sock.close()  # Ray Serve's proxy listens itself: this was only the check
     if modules:  # before the server starts, so that it serves them from its first request
         try:
@@ -291,11 +306,11 @@ def serve(
         err.print("  Admin token  generated; shown here once the server is serving")
     elif settings.admin_token is None:
         err.print("  Admin token  set earlier (stored hashed); set LORAPLEX_ADMIN_TOKEN to choose one")
-    if replicas is not None:
+    if replicas is not None or disaggregated:
         from api.cluster.options import ClusterOptions
 
         layout = ClusterOptions(
-            replicas,
+            replicas or 0,
             ray_address,
             ray_num_cpus,
             cpus_per_replica,
@@ -303,6 +318,8 @@ def serve(
             ingress_replicas,
             router,
             RouterWeights(router_w_prefix, router_w_adapter, router_w_load),
+            prefill_replicas=prefill_replicas or 0,
+            decode_replicas=decode_replicas or 0,
         )
         _serve_replicas(settings, layout, on_serving)
     else:
@@ -326,8 +343,11 @@ def _serve_replicas(settings, layout, on_serving: Callable[[], None]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     where = layout.ray_address or "a new local Ray cluster"
     per = f"{layout.cpus_per_replica:g} CPU, {layout.gpus_per_replica:g} GPU each"
+    engines = f"{layout.replicas} engine replicas"
+    if layout.disaggregated:
+        engines = f"{layout.prefill_replicas} prefill + {layout.decode_replicas} decode replicas"
     stderr().print(
-        f"  Replicas     {layout.replicas} engine replicas ({per}) + {layout.ingress_replicas} ingress on "
+        f"  Replicas     {engines} ({per}) + {layout.ingress_replicas} ingress on "
         f"{where} (Ray Serve, {layout.router} router)"
     )
     serve_cluster(settings, layout, on_serving)

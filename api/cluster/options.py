@@ -34,10 +34,22 @@ class ClusterOptions:
     # multiplexing by adapter digest (the adapter only)
     router: str = "affinity"
     router_weights: RouterWeights = field(default_factory=RouterWeights)
+    # prefill/decode disaggregation (`--prefill-replicas P --decode-replicas D`, instead of `replicas`)
+    prefill_replicas: int = 0
+    decode_replicas: int = 0
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill_replicas > 0 or self.decode_replicas > 0
 
     def validate(self) -> None:
         """Raise ValueError for a layout Ray would refuse or could never place."""
-        if self.replicas < 1:
+        if self.disaggregated:
+            if self.prefill_replicas < 1 or self.decode_replicas < 1:
+                raise ValueError("--prefill-replicas and --decode-replicas go together, each at least 1")
+            if self.replicas:
+                raise ValueError("--replicas (colocated) or --prefill-replicas/--decode-replicas, not both")
+        elif self.replicas < 1:
             raise ValueError("--replicas must be at least 1")
         if self.ingress_replicas < 1:
             raise ValueError("--ingress-replicas must be at least 1")
