@@ -105,7 +105,7 @@ class DisaggregatedClient(RemoteEngineClient):
             async for out in self._prefill(req):
                 if isinstance(out, Handoff):
                     handoff = out
-                    break
+                    continue  # the prefill's stream ends right after it
                 yield out
                 if out.finish_reason is not None:
                     return
@@ -115,6 +115,9 @@ class DisaggregatedClient(RemoteEngineClient):
             target = await self._prepared(prepared)
             async for delta in self._decode(target, handoff, digest, lambda: move("decode")):
                 yield delta
+        except EngineDeadError as exc:
+            log.warning("request %s failed in its %s phase: %s", req.request_id, phase[0], exc)
+            raise
         finally:
             prepared.cancel()
             self._leave(phase[0])
@@ -167,6 +170,13 @@ class DisaggregatedClient(RemoteEngineClient):
                 if raw is None:
                     return
                 if isinstance(raw, Handoff):
+                    # read the stream to its end: cancelling it would let the prefill replica drop the
+                    # blocks' objects before this process is registered as borrowing them
+                    try:
+                        while await self._next(items, self.transfer_timeout_s, _ReplicaFailed) is not None:
+                            pass
+                    except TimeoutError:
+                        raise EngineDeadError("the prefill replica did not end its stream") from None
                     yield raw
                     return
                 delta = self._delta(raw, attempt, _ReplicaFailed)
