@@ -32,6 +32,10 @@ BENCHMARKS = {
         "bench.cluster.affinity",
         "Ray Serve replicas: adapter loads and throughput, multiplexed routing vs plain load balancing.",
     ),
+    "disagg": (
+        "bench.cluster.disagg",
+        "Prefill/decode disaggregation vs colocated replicas on the same cores: ITL, TTFT, throughput.",
+    ),
     "kernels-cpu": (
         "bench.kernels.lora_cpu",
         "CPU LoRA: torch path vs native kernel, one decode and one prefill step.",
