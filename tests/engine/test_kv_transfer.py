@@ -186,3 +186,45 @@ def test_no_room_recomputes_the_prompt(setup):
     outs = _drain(dec)
     assert outs["a"].outputs[0].token_ids == want
     _assert_idle(pre, dec)
+
+
+def test_structured_output_and_text_continue_on_the_decode_side(checkpoint):
+    """The grammar state travels as the tokens it accepted: the decode side replays them, and the output
+    is the one engine's, text and JSON alike; stop strings are checked over the whole text."""
+    import json
+
+    from engine.structured import StructuredSpec
+
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 6}, "n": {"type": "integer"}},
+        "required": ["name", "n"],
+        "additionalProperties": False,
+    }
+    base = checkpoint("llama", tokenizer=True, vocab_size=100)
+    spec = StructuredSpec.json_schema(schema)
+    params = {
+        "j0": SamplingParams(max_tokens=60, temperature=0.0, structured=spec),
+        "j1": SamplingParams(max_tokens=60, temperature=1.0, seed=9, structured=spec),
+        "st": SamplingParams(max_tokens=12, temperature=0.0, stop=["e"], ignore_eos=True),
+    }
+    prompts = {"j0": "hello", "j1": "Q: who?", "st": "abc xyz"}
+    one = _engine(base)
+    for rid, p in params.items():
+        one.add_request(rid, prompts[rid], p)
+    want = _drain(one)
+    pre, dec = _engine(base), _engine(base)
+    for rid, p in params.items():
+        pre.add_request(rid, prompts[rid], p, prefill_only=True)
+    got = {}
+    for rid, out in _drain(pre).items():
+        if out.kv_export is None:
+            got[rid] = out
+        else:
+            assert dec.import_request(decode_export(encode_export(out.kv_export)))
+    got |= _drain(dec)
+    for rid in params:
+        w, g = want[rid].outputs[0], got[rid].outputs[0]
+        assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason), rid
+    json.loads(got["j0"].outputs[0].text)
+    _assert_idle(pre, dec)
