@@ -128,7 +128,8 @@ class _EngineLoop:
         self.sent: dict[str, int] = {}  # request id -> tokens already sent
         self.running = True
         self.watch = watch
-        self.compiling: dict[str, tuple[Future[None], AddRequest]] = {}  # waiting for their grammar
+        # waiting for their grammar
+        self.compiling: dict[str, tuple[Future[None], AddRequest | ImportRequest]] = {}
 
     def run(self) -> None:
         next_stats = 0.0
@@ -215,6 +216,8 @@ class _EngineLoop:
             elif exc is not None:
                 log.error("grammar compile failed for %s: %r", rid, exc)
                 self._refuse(rid, f"request failed in the engine: {exc!r}")
+            elif isinstance(msg, ImportRequest):
+                self._import(msg)
             else:
                 self._add_now(msg)
 
@@ -243,6 +246,11 @@ class _EngineLoop:
             export = decode_export(msg.export)
             if export.state.request_id != msg.request_id:
                 raise ValueError("the export belongs to another request")
+            if msg.request_id not in self.compiling:  # its grammar compiles in a worker thread first
+                pending = self.engine.structured.compile_later(export.state.params)
+                if pending is not None:
+                    self.compiling[msg.request_id] = (pending, msg)
+                    return
             self.engine.import_request(export)
             self.sent[msg.request_id] = len(export.state.output_token_ids)  # the prefill side sent those
         except AdapterFilesGone as exc:
