@@ -51,7 +51,7 @@ class EngineConfig:
     speculative: str | None = None  # None (off), "ngram" (prompt lookup) or "draft:PATH" (engine/spec/)
     num_speculative_tokens: int = 4  # k: the most tokens proposed per sequence and step (adapts down)
     packed_cpu_gemms: bool = True  # CPU float32, native bfloat16: oneDNN-prepacked weights (cpu_gemm.py)
-    kv_connector: str = "host"  # prefill/decode disaggregation: "host" or "host-layers" (engine/kv_transfer/)
+    kv_connector: str = "host-layers"  # disaggregation: KV blocks per layer ("host": one piece); kv_transfer/
     cuda_graphs: bool = True  # CUDA: plain decode steps replay captured graphs (engine/decode_graphs.py)
 
     def adapter_pool_pages(self) -> int:
