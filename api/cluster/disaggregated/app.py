@@ -103,7 +103,7 @@ def decode_deployment(settings: ServerSettings, options: ClusterOptions) -> Any:
             }
 
         def record_routing_stats(self) -> dict[str, Any]:
-            return self.worker.routing_stats(settings, pool_capacity(settings.engine))
+            return self.worker.routing_stats(pool_capacity(settings.engine))
 
         def check_health(self) -> None:
             self.replica.check_health()

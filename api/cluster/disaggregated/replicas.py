@@ -23,8 +23,8 @@ from api.cluster.disaggregated.handoff import Handoff, adapter_of, from_object_s
 from api.cluster.replica import AdapterRefused, EngineReplica, LoadedAdapter, _item, decode_item
 from api.engine_client import EngineDeadError, EngineUnavailableError
 from api.engine_protocol import RequestDelta, decode_from_engine, encode
-from api.settings import ServerSettings
 from engine.lora_request import LoRARequest
+from lora_registry.errors import NotFound
 
 log = logging.getLogger("loraplex.disaggregated")
 
@@ -67,7 +67,7 @@ class DecodeWorker:
         out: dict[str, Any] = {"replica": self.replica.replica_id}
         if digest:
             try:
-                await self.replica.load(digest, name)
+                await self._load(digest, name)
             except AdapterRefused as exc:
                 out["refused"] = str(exc)
             except (EngineDeadError, EngineUnavailableError, ValueError) as exc:
@@ -86,8 +86,8 @@ class DecodeWorker:
         mine: LoRARequest | None = None
         if lora is not None and lora.digest is not None:
             try:
-                loaded: LoadedAdapter = await self.replica.load(lora.digest, lora.name)
-            except AdapterRefused as exc:  # deactivated between the phases and unknown here
+                loaded = await self._load(lora.digest, lora.name)
+            except AdapterRefused as exc:  # no version of the registry has this content
                 yield _item(rid, failed=str(exc))
                 return
             except (EngineDeadError, EngineUnavailableError, ValueError) as exc:
@@ -111,7 +111,22 @@ class DecodeWorker:
         except (EngineDeadError, EngineUnavailableError) as exc:
             yield _item(rid, failed=f"the engine process failed: {exc}")
 
-    def routing_stats(self, settings: ServerSettings, pool_capacity: int) -> dict[str, Any]:
+    async def _load(self, digest: str, name: str | None) -> LoadedAdapter:
+        """Make the adapter `digest` resident here. One deactivated since the prefill admitted the request
+        still loads by its digest (versions are immutable): admitted requests finish on their version."""
+        try:
+            return await self.replica.load(digest, name)
+        except AdapterRefused:
+            registry = self.replica.registry
+            assert registry is not None
+            try:
+                path = await asyncio.to_thread(registry.adapters.adapter_path, digest)
+            except NotFound as exc:
+                raise AdapterRefused(f"the adapter {name or digest!r} is not in the registry") from exc
+            await self.replica.client.adapter_call("add", name or digest, str(path), digest)
+            return LoadedAdapter(name or digest, digest, str(path))
+
+    def routing_stats(self, pool_capacity: int) -> dict[str, Any]:
         stats = self.replica.routing_stats(pool_capacity)
         st = self.replica.client.stats
         stats["kv_free"] = int(st.engine.get("kv_blocks_free", 0)) if st is not None else None

@@ -2,7 +2,8 @@
 KV blocks so prompts span 1 to several blocks): answers equal the colocated server's (`EXPECTED`, which the
 `--replicas` tests check) for the base model and mixed adapters, streaming and not; the prefill side hits
 its prefix cache; KV-transfer metrics; the decode replica dying mid-stream ends the stream cleanly, leaves
-no block held, and answers are right again once Serve has replaced it."""
+no block held, and answers are right again once Serve has replaced it; the prefill replica dying
+mid-prefill is retried or answered with the retryable 503, never a hang."""
 
 from __future__ import annotations
 
@@ -171,3 +172,30 @@ def test_decode_replica_dying_mid_stream(cluster: Cluster) -> None:
     for adapter in (None, *ADAPTERS):
         assert _stream(cluster.url, adapter, "hello world") == (200, EXPECTED[adapter]("hello world"), False)
     assert wait_until(lambda: _idle(PREFILL_DEPLOYMENT) and _idle(DECODE_DEPLOYMENT), timeout=10)
+
+
+def test_prefill_replica_dying_mid_prefill(cluster: Cluster) -> None:
+    """The prefill engine is stopped, so the request is mid-prefill (no token yet); the prefill replica is
+    killed. The request is retried once (on the replica Serve starts instead): it answers correctly or
+    with the retryable 503, never hangs; nothing stays held on the decode side."""
+    [pre] = _describe(PREFILL_DEPLOYMENT)
+    [name] = ray_api.replica_actor_names(PREFILL_DEPLOYMENT)
+    os.kill(pre["engine_pid"], signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            body = BODY | {"prompt": "hello world="}
+            fut = pool.submit(
+                httpx.post, cluster.url + "/v1/adapters/upper/completions", json=body, timeout=150
+            )
+            time.sleep(1.0)
+            ray_api.kill_actor(name)
+            r = fut.result(timeout=160)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pre["engine_pid"], signal.SIGKILL)
+    if r.status_code == 200:
+        assert r.json()["choices"][0]["text"] == EXPECTED["upper"]("hello world")
+    else:
+        assert r.status_code == 503, r.text
+    assert wait_until(lambda: _idle(DECODE_DEPLOYMENT), timeout=20)
+    assert _stream(cluster.url, "rot13", "hello world") == (200, EXPECTED["rot13"]("hello world"), False)
