@@ -219,6 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--long-tokens", type=int, default=1024)
     ap.add_argument("--long-max-tokens", type=int, default=8)
     ap.add_argument("--adapters", type=int, default=3)
+    ap.add_argument("--hidden", type=int, default=SPEC["hidden_size"], help="model width (heads of 64)")
+    ap.add_argument("--layers", type=int, default=SPEC["num_layers"])
     ap.add_argument("--threads", type=int, default=1, help="engine threads per replica")
     ap.add_argument("--kv-blocks", type=int, default=1024)
     ap.add_argument("--batched-tokens", type=int, default=512, help="max_num_batched_tokens (prefill chunk)")
@@ -240,7 +242,9 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     with tempfile.TemporaryDirectory(prefix="loraplex-bench-disagg-") as tmp:
         root = Path(tmp)
-        spec = ModelSpec(**SPEC)
+        shape = {"hidden_size": args.hidden, "intermediate_size": 3 * args.hidden, "num_layers": args.layers,
+                 "num_heads": args.hidden // 64, "num_kv_heads": max(1, args.hidden // 128)}  # fmt: skip
+        spec = ModelSpec(**(SPEC | shape))
         build_base(root, spec)
         for i in range(args.adapters):
             build_adapter(root / "adapters" / f"ad{i}", spec, rank=8, seed=i + 1)
