@@ -65,7 +65,7 @@ def check_layout(blocks: KVBlocks, kv_cache: torch.Tensor) -> None:
 def imported_sequence(engine: LLMEngine, state: TransferState, max_total: int) -> Sequence:
     """A `Sequence` continuing `state`: prompt and sampled tokens, logprobs, generator, grammar replayed.
     ValueError when the adapter this engine resolves differs from the one the prefill used."""
-    lora_key = engine.adapters.key_for(state.lora)
+    lora_key, lora_keys = engine.adapters.key_for(state.lora)
     if state.lora_key is not None and lora_key is not None and lora_key != state.lora_key:
         raise ValueError("the adapter's content differs between the prefill and the decode engine")
     gen = None
@@ -83,6 +83,7 @@ def imported_sequence(engine: LLMEngine, state: TransferState, max_total: int) -
         gen,
         max_total,
     )
+    seq.lora_keys = lora_keys
     engine.structured.attach(seq)
     for tok in state.output_token_ids:
         seq.append_token(tok)
