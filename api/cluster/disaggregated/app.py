@@ -87,8 +87,8 @@ def decode_deployment(settings: ServerSettings, options: ClusterOptions) -> Any:
             self.worker = DecodeWorker(self.replica, KV_TRANSFER_TIMEOUT_S)
             await self.replica.start()
 
-        async def prepare(self, digest: str, name: str) -> dict[str, Any]:
-            return await self.worker.prepare(digest or None, name or None)
+        async def prepare(self, digest: str, name: str, members: list | None = None) -> dict[str, Any]:
+            return await self.worker.prepare(digest or None, name or None, members)
 
         async def decode(self, target: str, handoff: Any, digest: str = ""):
             async for item in self.worker.decode(handoff):

@@ -88,9 +88,11 @@ class DisaggregatedClient(RemoteEngineClient):
             raise ServerShuttingDownError("the server is shutting down")
         if not self.healthy:
             raise EngineUnavailableError("no prefill or no decode replica is ready")
-        digest = req.lora.digest if req.lora is not None and req.lora.digest else ""
-        name = req.lora.name if req.lora is not None else ""
-        prepared = asyncio.ensure_future(ray_api.call(self._decode_handle, "prepare", digest, name))
+        lora = req.lora
+        digest = lora.digest if lora is not None and lora.digest and not lora.mix else ""
+        name = lora.name if lora is not None else ""
+        members = [(m.digest, m.name) for m, _ in lora.mix if m.digest] if lora is not None else []
+        prepared = asyncio.ensure_future(ray_api.call(self._decode_handle, "prepare", digest, name, members))
         self._in_flight += 1
         phase = ["prefill"]  # the request's phase now, for the per-phase gauge
 

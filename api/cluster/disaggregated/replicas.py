@@ -62,12 +62,17 @@ class DecodeWorker:
         self.imports = 0
         self.prepared = 0
 
-    async def prepare(self, digest: str | None, name: str | None) -> dict[str, Any]:
-        """Make the adapter `digest` resident here; {"replica": id} and "refused"/"failed" if it cannot."""
+    async def prepare(
+        self, digest: str | None, name: str | None, members: list[tuple[str, str]] | None = None
+    ) -> dict[str, Any]:
+        """Make the adapter `digest` (or a weighted mix's `members`, (digest, name) pairs) resident here;
+        {"replica": id} and "refused"/"failed" if it cannot."""
         out: dict[str, Any] = {"replica": self.replica.replica_id}
-        if digest:
+        wanted = list(members or []) or ([(digest, name or "")] if digest else [])
+        if wanted:
             try:
-                await self._load(digest, name)
+                for d, n in wanted:
+                    await self._load(d, n or None)
             except AdapterRefused as exc:
                 out["refused"] = str(exc)
             except (EngineDeadError, EngineUnavailableError, ValueError) as exc:
@@ -82,18 +87,14 @@ class DecodeWorker:
         if not client.healthy:
             yield _item(rid, failed="the engine process of this replica is down")
             return
-        lora = adapter_of(handoff)
-        mine: LoRARequest | None = None
-        if lora is not None and lora.digest is not None:
-            try:
-                loaded = await self._load(lora.digest, lora.name)
-            except AdapterRefused as exc:  # no version of the registry has this content
-                yield _item(rid, failed=str(exc))
-                return
-            except (EngineDeadError, EngineUnavailableError, ValueError) as exc:
-                yield _item(rid, failed=f"the engine could not load the adapter: {exc}")
-                return
-            mine = LoRARequest(loaded.name, loaded.path, loaded.digest)
+        try:
+            mine = await self._local(adapter_of(handoff))
+        except AdapterRefused as exc:  # no version of the registry has this content
+            yield _item(rid, failed=str(exc))
+            return
+        except (EngineDeadError, EngineUnavailableError, ValueError) as exc:
+            yield _item(rid, failed=f"the engine could not load the adapter: {exc}")
+            return
         t0 = time.monotonic()
         try:
             export = await from_object_store(handoff, self.transfer_timeout_s, mine)
@@ -110,6 +111,23 @@ class DecodeWorker:
                 yield _item(rid, delta=encode(delta))
         except (EngineDeadError, EngineUnavailableError) as exc:
             yield _item(rid, failed=f"the engine process failed: {exc}")
+
+    async def _local(self, lora: LoRARequest | None) -> LoRARequest | None:
+        """The prefill's adapter (or weighted mix) as this replica's engine reads it: its files here."""
+        if lora is None:
+            return None
+        if lora.mix:
+            members = []
+            for member, weight in lora.mix:
+                if member.digest is None:
+                    raise AdapterRefused(f"the adapter {member.name!r} has no content digest")
+                loaded = await self._load(member.digest, member.name)
+                members.append((LoRARequest(loaded.name, loaded.path, loaded.digest), weight))
+            return LoRARequest.weighted(members, name=lora.name)
+        if lora.digest is None:
+            return lora
+        loaded = await self._load(lora.digest, lora.name)
+        return LoRARequest(loaded.name, loaded.path, loaded.digest)
 
     async def _load(self, digest: str, name: str | None) -> LoadedAdapter:
         """Make the adapter `digest` resident here. One deactivated since the prefill admitted the request
