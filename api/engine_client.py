@@ -34,6 +34,7 @@ from api.engine_protocol import (
     AddRequest,
     CallResult,
     EngineStatsMsg,
+    ImportRequest,
     Ready,
     RequestDelta,
     Shutdown,
@@ -242,15 +243,27 @@ class EngineClient:
     # ---- requests ---------------------------------------------------------------------------------
     async def generate(self, req: AddRequest) -> AsyncIterator[RequestDelta]:
         """Submit `req` and yield its deltas until it finishes. Leaving early aborts it in the engine."""
+        async for delta in self.stream(req.request_id, encode(req)):
+            yield delta
+
+    async def import_generate(self, request_id: str, export: bytes) -> AsyncIterator[RequestDelta]:
+        """Continue another engine's prefill-only request (`export`: its encoded `KVExport`) here, as
+        `generate` does a new one: its deltas after the transferred tokens."""
+        async for delta in self.stream(request_id, encode(ImportRequest(request_id, export))):
+            yield delta
+
+    async def stream(self, request_id: str, message: bytes) -> AsyncIterator[RequestDelta]:
+        """Send `message` (an encoded `AddRequest` or `ImportRequest` for `request_id`) and yield the
+        request's deltas until it finishes. Leaving early aborts it in the engine."""
         if self._cut:
             raise ServerShuttingDownError("the server is shutting down")
         if not self.healthy:
             raise EngineUnavailableError("the engine is restarting")
         q: asyncio.Queue = asyncio.Queue()
-        self._queues[req.request_id] = q
+        self._queues[request_id] = q
         finished = False
         try:
-            await self._send(encode(req))
+            await self._send(message)
             while True:
                 delta = await q.get()
                 if delta is _DEAD:
@@ -262,10 +275,10 @@ class EngineClient:
                 if finished:
                     return
         finally:
-            self._queues.pop(req.request_id, None)
+            self._queues.pop(request_id, None)
             if not finished and self.healthy:
                 with contextlib.suppress(zmq.ZMQError):
-                    await self.abort([req.request_id])
+                    await self.abort([request_id])
 
     async def _send(self, data: bytes) -> None:
         """Send one message to the current engine; `EngineDeadError` if it is found dead first. (A PUSH

@@ -27,6 +27,7 @@ from api.engine_protocol import (
     AddRequest,
     CallResult,
     EngineStatsMsg,
+    ImportRequest,
     InvalidMessage,
     Ready,
     RequestDelta,
@@ -37,6 +38,7 @@ from api.engine_protocol import (
 from engine import LLMEngine, LoRARequest
 from engine.distributed.worker_group import WorkerGroupError
 from engine.engine_config import EngineConfig
+from engine.kv_transfer.state import decode_export, encode_export
 from engine.lora.held_files import AdapterFilesGone
 from engine.model.cpu_gemm import bound_onednn_caches
 from engine.outputs import RequestOutput
@@ -138,7 +140,8 @@ class _EngineLoop:
         self.sent: dict[str, int] = {}  # request id -> tokens already sent
         self.running = True
         self.watch = watch
-        self.compiling: dict[str, tuple[Future[None], AddRequest]] = {}  # waiting for their grammar
+        # waiting for their grammar
+        self.compiling: dict[str, tuple[Future[None], AddRequest | ImportRequest]] = {}
 
     def run(self) -> None:
         next_stats = 0.0
@@ -194,6 +197,8 @@ class _EngineLoop:
     def _handle(self, msg) -> None:
         if isinstance(msg, AddRequest):
             self._add(msg)
+        elif isinstance(msg, ImportRequest):
+            self._import(msg)
         elif isinstance(msg, AbortRequests):
             self.engine.abort_request(msg.request_ids)
             for rid in msg.request_ids:
@@ -225,12 +230,21 @@ class _EngineLoop:
             elif exc is not None:
                 log.error("grammar compile failed for %s: %r", rid, exc)
                 self._refuse(rid, f"request failed in the engine: {exc!r}")
+            elif isinstance(msg, ImportRequest):
+                self._import(msg)
             else:
                 self._add_now(msg)
 
     def _add_now(self, msg: AddRequest) -> None:
         try:
-            self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.lora, msg.priority)
+            self.engine.add_request(
+                msg.request_id,
+                msg.prompt_token_ids,
+                msg.params,
+                msg.lora,
+                msg.priority,
+                prefill_only=msg.prefill_only,
+            )
             self.sent[msg.request_id] = 0
         except AdapterFilesGone as exc:  # deleted before this request reached the engine: as if inactive
             self._refuse(msg.request_id, str(exc), status=404)
@@ -238,6 +252,27 @@ class _EngineLoop:
             self._refuse(msg.request_id, str(exc), status=400)
         except Exception as exc:  # a request that breaks add_request ends itself, never the loop
             log.exception("add_request failed for %s", msg.request_id)
+            self._refuse(msg.request_id, f"request failed in the engine: {exc!r}")
+
+    def _import(self, msg: ImportRequest) -> None:
+        """Continue a prefill-only request of another engine (its KV and state in `msg.export`)."""
+        try:
+            export = decode_export(msg.export)
+            if export.state.request_id != msg.request_id:
+                raise ValueError("the export belongs to another request")
+            if msg.request_id not in self.compiling:  # its grammar compiles in a worker thread first
+                pending = self.engine.structured.compile_later(export.state.params)
+                if pending is not None:
+                    self.compiling[msg.request_id] = (pending, msg)
+                    return
+            self.engine.import_request(export)
+            self.sent[msg.request_id] = len(export.state.output_token_ids)  # the prefill side sent those
+        except AdapterFilesGone as exc:
+            self._refuse(msg.request_id, str(exc), status=404)
+        except ValueError as exc:
+            self._refuse(msg.request_id, str(exc), status=400)
+        except Exception as exc:
+            log.exception("import_request failed for %s", msg.request_id)
             self._refuse(msg.request_id, f"request failed in the engine: {exc!r}")
 
     def _refuse(self, request_id: str, error: str, status: int = 500) -> None:
@@ -257,9 +292,14 @@ class _EngineLoop:
         finish = comp.finish_reason if out.finished else None
         if out.error:
             finish = "error"
+        kv = encode_export(out.kv_export) if out.kv_export is not None else None
         self.push.send(
-            encode(RequestDelta(out.request_id, new, lps, finish, out.num_cached_tokens, out.error))
+            encode(
+                RequestDelta(out.request_id, new, lps, finish, out.num_cached_tokens, out.error, kv_export=kv)
+            )
         )
+        if out.kv_export is not None:  # the bytes are on their way: the sending side holds nothing more
+            self.engine.release_kv_transfer(out.request_id)
         if out.finished:
             self.sent.pop(out.request_id, None)
         else:

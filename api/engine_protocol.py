@@ -25,10 +25,20 @@ class AddRequest(msgspec.Struct, tag="add"):
     params: SamplingParams
     lora: LoRARequest | None = None
     priority: int = 0
+    # prefill/decode disaggregation: end after the first token with the prompt's KV (`RequestDelta.kv_export`)
+    prefill_only: bool = False
 
     def __post_init__(self) -> None:
         if not PRIORITY_BOUND.holds(self.priority):
             raise ValueError(f"priority must be in {PRIORITY_BOUND.describe()}")
+
+
+class ImportRequest(msgspec.Struct, tag="import"):
+    """Continue another engine's prefill-only request: `export` is its encoded
+    `engine.kv_transfer.KVExport` (state + KV blocks); its deltas follow the transferred tokens."""
+
+    request_id: str
+    export: bytes
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -77,6 +87,7 @@ class RequestDelta(msgspec.Struct, tag="delta"):
     num_cached_tokens: int = 0
     error: str | None = None
     error_status: int = 500  # HTTP status for `error`: 400 when the engine refused the request itself
+    kv_export: bytes | None = None  # finish "kv_transfer": the encoded `engine.kv_transfer.KVExport`
 
 
 class CallResult(msgspec.Struct, tag="result"):
@@ -92,7 +103,7 @@ class EngineStatsMsg(msgspec.Struct, tag="stats"):
     adapters: list[dict[str, Any]]
 
 
-ToEngine = AddRequest | AbortRequests | AdapterCall | Shutdown
+ToEngine = AddRequest | ImportRequest | AbortRequests | AdapterCall | Shutdown
 FromEngine = Ready | RequestDelta | CallResult | EngineStatsMsg
 
 _encoder = msgspec.msgpack.Encoder()

@@ -69,6 +69,9 @@ class Metrics:
 
     def refresh(self, client) -> None:
         """Copy the engine's latest statistics into the gauges."""
+        bind = getattr(client, "bind_metrics", None)  # a client with metrics of its own (disaggregated)
+        if bind is not None:
+            bind(self.registry)
         self.engine_healthy.set(1 if client.healthy else 0)
         self.engine_restarts.set(client.restarts)
         stats = client.stats

@@ -54,6 +54,7 @@ class EngineConfig:
     speculative: str | None = None  # None (off), "ngram" (prompt lookup) or "draft:PATH" (engine/spec/)
     num_speculative_tokens: int = 4  # k: the most tokens proposed per sequence and step (adapts down)
     packed_cpu_gemms: bool = True  # CPU float32, native bfloat16: oneDNN-prepacked weights (cpu_gemm.py)
+    kv_connector: str = "host-layers"  # disaggregation: KV blocks per layer ("host": one piece); kv_transfer/
     cuda_graphs: bool = True  # CUDA: plain decode steps replay captured graphs (engine/decode_graphs.py)
     # Tensor parallel (engine/distributed/): the model sharded over this many ranks (this process is
     # rank 0); on CPU each rank gets num_threads / N threads. `distributed_timeout`: seconds a step's

@@ -15,6 +15,7 @@ from collections import abc
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
 from engine.cpu_threads import ThreadGovernor, available_cpus
@@ -25,6 +26,13 @@ from engine.distributed.worker_group import WorkerGroup, WorkerGroupError
 from engine.engine_adapters import EngineAdapters, SequenceError
 from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheManager
+from engine.kv_transfer import KV_TRANSFER_FINISH, KVExport, make_connector
+from engine.kv_transfer.export_import import (
+    check_layout,
+    export_sequence,
+    imported_sequence,
+    place_blocks,
+)
 from engine.lora.dora import ProjectionBaseWeights
 from engine.lora.manager import LoRAInfo, LoRAManager, LoRAPoolStats
 from engine.lora_request import LoRARequest
@@ -155,6 +163,8 @@ class LLMEngine:
             attention_backend=config.attention_backend,
         )
         self._groups: dict[str, RequestGroup] = {}
+        self.kv_connector = make_connector(config.kv_connector)  # prefill/decode disaggregation
+        self._prefill_only: set[str] = set()  # requests whose KV is exported after their first token
         self._seq_to_group: dict[str, str] = {}
         self._steps = 0
         self._last_step_tokens = 0
@@ -226,8 +236,13 @@ class LLMEngine:
         lora_request: LoRARequest | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        prefill_only: bool = False,
     ) -> None:
-        """Queue a request; raises `ValueError` if it is malformed or could never fit in the KV cache."""
+        """Queue a request; raises `ValueError` if it is malformed or could never fit in the KV cache.
+
+        `prefill_only`: once its first token is sampled, the request ends with finish reason
+        "kv_transfer" and its output's `kv_export` (engine/kv_transfer) for another engine's
+        `import_request`, unless that token already finished it (stop, length)."""
         params = resolve_request_tokens(
             params or SamplingParams(), self.tokenizer, self.model_config.vocab_size
         )
@@ -244,6 +259,10 @@ class LLMEngine:
                 f"request needs {self.kv.blocks_needed(max_total)} KV blocks for {max_total} tokens but the "
                 f"cache has {self.num_kv_blocks}; lower max_tokens or raise num_kv_blocks"
             )
+        if prefill_only and len(params.choices()) != 1:
+            raise ValueError("a prefill-only request has one sequence (n = 1, no best_of)")
+        if prefill_only and self.tp is not None:
+            raise ValueError("KV transfer needs an engine of one rank (tensor_parallel_size 1)")
         lora_key, lora_keys = self.adapters.key_for(lora_request)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs = []
@@ -264,6 +283,59 @@ class LLMEngine:
             self._seq_to_group[s.seq_id] = request_id
             self.scheduler.add_request(s)
         self._prompt_tokens += len(ids)
+        if prefill_only:
+            self._prefill_only.add(request_id)
+
+    def import_request(self, export: KVExport) -> bool:
+        """Continue another engine's prefill-only request (`add_request(..., prefill_only=True)`): its
+        state and prompt K/V (engine/kv_transfer/export_import.py). Its outputs then come from `step` as
+        for any request, the transferred tokens first. Returns False when the KV pool had no room and the
+        prompt is recomputed instead; raises `ValueError` for an export this engine cannot continue."""
+        st = export.state
+        if self.tp is not None:
+            raise ValueError("KV transfer needs an engine of one rank (tensor_parallel_size 1)")
+        check_layout(export.blocks, self.runner.kv_cache)
+        params = resolve_request_tokens(st.params, self.tokenizer, self.model_config.vocab_size)
+        self.structured.check(params)
+        if st.request_id in self._groups:
+            raise ValueError(f"request id {st.request_id!r} is already in use")
+        if len(params.choices()) != 1 or not st.output_token_ids:
+            raise ValueError("a KV import continues one sequence that has sampled its first token")
+        _, ids = self.tokenize(st.prompt_token_ids)
+        self.tokenize(st.output_token_ids)  # token ids in the vocabulary
+        max_len = self.model_config.max_model_len
+        if len(ids) >= max_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {max_len} tokens")
+        max_total = min(len(ids) + params.max_tokens, max_len)
+        if not self.kv.can_fit(self.kv.blocks_needed(max_total)):
+            raise ValueError(
+                f"request needs {self.kv.blocks_needed(max_total)} KV blocks; the cache has fewer"
+            )
+        seq = imported_sequence(self, msgspec.structs.replace(st, params=params), max_total)
+        placed = place_blocks(self, seq, export, self.kv_connector)
+        text = self._sequence_text(params)
+        if text is not None:
+            for tok in seq.output_token_ids:
+                text.accept(tok, None)
+            seq.text = text.text
+        self._groups[st.request_id] = RequestGroup(st.request_id, None, ids, [seq], [text], 1)
+        self._seq_to_group[seq.seq_id] = st.request_id
+        self.scheduler.add_request(seq)
+        self._prompt_tokens += len(ids)
+        return placed
+
+    def release_kv_transfer(self, request_id: str) -> None:
+        """The receiver has the request's blocks: end its transfer on this (sending) side."""
+        self.kv_connector.release(request_id)
+
+    def _export(self, group: RequestGroup, out: RequestOutput) -> RequestOutput:
+        """End prefill-only `group` after its first token: `out` with its KV export, finish "kv_transfer"."""
+        seq = group.seqs[0]
+        out.kv_export = export_sequence(self, seq, self.kv_connector)
+        self.scheduler.finish_request(seq, SequenceStatus.FINISHED_ABORTED)  # its blocks stay cached here
+        out.finished = True
+        out.outputs[0].finish_reason = KV_TRANSFER_FINISH
+        return out
 
     # ---- adapters (engine/engine_adapters.py) ----------------------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> str:
@@ -313,6 +385,7 @@ class LLMEngine:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
             group = self._groups.pop(rid, None)
+            self._prefill_only.discard(rid)
             if group is None:
                 continue
             for seq in group.seqs:
@@ -388,6 +461,10 @@ class LLMEngine:
             if gid not in self._groups:
                 continue
             ro = group.output()
+            if gid in self._prefill_only:
+                self._prefill_only.discard(gid)
+                if not ro.finished:
+                    ro = self._export(group, ro)
             outputs.append(ro)
             if ro.finished:
                 self._forget(gid)
@@ -461,6 +538,7 @@ class LLMEngine:
         return out
 
     def _forget(self, gid: str) -> None:
+        self._prefill_only.discard(gid)
         group = self._groups.pop(gid, None)
         if group is not None:
             for s in group.seqs:

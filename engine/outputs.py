@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -44,3 +45,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None  # set when the request was ended by an error (e.g. its adapter failed to load)
     metrics: dict[str, float] = field(default_factory=dict)
+    kv_export: Any = None  # a prefill-only request's `engine.kv_transfer.KVExport` (finish "kv_transfer")

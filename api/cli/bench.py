@@ -33,6 +33,10 @@ BENCHMARKS = {
         "Ray Serve replicas, one trace above their capacity: prefix hits, adapter loads, throughput and "
         "TTFT per router (pow2, multiplex, Ray's prefix router, affinity).",
     ),
+    "disagg": (
+        "bench.cluster.disagg",
+        "Prefill/decode disaggregation vs colocated replicas on the same cores: ITL, TTFT, throughput.",
+    ),
     "kernels-cpu": (
         "bench.kernels.lora_cpu",
         "CPU LoRA: torch path vs native kernel, one decode and one prefill step.",

@@ -194,6 +194,17 @@ def serve(
             min=0,
         ),
     ] = None,
+    prefill_replicas: Annotated[
+        int | None,
+        typer.Option(
+            help="Prefill/decode disaggregation on Ray Serve: P prefill replicas (with --decode-replicas).",
+            min=1,
+        ),
+    ] = None,
+    decode_replicas: Annotated[
+        int | None,
+        typer.Option(help="With --prefill-replicas: D decode replicas that continue each prefill.", min=1),
+    ] = None,
     ray_address: Annotated[
         str | None, typer.Option(help="With --replicas: join this Ray cluster (default: start a local one).")
     ] = None,
@@ -306,8 +317,17 @@ def serve(
     except PortUnavailable as exc:
         fail(str(exc))
     scaling_flags = (max_replicas, min_replicas, target_ongoing_requests)
-    cluster = replicas is not None or any(v is not None for v in scaling_flags)  # each alone: refused later
-    if cluster:
+    disaggregated = prefill_replicas is not None or decode_replicas is not None
+    if disaggregated and (
+        prefill_replicas is None
+        or decode_replicas is None
+        or replicas is not None
+        or any(v is not None for v in scaling_flags)
+    ):
+        sock.close()
+        fail("--prefill-replicas and --decode-replicas go together, and replace --replicas and autoscaling")
+    cluster = replicas is not None or disaggregated or any(v is not None for v in scaling_flags)
+    if cluster:  # each scaling flag alone: refused later
         sock.close()  # Ray Serve's proxy listens itself: this was only the check
     if modules:  # before the server starts, so that it serves them from its first request
         try:
@@ -344,7 +364,7 @@ def serve(
         from api.cluster.options import ClusterOptions
 
         layout = ClusterOptions(
-            replicas or min_replicas or 1,
+            replicas or min_replicas or (0 if disaggregated else 1),
             ray_address,
             ray_num_cpus,
             cpus_per_replica,
@@ -355,6 +375,8 @@ def serve(
             min_replicas=min_replicas,
             max_replicas=max_replicas,
             target_ongoing_requests=target_ongoing_requests,
+            prefill_replicas=prefill_replicas or 0,
+            decode_replicas=decode_replicas or 0,
         )
         _serve_replicas(settings, layout, on_serving)
     else:
@@ -379,6 +401,8 @@ def _serve_replicas(settings, layout, on_serving: Callable[[], None]) -> None:
     where = layout.ray_address or "a new local Ray cluster"
     per = f"{layout.cpus_per_replica:g} CPU, {layout.gpus_per_replica:g} GPU each"
     count = f"{layout.replicas} engine replicas"
+    if layout.disaggregated:
+        count = f"{layout.prefill_replicas} prefill + {layout.decode_replicas} decode replicas"
     scaling = layout.autoscaling_config(settings.engine.max_num_seqs)
     if scaling is not None:
         count = (

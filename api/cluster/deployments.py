@@ -11,6 +11,7 @@ multiplexed LRU holds it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from api.cluster import ray_api
@@ -101,9 +102,14 @@ def engine_deployment(
     )
 
 
-def ingress_deployment(settings: ServerSettings, options: ClusterOptions) -> Any:
+def ingress_deployment(
+    settings: ServerSettings,
+    options: ClusterOptions,
+    client_factory: Callable[[EngineConfig], Any] | None = None,
+) -> Any:
     """The HTTP ingress (`options.ingress_replicas` replicas): `create_app` with a client that reaches the
-    engine deployment through Ray, plus `drain(grace)` and `in_flight()` for the driver's SIGTERM."""
+    engine deployment through Ray (`client_factory`, default a `RemoteEngineClient`), plus `drain(grace)`
+    and `in_flight()` for the driver's SIGTERM."""
 
     def build_app():
         from api.app import create_app
@@ -116,7 +122,7 @@ def ingress_deployment(settings: ServerSettings, options: ClusterOptions) -> Any
             return RemoteEngineClient(cfg, ENGINE_DEPLOYMENT, affinity=options.router == "multiplex")
 
         ray_api.log_to_stderr()
-        app = create_app(settings, client_factory=make_client)
+        app = create_app(settings, client_factory=client_factory or make_client)
         app.include_router(router)
         app.add_middleware(ReplicaHeaderMiddleware)
         app.add_middleware(InFlightMiddleware)
@@ -124,8 +130,8 @@ def ingress_deployment(settings: ServerSettings, options: ClusterOptions) -> Any
         return app
 
     class IngressDeployment:
-        def __init__(self, engine: Any = None) -> None:
-            self.engine = engine  # bound so that Serve deploys the engine with the ingress
+        def __init__(self, engine: Any = None, *more: Any) -> None:
+            self.engine = (engine, *more)  # bound so that Serve deploys the engine(s) with the ingress
 
         async def drain(self, grace: float) -> int:
             """Refuse new requests with 503 from now on; end those still running after `grace` seconds
@@ -168,6 +174,11 @@ def _ingress_client() -> Any:
 
 
 def build_application(settings: ServerSettings, options: ClusterOptions) -> Any:
-    """The bound application: the ingress, with the engine deployment as its dependency."""
+    """The bound application: the ingress, with the engine deployment as its dependency (with
+    `--prefill-replicas/--decode-replicas`: api/cluster/disaggregated/app.py)."""
+    if options.disaggregated:
+        from api.cluster.disaggregated.app import build_disaggregated_application
+
+        return build_disaggregated_application(settings, options)
     engine = engine_deployment(settings, options).bind()
     return ingress_deployment(settings, options).bind(engine)

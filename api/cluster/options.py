@@ -39,6 +39,9 @@ class ClusterOptions:
     min_replicas: int | None = None
     max_replicas: int | None = None
     target_ongoing_requests: float | None = None  # None: the engine's `max_num_seqs` (a full batch)
+    # prefill/decode disaggregation (`--prefill-replicas P --decode-replicas D`, instead of `replicas`)
+    prefill_replicas: int = 0
+    decode_replicas: int = 0
 
     def autoscaling_config(self, default_target: float) -> dict[str, float | int] | None:
         """Serve's `autoscaling_config` for the engine deployment (None: a fixed `replicas`); the target
@@ -53,9 +56,20 @@ class ClusterOptions:
             "target_ongoing_requests": self.target_ongoing_requests or default_target,
         }
 
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill_replicas > 0 or self.decode_replicas > 0
+
     def validate(self) -> None:
         """Raise ValueError for a layout Ray would refuse or could never place."""
-        if self.replicas < 1:
+        if self.disaggregated:
+            if self.prefill_replicas < 1 or self.decode_replicas < 1:
+                raise ValueError("--prefill-replicas and --decode-replicas go together, each at least 1")
+            if self.replicas:
+                raise ValueError("--replicas (colocated) or --prefill-replicas/--decode-replicas, not both")
+            if self.max_replicas is not None or self.min_replicas is not None:
+                raise ValueError("autoscaling (--min/--max-replicas) applies to colocated --replicas only")
+        elif self.replicas < 1:
             raise ValueError("--replicas must be at least 1")
         if self.ingress_replicas < 1:
             raise ValueError("--ingress-replicas must be at least 1")

@@ -303,3 +303,41 @@ def kill_actor(name: str) -> None:
     import ray
 
     ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+
+
+# ---- prefill/decode disaggregation (api/cluster/disaggregated/) -----------------------------------
+def put(value: Any) -> Any:
+    """Store `value` in Ray's object store (this process owns it); returns its ObjectRef."""
+    import ray
+
+    return ray.put(value)
+
+
+async def get(refs: list[Any], timeout_s: float) -> list[Any]:
+    """The values of `refs`, fetched from the object store (zero-copy on one node); `TimeoutError` when
+    they do not all arrive within `timeout_s`, `TransferFailed` when they are lost (their owner died)."""
+    import asyncio
+
+    import ray.exceptions as rex
+
+    try:
+        return list(await asyncio.wait_for(asyncio.gather(*refs), timeout_s))
+    except (rex.ObjectLostError, rex.OwnerDiedError, rex.ObjectFetchTimedOutError, rex.RayActorError) as exc:
+        raise TransferFailed(str(exc)) from exc
+
+
+class TransferFailed(RuntimeError):
+    """Objects of a KV transfer could not be fetched (their owner, the prefill replica, died)."""
+
+
+def router_config(router_class: str, kwargs: dict[str, Any], stats_period_s: float = 1.0) -> Any:
+    """Serve's `RequestRouterConfig` for the request router at import path `router_class`."""
+    from ray.serve.config import RequestRouterConfig
+
+    config: dict[str, Any] = {
+        "request_router_class": router_class,
+        "request_router_kwargs": kwargs,
+        "request_routing_stats_period_s": stats_period_s,
+        "request_routing_stats_timeout_s": 5.0,
+    }
+    return RequestRouterConfig(**config)

@@ -123,6 +123,23 @@ class KVCacheManager:
             self._num_registered[req.seq_id] = max(start, full)
         return True
 
+    def import_blocks(self, req: Sequence, num_tokens: int) -> tuple[list[int], int] | None:
+        """A block table for a request whose first `num_tokens` tokens' K/V come from another engine
+        (engine/kv_transfer): its cached prefix here (when its adapter digest is known) plus fresh blocks.
+        Returns (block ids, how many leading ones were cached), or None, holding nothing, without room.
+        The blocks are registered in the prefix cache when the request is admitted (`allocate_slots`)."""
+        assert req.seq_id not in self._tables, "import into a request that holds blocks"
+        hits: list[KVBlock] = []
+        if req.lora_request is None or req.lora_key is not None:
+            hits = self.find_cached_prefix(req)[0][: num_tokens // self.block_size]
+        need = self.blocks_needed(num_tokens) - len(hits)
+        reclaim = sum(1 for b in hits if b.ref_cnt == 0)
+        if need > self.pool.num_free - reclaim:
+            return None
+        self.pool.touch(hits)
+        table = self._tables[req.seq_id] = [*hits, *self.pool.allocate(need)]
+        return [b.block_id for b in table], len(hits)
+
     def free(self, req: Sequence) -> None:
         """Release all of the request's blocks, tail first (so its prefix's head stays cached longest)."""
         table = self._tables.pop(req.seq_id, None)

@@ -238,10 +238,15 @@ class Scheduler:
             if not all(self.is_resident(k) for k in keys):
                 continue
             # Look up again: blocks cached earlier in this loop (e.g. by an n>1 sibling) may now hit.
-            hit_cache.pop(id(req), None)
-            cached(req)
-            blocks, num_cached = hit_cache[id(req)]
-            n = min(req.num_tokens - num_cached, budget)
+            held = req.num_computed_tokens  # > 0 only for imported K/V (engine/kv_transfer), in its table
+            blocks: list = []
+            if held:
+                num_cached = 0
+            else:
+                hit_cache.pop(id(req), None)
+                cached(req)
+                blocks, num_cached = hit_cache[id(req)]
+            n = min(req.num_tokens - held - num_cached, budget)
             if not self.kv.allocate_slots(req, n, blocks):
                 if self.config.policy == "fcfs":
                     break
@@ -249,7 +254,7 @@ class Scheduler:
             self.kv.record_lookup(req, num_cached)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
-            req.num_computed_tokens = num_cached
+            req.num_computed_tokens = held + num_cached
             self.waiting.remove(req)
             self.running.append(req)
             req.status = SequenceStatus.RUNNING

@@ -80,6 +80,16 @@ def stale_ray_environment() -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
+    with running_cluster(tmp_path_factory, replicas=2) as c:
+        yield c
+
+
+@contextmanager
+def running_cluster(
+    tmp_path_factory: pytest.TempPathFactory, engine_kwargs: dict | None = None, **options
+) -> Iterator[Cluster]:
+    """A local Ray cluster serving the demo model with `ClusterOptions(**options)` (see the module doc);
+    `engine_kwargs` override the engine's settings."""
     from api.cluster import ray_api
     from api.cluster.run import ClusterOptions, start_cluster
 
@@ -101,6 +111,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
             "LORAPLEX_MODEL": str(DEMO / "base"),
         }
         engine = dict(device="cpu", dtype="float32", num_threads=1, num_kv_blocks=128, max_loras=4)
+        engine |= engine_kwargs or {}
         settings = ServerSettings.build(
             str(DEMO / "base"), env=env, admin_token=ADMIN_TOKEN, engine_kwargs=engine
         )
@@ -121,7 +132,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
         # alone can take that long. The workers inherit this from the driver's environment.
         os.environ.setdefault("RAY_SERVE_MULTIPLEXED_MODEL_ID_MATCHING_TIMEOUT_S", "10")
         try:
-            startup = start_cluster(settings, ClusterOptions(replicas=2, num_cpus=2))
+            startup = start_cluster(settings, ClusterOptions(num_cpus=2, **options))
             url = f"http://127.0.0.1:{settings.port}"
             assert wait_until(lambda: _healthy(url), timeout=120), "the cluster did not become healthy"
             yield Cluster(url, settings, ray_tmp, replica_dirs, startup)

@@ -1,0 +1,68 @@
+"""`Handoff`: a prefill-only request's KV export, its blocks in Ray's object store.
+
+Prefill replica: `to_object_store(export bytes)` splits the engine's `KVExport` into its state (small,
+inline) and its block chunks (one piece or one per layer, as the engine's connector sent them), each put
+in the object store by this replica. Decode replica: `from_object_store(handoff, timeout)` fetches the
+chunks (zero-copy on one node, Ray's transfer across nodes) and rebuilds the export for its engine.
+The objects are freed once no process holds their refs (the ingress drops its handoff when the request
+ends), and lost with their owner, the prefill replica, should it die first.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from api.cluster import ray_api
+from engine.kv_transfer import KVBlocks, KVExport, TransferState
+from engine.kv_transfer.state import decode_export, decode_state, encode_export
+from engine.lora_request import LoRARequest
+
+
+@dataclass(slots=True)
+class Handoff:
+    request_id: str
+    state: bytes  # the encoded `TransferState`
+    blocks: bytes  # the encoded `KVBlocks`, without its chunks
+    chunks: list[Any]  # ObjectRefs of the chunks, in order
+    nbytes: int
+    exported_at: float  # time.time() on the prefill replica when its engine exported the blocks
+
+
+_encoder = msgspec.msgpack.Encoder()
+_blocks = msgspec.msgpack.Decoder(KVBlocks)
+
+
+def to_object_store(export_bytes: bytes) -> Handoff:
+    """Put the chunks of the engine's encoded `KVExport` in the object store; the rest stays inline."""
+    export = decode_export(export_bytes)
+    blocks = export.blocks
+    refs = [ray_api.put(c) for c in blocks.chunks]
+    meta = msgspec.structs.replace(blocks, chunks=[])
+    return Handoff(
+        export.state.request_id,
+        encode_export(export.state),
+        _encoder.encode(meta),
+        refs,
+        blocks.nbytes,
+        time.time(),
+    )
+
+
+async def from_object_store(handoff: Handoff, timeout_s: float, lora: LoRARequest | None) -> bytes:
+    """The encoded `KVExport` for this replica's engine: chunks fetched, the adapter's path this
+    replica's own (`lora`). `TimeoutError` or `ray_api.TransferFailed` when the chunks do not come."""
+    chunks = await ray_api.get(handoff.chunks, timeout_s)
+    state: TransferState = decode_state(handoff.state)
+    if lora is not None:
+        state = msgspec.structs.replace(state, lora=lora)
+    blocks = msgspec.structs.replace(_blocks.decode(handoff.blocks), chunks=[bytes(c) for c in chunks])
+    return encode_export(KVExport(state, blocks))
+
+
+def adapter_of(handoff: Handoff) -> LoRARequest | None:
+    """The adapter the prefill ran with (its path is the prefill replica's)."""
+    return decode_state(handoff.state).lora

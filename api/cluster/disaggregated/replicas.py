@@ -1,0 +1,151 @@
+"""The prefill and decode deployments: each replica an `EngineReplica` (one engine process).
+
+PrefillReplica.generate(payload): the engine request (prefill-only) as `EngineReplica.generate` runs it;
+the engine's last delta (finish "kv_transfer", with the KV export) becomes the first token's delta,
+sent at once, then a `Handoff` whose blocks this replica has put in the object store.
+
+DecodeReplica.prepare(digest, name): make the adapter resident here (while the prefill runs); returns
+this replica's id. DecodeReplica.decode(target, handoff, digest): fetch the blocks, continue the request
+in this engine; yields this replica's id, a transfer record (`{"transfer_s", "bytes"}`), then deltas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+from api.cluster.disaggregated.handoff import Handoff, adapter_of, from_object_store, to_object_store
+from api.cluster.replica import AdapterRefused, EngineReplica, LoadedAdapter, _item, decode_item
+from api.engine_client import EngineDeadError, EngineUnavailableError
+from api.engine_protocol import RequestDelta, decode_from_engine, encode
+from engine.lora_request import LoRARequest
+from lora_registry.errors import NotFound
+
+log = logging.getLogger("loraplex.disaggregated")
+
+
+class PrefillWorker:
+    """What a prefill replica does, around its `EngineReplica`."""
+
+    def __init__(self, replica: EngineReplica) -> None:
+        self.replica = replica
+        self.exports = 0
+
+    async def generate(self, payload: bytes) -> AsyncIterator[Any]:
+        async for raw in self.replica.generate(payload, None):
+            item = decode_item(raw)
+            if item.delta is None:
+                yield raw
+                continue
+            delta = decode_from_engine(item.delta)
+            if not isinstance(delta, RequestDelta) or delta.kv_export is None:
+                yield raw
+                continue
+            first = msgspec.structs.replace(delta, finish_reason=None, kv_export=None)
+            yield _item(self.replica.replica_id, delta=encode(first))  # the first token, before the KV
+            handoff = await asyncio.to_thread(to_object_store, delta.kv_export)
+            self.exports += 1
+            yield handoff
+
+
+class DecodeWorker:
+    """What a decode replica does, around its `EngineReplica`."""
+
+    def __init__(self, replica: EngineReplica, transfer_timeout_s: float) -> None:
+        self.replica = replica
+        self.transfer_timeout_s = transfer_timeout_s
+        self.imports = 0
+        self.prepared = 0
+
+    async def prepare(
+        self, digest: str | None, name: str | None, members: list[tuple[str, str]] | None = None
+    ) -> dict[str, Any]:
+        """Make the adapter `digest` (or a weighted mix's `members`, (digest, name) pairs) resident here;
+        {"replica": id} and "refused"/"failed" if it cannot."""
+        out: dict[str, Any] = {"replica": self.replica.replica_id}
+        wanted = list(members or []) or ([(digest, name or "")] if digest else [])
+        if wanted:
+            try:
+                for d, n in wanted:
+                    await self._load(d, n or None)
+            except AdapterRefused as exc:
+                out["refused"] = str(exc)
+            except (EngineDeadError, EngineUnavailableError, ValueError) as exc:
+                out["failed"] = f"the engine could not load the adapter: {exc}"
+        self.prepared += 1
+        return out
+
+    async def decode(self, handoff: Handoff) -> AsyncIterator[Any]:
+        rid = self.replica.replica_id
+        yield _item(rid)
+        client = self.replica.client
+        if not client.healthy:
+            yield _item(rid, failed="the engine process of this replica is down")
+            return
+        try:
+            mine = await self._local(adapter_of(handoff))
+        except AdapterRefused as exc:  # no version of the registry has this content
+            yield _item(rid, failed=str(exc))
+            return
+        except (EngineDeadError, EngineUnavailableError, ValueError) as exc:
+            yield _item(rid, failed=f"the engine could not load the adapter: {exc}")
+            return
+        t0 = time.monotonic()
+        try:
+            export = await from_object_store(handoff, self.transfer_timeout_s, mine)
+        except TimeoutError:
+            yield _item(rid, failed=f"the KV transfer timed out after {self.transfer_timeout_s:g} s")
+            return
+        except Exception as exc:  # the prefill replica (the objects' owner) died
+            yield _item(rid, failed=f"the KV transfer failed: {exc}")
+            return
+        self.imports += 1
+        yield {"transfer_s": time.monotonic() - t0, "bytes": handoff.nbytes}
+        try:
+            async for delta in client.import_generate(handoff.request_id, export):
+                yield _item(rid, delta=encode(delta))
+        except (EngineDeadError, EngineUnavailableError) as exc:
+            yield _item(rid, failed=f"the engine process failed: {exc}")
+
+    async def _local(self, lora: LoRARequest | None) -> LoRARequest | None:
+        """The prefill's adapter (or weighted mix) as this replica's engine reads it: its files here."""
+        if lora is None:
+            return None
+        if lora.mix:
+            members = []
+            for member, weight in lora.mix:
+                if member.digest is None:
+                    raise AdapterRefused(f"the adapter {member.name!r} has no content digest")
+                loaded = await self._load(member.digest, member.name)
+                members.append((LoRARequest(loaded.name, loaded.path, loaded.digest), weight))
+            return LoRARequest.weighted(members, name=lora.name)
+        if lora.digest is None:
+            return lora
+        loaded = await self._load(lora.digest, lora.name)
+        return LoRARequest(loaded.name, loaded.path, loaded.digest)
+
+    async def _load(self, digest: str, name: str | None) -> LoadedAdapter:
+        """Make the adapter `digest` resident here. One deactivated since the prefill admitted the request
+        still loads by its digest (versions are immutable): admitted requests finish on their version."""
+        try:
+            return await self.replica.load(digest, name)
+        except AdapterRefused:
+            registry = self.replica.registry
+            assert registry is not None
+            try:
+                path = await asyncio.to_thread(registry.adapters.adapter_path, digest)
+            except NotFound as exc:
+                raise AdapterRefused(f"the adapter {name or digest!r} is not in the registry") from exc
+            await self.replica.client.adapter_call("add", name or digest, str(path), digest)
+            return LoadedAdapter(name or digest, digest, str(path))
+
+    def routing_stats(self, pool_capacity: int) -> dict[str, Any]:
+        stats = self.replica.routing_stats(pool_capacity)
+        st = self.replica.client.stats
+        stats["kv_free"] = int(st.engine.get("kv_blocks_free", 0)) if st is not None else None
+        return stats

@@ -1,0 +1,69 @@
+"""The disaggregated layout's plain parts (no Ray): options, the decode replica score, the handoff's
+wire forms."""
+
+from __future__ import annotations
+
+import pytest
+
+from api.cluster.disaggregated.decode_score import DecodeView, DecodeWeights, rank, score
+from api.cluster.options import ClusterOptions
+
+A = "a" * 64
+
+
+def test_options_take_one_layout() -> None:
+    ClusterOptions(0, prefill_replicas=1, decode_replicas=2).validate()
+    with pytest.raises(ValueError, match="go together"):
+        ClusterOptions(0, prefill_replicas=1).validate()
+    with pytest.raises(ValueError, match="not both"):
+        ClusterOptions(2, prefill_replicas=1, decode_replicas=1).validate()
+    with pytest.raises(ValueError, match="at least 1"):
+        ClusterOptions(0).validate()
+
+
+def test_decode_score_prefers_residency_then_free_blocks_then_load() -> None:
+    w = DecodeWeights()
+    holds = DecodeView("r1", device=frozenset({A}), kv_free=10, kv_total=100)
+    empty = DecodeView("r2", kv_free=100, kv_total=100)
+    assert score(holds, A, w) > score(DecodeView("r3", host=frozenset({A}), kv_free=10, kv_total=100), A, w)
+    # residency (1.0) outweighs free blocks (0.9) at the default weights; the base model has no term
+    assert [v.replica_id for v in rank([empty, holds], A, w)] == ["r1", "r2"]
+    assert [v.replica_id for v in rank([holds, empty], None, w)] == ["r2", "r1"]
+    busy = DecodeView("r2", kv_free=100, kv_total=100, max_seqs=4, in_flight=4)
+    assert [v.replica_id for v in rank([busy, holds], None, w)] == ["r1", "r2"]
+    # a request prepared on a replica goes there whatever the scores say
+    assert rank([holds, empty], None, w, prefer="r1")[0].replica_id == "r1"
+    # a replica that has not reported counts as empty
+    assert score(DecodeView("new"), None, w) == pytest.approx(1.0)
+
+
+def test_deployments_and_routers_of_the_disaggregated_layout(tmp_path) -> None:
+    from api.cluster.disaggregated.app import decode_deployment, prefill_deployment
+    from api.settings import ServerSettings
+    from tests.api.cluster.conftest import DEMO
+
+    settings = ServerSettings.build(str(DEMO / "base"), env={"LORAPLEX_DATA_DIR": str(tmp_path)})
+    options = ClusterOptions(0, prefill_replicas=2, decode_replicas=3, gpus_per_replica=1)
+    pre, dec = prefill_deployment(settings, options), decode_deployment(settings, options)
+    assert (pre.num_replicas, dec.num_replicas) == (2, 3)
+    assert pre.ray_actor_options["num_gpus"] == dec.ray_actor_options["num_gpus"] == 1
+    routers = [d._deployment_config.request_router_config.request_router_class for d in (pre, dec)]
+    assert routers == [
+        "api.cluster.affinity_router.AffinityRouter",
+        "api.cluster.disaggregated.decode_router.DecodeRouter",
+    ]
+
+
+BOTH = ["--prefill-replicas", "1", "--decode-replicas", "1"]
+
+
+@pytest.mark.parametrize("flags", [BOTH[:2], BOTH[2:], ["--replicas", "2", *BOTH]])
+def test_cli_refuses_half_a_disaggregated_layout(tmp_path, flags: list[str]) -> None:
+    from typer.testing import CliRunner
+
+    from api.cli.main import app
+    from tests.api.cluster.conftest import DEMO
+
+    env = {"LORAPLEX_DATA_DIR": str(tmp_path), "LORAPLEX_MODEL": str(DEMO / "base")}
+    result = CliRunner().invoke(app, ["serve", "--port", "0", *flags], env=env)
+    assert result.exit_code == 1 and "go together" in result.output, result.output
