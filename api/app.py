@@ -134,6 +134,8 @@ async def _start(settings: ServerSettings, client_factory: Callable[[Any], Any])
         settings, client, tokenizer, registry, follower, admin_auth, admission, key_cache, lookups,
         metrics=Metrics(per_replica=bool(getattr(client, "per_replica_metrics", False))),
     )  # fmt: skip
+    for collector in getattr(client, "metric_collectors", ()):  # e.g. the cluster router's counters
+        state.metrics.registry.register(collector)
     await asyncio.to_thread(follower.start)
     await asyncio.to_thread(key_cache.start)
     registry.start_outbox_relay()  # events written while the bus was down are delivered when it is back

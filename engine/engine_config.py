@@ -52,6 +52,9 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # k: the most tokens proposed per sequence and step (adapts down)
     packed_cpu_gemms: bool = True  # CPU float32, native bfloat16: oneDNN-prepacked weights (cpu_gemm.py)
     cuda_graphs: bool = True  # CUDA: plain decode steps replay captured graphs (engine/decode_graphs.py)
+    # record the block hashes the prefix cache stores and evicts, for `LLMEngine.take_kv_events` (a
+    # cluster replica reports them to the router); off, nothing is recorded
+    kv_events: bool = False
 
     def adapter_pool_pages(self) -> int:
         """Pages per projection in the adapter pool: `lora_pool_pages`, or room for `2 * max_loras`

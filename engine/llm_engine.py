@@ -21,6 +21,7 @@ from engine.decode_graphs import enable_decode_graphs
 from engine.engine_adapters import EngineAdapters, SequenceError
 from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheManager
+from engine.kv_cache.cache_events import CacheEvents
 from engine.lora.dora import ProjectionBaseWeights
 from engine.lora.manager import LoRAInfo, LoRAManager, LoRAPoolStats
 from engine.lora_request import LoRARequest
@@ -71,6 +72,8 @@ class LLMEngine:
         self.num_kv_blocks = self._num_blocks()
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.kv.long_prompt_from = self.model.rope.long_from
+        if config.kv_events:
+            self.kv.pool.enable_events()
         self.lora: LoRAManager | None = None
         if config.enable_lora:
             self.lora = LoRAManager.create(
@@ -397,6 +400,11 @@ class LLMEngine:
         if group is not None:
             for s in group.seqs:
                 self._seq_to_group.pop(s.seq_id, None)
+
+    def take_kv_events(self) -> CacheEvents | None:
+        """The block hashes the prefix cache stored and evicted since the last call (a snapshot the first
+        time, or after many changes), or None unless the engine was made with `kv_events=True`."""
+        return self.kv.pool.take_events()
 
     def get_stats(self) -> EngineStats:
         kv = self.kv.stats()

@@ -22,6 +22,33 @@ class RouterWeights:
             raise ValueError("router weights cannot be negative")
 
 
+# hot-adapter spreading (`SpreadPolicy`): the defaults measured by `bench/cluster/affinity.py`
+SPREAD_LOAD, MAX_SPREAD, CONTRACT_AFTER_S = 0.5, 4, 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class SpreadPolicy:
+    """How far the affinity router spreads a hot adapter (settings `router_spread_load`,
+    `router_max_spread`, `router_contract_after`): an adapter stays on one replica until its own load
+    there (its in-flight tokens over the replica's KV budget, or its in-flight requests over the replica's
+    `max_num_seqs`, whichever is higher) reaches `load` on every replica it is on; then it spreads to one
+    more, up to `max_replicas`. It contracts by one when, for `contract_after_s` seconds, its load would
+    stay under half of `load` on one replica fewer."""
+
+    load: float = SPREAD_LOAD
+    max_replicas: int = MAX_SPREAD
+    contract_after_s: float = CONTRACT_AFTER_S
+
+    def validate(self) -> None:
+        """Raise ValueError for a policy that cannot work."""
+        if self.load <= 0:
+            raise ValueError("--router-spread-load must be positive")
+        if self.max_replicas < 1:
+            raise ValueError("--router-max-spread must be at least 1")
+        if self.contract_after_s < 0:
+            raise ValueError("--router-contract-after cannot be negative")
+
+
 @dataclass(slots=True)
 class ClusterOptions:
     replicas: int
@@ -34,6 +61,7 @@ class ClusterOptions:
     # multiplexing by adapter digest (the adapter only)
     router: str = "affinity"
     router_weights: RouterWeights = field(default_factory=RouterWeights)
+    spread: SpreadPolicy = field(default_factory=SpreadPolicy)
 
     def validate(self) -> None:
         """Raise ValueError for a layout Ray would refuse or could never place."""
@@ -46,3 +74,4 @@ class ClusterOptions:
         if self.router not in ROUTERS:
             raise ValueError(f"--router must be one of {', '.join(ROUTERS)}, not {self.router!r}")
         self.router_weights.validate()
+        self.spread.validate()
