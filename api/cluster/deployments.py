@@ -70,7 +70,7 @@ def engine_deployment(
         def describe(self) -> dict[str, Any]:
             return self.replica.describe()
 
-        def record_routing_stats(self) -> dict[str, Any]:
+        async def record_routing_stats(self) -> dict[str, Any]:  # on the replica's loop (not a thread)
             return self.replica.routing_stats(pool_capacity(settings.engine))
 
         def check_health(self) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from api.settings import ServerSettings
 from lora_registry import open_registry
@@ -61,6 +62,23 @@ class Cluster:
             assert r.status_code == 200, r.text
             return r.json()["replicas"]
 
+    def complete(self, adapter: str | None, text: str, max_tokens: int = 32) -> httpx.Response:
+        """A greedy completion of `text=` (the demo models' prompt form), for `adapter` or the base."""
+        path = f"/v1/adapters/{adapter}/completions" if adapter else "/v1/completions"
+        body = {"prompt": f"{text}=", "max_tokens": max_tokens, "temperature": 0, "stop": ["\n"]}
+        return httpx.post(self.url + path, json=body, timeout=90)
+
+    def router_metrics(self) -> dict[tuple[str, str], float]:
+        """The affinity router's samples on the ingress's `/metrics`: (sample name, its label value) ->
+        value, e.g. ("loraplex_router_adapter_spreads_total", "upper")."""
+        text = httpx.get(self.url + "/metrics", timeout=30).text
+        out: dict[tuple[str, str], float] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name.startswith("loraplex_router_"):
+                    out[(s.name, next(iter(s.labels.values()), ""))] = s.value
+        return out
+
 
 @contextmanager
 def stale_ray_environment() -> Iterator[Path]:
@@ -79,7 +97,14 @@ def stale_ray_environment() -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory):
+def cluster_overrides() -> dict:
+    """What a test module changes in its cluster: {"engine": engine kwargs, "options": ClusterOptions
+    kwargs} (override this fixture in the module)."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, cluster_overrides: dict):
     from api.cluster import ray_api
     from api.cluster.run import ClusterOptions, start_cluster
 
@@ -101,6 +126,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
             "LORAPLEX_MODEL": str(DEMO / "base"),
         }
         engine = dict(device="cpu", dtype="float32", num_threads=1, num_kv_blocks=128, max_loras=4)
+        engine |= cluster_overrides.get("engine", {})
         settings = ServerSettings.build(
             str(DEMO / "base"), env=env, admin_token=ADMIN_TOKEN, engine_kwargs=engine
         )
@@ -121,7 +147,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
         # alone can take that long. The workers inherit this from the driver's environment.
         os.environ.setdefault("RAY_SERVE_MULTIPLEXED_MODEL_ID_MATCHING_TIMEOUT_S", "10")
         try:
-            startup = start_cluster(settings, ClusterOptions(replicas=2, num_cpus=2))
+            options = ClusterOptions(replicas=2, num_cpus=2, **cluster_overrides.get("options", {}))
+            startup = start_cluster(settings, options)
             url = f"http://127.0.0.1:{settings.port}"
             assert wait_until(lambda: _healthy(url), timeout=120), "the cluster did not become healthy"
             yield Cluster(url, settings, ray_tmp, replica_dirs, startup)
