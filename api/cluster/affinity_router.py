@@ -26,7 +26,15 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from api.cluster import router_stats
-from api.cluster.options import CONTRACT_AFTER_S, MAX_SPREAD, SPREAD_LOAD, SpreadPolicy
+from api.cluster.options import (
+    CONTRACT_AFTER_S,
+    MAX_SPREAD,
+    SPREAD_LOAD,
+    W_ADAPTER,
+    W_LOAD,
+    W_PREFIX,
+    SpreadPolicy,
+)
 from api.cluster.placement import Placements
 from api.cluster.prefix_report import BlockSummary
 from api.cluster.router_score import (
@@ -57,9 +65,9 @@ class AffinityRouter(RequestRouter):
     def initialize_state(  # type: ignore[override]
         self,
         block_size: int = 16,
-        w_prefix: float = 1.0,
-        w_adapter: float = 1.0,
-        w_load: float = 2.0,
+        w_prefix: float = W_PREFIX,
+        w_adapter: float = W_ADAPTER,
+        w_load: float = W_LOAD,
         spread_load: float = SPREAD_LOAD,
         max_spread: int = MAX_SPREAD,
         contract_after_s: float = CONTRACT_AFTER_S,

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 ROUTERS = ("affinity", "multiplex")
-W_PREFIX, W_ADAPTER, W_LOAD = 1.0, 1.0, 2.0  # the router weights' defaults
+# the router weights' defaults, measured by `bench/cluster/router_sweep.py` (docs/benchmarks.md)
+W_PREFIX, W_ADAPTER, W_LOAD = 1.0, 1.0, 1.0
 
 
 @dataclass(frozen=True, slots=True)
