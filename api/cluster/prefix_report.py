@@ -4,7 +4,7 @@ The replica's engine (made with `kv_events=True`) sends the block hashes its pre
 evicted with each stats message; `HeldBlocks` mirrors them, so it holds exactly the engine's cached
 blocks (evicted ones removed), at most the KV cache's size. Shipping that set to every router each second
 would cost 32 bytes a block, so the replica reports a `BlockSummary` instead: a Bloom filter of
-`bits_per_block` bits per held block (10: about 1% false positives per block, 1.25 bytes a block),
+`bits_per_block` bits per KV block (16: about 0.05% false positives per block, 2 bytes a block),
 rebuilt only when the set changed. A router asks `contains(hash)` of the prompt's chained block hashes
 in order; a false positive on block i counts only if blocks 0..i-1 hit too.
 
@@ -21,8 +21,8 @@ import numpy as np
 
 from api.engine_protocol import KVEventsMsg
 
-BITS_PER_BLOCK = 10
-NUM_PROBES = 7  # ≈ bits_per_block · ln 2: the fewest false positives for 10 bits a block
+BITS_PER_BLOCK = 16
+NUM_PROBES = 11  # ≈ bits_per_block · ln 2: the fewest false positives for 16 bits a block
 _MASK = (1 << 64) - 1
 
 
