@@ -48,6 +48,7 @@ from api.cluster.router_score import (
 from api.engine_protocol import AddRequest, decode_to_engine
 
 log = logging.getLogger("loraplex.router")
+MAX_PENDING = 4096  # requests being routed whose block hashes are kept until Serve names their replica
 
 
 class _InFlight:
@@ -110,6 +111,8 @@ class AffinityRouter(RequestRouter):
         if pending_request is not None:
             predicted = {v.replica_id: cached for v, cached in ranked}
             self._pending[pending_request.metadata.internal_request_id] = (hashes, predicted)
+            while len(self._pending) > MAX_PENDING:  # requests cancelled before Serve routed them
+                del self._pending[next(iter(self._pending))]
         order = [v.replica_id for v, _ in ranked]
         if digest is not None:
             assert req.lora is not None
