@@ -136,6 +136,7 @@ class AffinityRouter(RequestRouter):
         """Count the request's tokens on its replica and remember the blocks it will cache there."""
         rid = replica_id.unique_id
         key = pending_request.metadata.internal_request_id
+        rerouted = self._release(key)  # a replica that rejected it (queue full) gave it back to Serve
         req = _add_request(pending_request)
         tokens = len(req.prompt_token_ids) + req.params.max_tokens if req is not None else 1
         digest = req.lora.digest if req is not None and req.lora is not None else None
@@ -146,7 +147,7 @@ class AffinityRouter(RequestRouter):
             _add(self.adapter_tokens, (digest, rid), tokens)
             _add(self.adapter_requests, (digest, rid), 1)
         hashes, predicted = self._pending.pop(key, ([], {}))
-        if req is not None:
+        if req is not None and not rerouted:
             self.stats.routed_to(rid, len(req.prompt_token_ids), predicted.get(rid, 0))
         if hashes:
             replica = self.curr_replicas.get(replica_id)
@@ -154,15 +155,23 @@ class AffinityRouter(RequestRouter):
             self.index.record(rid, hashes, kv_blocks=stats.get("kv_blocks"))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        """Serve calls this for every attempt, also one a replica rejected (its callback may come after
+        the request was routed again, elsewhere): only the attempt on the counted replica is released."""
         self._pending.pop(internal_request_id, None)
-        entry = self.in_flight.pop(internal_request_id, None)
-        if entry is None:
-            return
+        self._release(internal_request_id, replica_id.unique_id)
+
+    def _release(self, key: str, replica: str | None = None) -> bool:
+        """Stop counting request `key` (if counted on `replica`, when given); False if it was not."""
+        entry = self.in_flight.get(key)
+        if entry is None or (replica is not None and entry.replica != replica):
+            return False
+        del self.in_flight[key]
         _add(self.tokens, entry.replica, -entry.tokens)
         _add(self.requests, entry.replica, -1)
         if entry.digest is not None:
             _add(self.adapter_tokens, (entry.digest, entry.replica), -entry.tokens)
             _add(self.adapter_requests, (entry.digest, entry.replica), -1)
+        return True
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

@@ -60,14 +60,16 @@ def test_a_hot_adapter_spreads_then_contracts_with_exact_answers(cluster: Cluste
     assert metrics[("loraplex_router_adapter_spreads_total", "upper")] >= 1
     assert metrics[("loraplex_router_adapter_replicas", "upper")] == 2
 
-    # one request at a time: the load would fit on one replica; after CONTRACT_AFTER_S it contracts
+    # one request at a time, a second apart (the router learns that a request ended from Serve's
+    # callbacks, which a busy machine may run after the next request's routing): the load would fit on
+    # one replica; after CONTRACT_AFTER_S it contracts
     def contracted() -> bool:
         r = cluster.complete("upper", "cool down")
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == "COOL DOWN"
         return cluster.router_metrics()[("loraplex_router_adapter_replicas", "upper")] == 1
 
     started = time.monotonic()
-    assert wait_until(contracted, timeout=60, interval=0.2), "the adapter stayed spread"
+    assert wait_until(contracted, timeout=90, interval=1.0), "the adapter stayed spread"
     assert time.monotonic() - started >= CONTRACT_AFTER_S * 0.9
     assert cluster.router_metrics()[("loraplex_router_adapter_contractions_total", "upper")] >= 1
     after = {cluster.complete("upper", t).headers["x-loraplex-replica"] for t in ("a b", "c d", "e f")}
