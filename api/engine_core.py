@@ -70,6 +70,7 @@ def run_engine_core(
     bound_onednn_caches()  # before the model's first oneDNN call
     try:
         engine = LLMEngine(dataclasses.replace(config, detokenize=False))
+        graphs = engine.runner.graphs.stats if engine.runner.graphs is not None else None
         push.send(
             encode(
                 Ready(
@@ -82,6 +83,9 @@ def run_engine_core(
                     lora_backend=engine.lora.backend if engine.lora else "",
                     lora_dtype=str(engine.lora.pool.dtype).removeprefix("torch.") if engine.lora else "",
                     dtype_reason=engine.dtype_reason,
+                    cuda_graphs=graphs.graphs if graphs else 0,
+                    graph_capture_s=graphs.capture_s if graphs else 0.0,
+                    graph_memory_bytes=graphs.memory_bytes if graphs else 0,
                 )
             )
         )

@@ -61,6 +61,9 @@ class Ready(msgspec.Struct, tag="ready"):
     lora_backend: str = ""  # how LoRA is applied: "native", "torch", "triton" ("" when LoRA is off)
     lora_dtype: str = ""  # the adapter pool's dtype
     dtype_reason: str = ""  # why the model runs in `dtype` (e.g. auto on a CPU with native bfloat16)
+    cuda_graphs: int = 0  # decode graphs captured at start (engine/decode_graphs.py; 0: steps run eagerly)
+    graph_capture_s: float = 0.0  # the wall time their capture took
+    graph_memory_bytes: int = 0  # the device memory they hold
 
 
 class RequestDelta(msgspec.Struct, tag="delta"):

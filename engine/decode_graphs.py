@@ -3,35 +3,48 @@
 An eager decode step of a 1B Llama launches about a thousand small kernels, each from Python, and the
 GPU idles most of the step (docs/benchmarks.md, GPU section). A plain decode step (every sequence
 decodes one token and samples it) is instead run from a CUDA graph captured for its bucket: the
-smallest of `BUCKETS` holding the batch, with and without LoRA. A replay is one launch from the host.
+smallest of `BUCKETS` holding the batch, and for the step's LoRA kernel: none (no adapter row in the
+step: no LoRA launch at all, the same graph as a LoRA-disabled engine's), the fused BGMV kernel or the SGMV
+pair (`engine.lora.backend.lora_kernel_for`, by the step's longest run on one adapter). A replay is one
+launch from the host.
 
 Each bucket's inputs live in static device buffers. A step of B sequences in a bucket of S fills rows
 0..B-1 and pads rows B..S-1 so that they do no harm:
 - KV slot -1: `write_kv` skips the row, so it writes no KV;
 - context length 1 over block 0: the row attends to one cached position; its output is discarded;
-- adapter slot -1: the SGMV kernels skip the row;
+- adapter slot -1: the LoRA kernels skip the row;
 - the logits of padded rows are computed and ignored.
-Launch shapes come from the bucket alone (LoRA segments = S, grids over `GRID_ROWS` rows of a segment;
-the kernels read the real extent from the buffers and loop over longer segments), so every replay
-matches its capture. Graphs are captured on first use
-of their bucket (a warm-up pass first compiles the Triton kernels); the memory they hold is their
-bucket's activations. Prefill chunks, speculative verification and larger batches run eagerly.
+Launch shapes come from the bucket and kernel alone (LoRA segments = S, grids over `GRID_ROWS` rows of
+a segment; the kernels read the real extent from the buffers and loop over longer segments), so every
+replay matches its capture. Everything else a LoRA launch reads lives at fixed addresses that the adapter
+pool updates in place (pages, page table, ranks, scalings: `engine/lora/pool.py`), so graphs stay valid
+while adapters are loaded and evicted between steps.
 
-`capture` is how a forward pass is recorded: `CudaGraphCapture` on a GPU, `EagerReplay` (re-run the
-same pass over the same buffers) where there is no CUDA, so the padded static path is testable on CPU.
+`capture_all` records every (bucket, kernel) graph at engine start, largest bucket first, into one
+shared memory pool (graphs replay one at a time, so they can share their intermediates' memory), and
+reports the time and the memory that took (`GraphStats`: logged, and in the engine's ready info).
+A graph missing then (e.g. `capture_all` not called) is captured on first use of its key (a warm-up pass
+first compiles the Triton kernels). Prefill chunks, speculative verification steps (several query rows
+per sequence) and larger batches run eagerly, over the same pool tensors.
+
+`capture` is how a forward pass is recorded (`engine/graph_capture.py`): `CudaGraphCapture` on a GPU,
+`EagerReplay` (re-run the same pass over the same buffers) where there is no CUDA, so the padded static
+path is testable on CPU.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
+from engine.graph_capture import CudaGraphCapture, EagerReplay, GraphCapture, Replay
+from engine.lora import backend as lora_backend
 from engine.lora.pool import AdapterPool
 from engine.lora.step_context import TritonLoRAContext
 from engine.model.decoder import DecoderForCausalLM
@@ -39,6 +52,17 @@ from engine.model.layers import ForwardBatch
 from engine.step_inputs import StepInputs
 from kernels.intmath import cdiv
 from kernels.lora_meta import LoRABatchMeta
+
+__all__ = [
+    "BUCKETS",
+    "CudaGraphCapture",
+    "DecodeGraphs",
+    "EagerReplay",
+    "GraphCapture",
+    "GraphStats",
+    "enable_decode_graphs",
+    "padded_segments",
+]
 
 log = logging.getLogger(__name__)
 
@@ -49,43 +73,18 @@ if TYPE_CHECKING:
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # LoRA kernel grids of a graph cover this many rows of each adapter's segment and loop over more: decode
 # batches spread over adapters, and a grid sized for the whole bucket would leave most programs idle.
-GRID_ROWS = 16
-
-Replay = Callable[[], None]
-
-
-class GraphCapture(Protocol):
-    def capture(self, forward: Callable[[], torch.Tensor]) -> tuple[Replay, torch.Tensor]:
-        """Record `forward` (which reads only static buffers); return (replay, the static output)."""
-        ...
+# Per kernel: the BGMV graph serves steps of at most BGMV_MAX_ROWS rows per adapter, mostly 1-4 (32 adapters
+# over a batch of 64-128), and a narrow row block lets its tiles take wide loads (kernels/lora_bgmv.py).
+GRID_ROWS = {"sgmv": 16, "bgmv": 4}
 
 
-class CudaGraphCapture:
-    """A `torch.cuda.CUDAGraph` per capture, after one warm-up pass on a side stream."""
+@dataclass(slots=True)
+class GraphStats:
+    """What `DecodeGraphs.capture_all` recorded: graph count, wall time, device memory it added."""
 
-    def capture(self, forward: Callable[[], torch.Tensor]) -> tuple[Replay, torch.Tensor]:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            forward()  # compiles the kernels and fills the launchers' caches outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the adapter loader's thread may use CUDA meanwhile; only this thread must not
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            out = forward()
-        return graph.replay, out
-
-
-class EagerReplay:
-    """No CUDA: a "replay" runs the forward pass again over the static buffers (tests, CPU)."""
-
-    def capture(self, forward: Callable[[], torch.Tensor]) -> tuple[Replay, torch.Tensor]:
-        out = forward()
-
-        def replay() -> None:
-            out.copy_(forward())
-
-        return replay, out
+    graphs: int = 0
+    capture_s: float = 0.0
+    memory_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -129,7 +128,8 @@ class DecodeGraphs:
         self.lora_ids = torch.full((s,), -1, dtype=torch.int32, device=dev)
         self.lora_counts = torch.zeros(s, dtype=torch.int32, device=dev)
         self.lora_starts = torch.zeros(s, dtype=torch.int32, device=dev)
-        self._graphs: dict[tuple[int, bool], _Graph] = {}
+        self._graphs: dict[tuple[int, str | None], _Graph] = {}  # (bucket, LoRA kernel or None)
+        self.stats = GraphStats()
 
     def bucket(self, num_seqs: int) -> int | None:
         """The smallest bucket holding `num_seqs` sequences (None: too many, run eagerly)."""
@@ -150,9 +150,45 @@ class DecodeGraphs:
         )
 
     @property
-    def captured(self) -> list[tuple[int, bool]]:
-        """(bucket, with LoRA) of every graph captured so far."""
-        return sorted(self._graphs)
+    def captured(self) -> list[tuple[int, str | None]]:
+        """(bucket, LoRA kernel: None, "bgmv" or "sgmv") of every graph captured so far."""
+        return sorted(self._graphs, key=lambda k: (k[0], k[1] or ""))
+
+    def graph_keys(self) -> list[tuple[int, str | None]]:
+        """Every (bucket, LoRA kernel) a step can replay, largest bucket first: no LoRA, and with the
+        adapter pool BGMV, and SGMV for buckets that can hold more than `BGMV_MAX_ROWS` rows of one
+        adapter (`engine.lora.backend`; read at call time)."""
+        keys: list[tuple[int, str | None]] = []
+        for size in sorted(self.buckets, reverse=True):
+            keys.append((size, None))
+            if self.pool is not None:
+                keys.append((size, "bgmv"))
+                if size > lora_backend.BGMV_MAX_ROWS:
+                    keys.append((size, "sgmv"))
+        return keys
+
+    def capture_all(self) -> GraphStats:
+        """Capture every graph of `graph_keys` not captured yet; returns (and keeps in `stats`) how many,
+        how long it took and the device memory it added, also logged."""
+        start, mem0 = time.perf_counter(), self.capture_impl.memory_bytes()
+        todo = [k for k in self.graph_keys() if k not in self._graphs]
+        for size, kernel in todo:
+            self._fill_padding(size)
+            self._graphs[size, kernel] = self._capture(size, kernel)
+        self.stats = GraphStats(
+            graphs=len(self._graphs),
+            capture_s=time.perf_counter() - start,
+            memory_bytes=max(0, self.capture_impl.memory_bytes() - mem0),
+        )
+        log.info(
+            "captured %d decode graphs (buckets %s; LoRA kernels: %s) in %.1f s, %.1f MiB of device memory",
+            len(todo),
+            ",".join(str(b) for b in self.buckets),
+            "none" if self.pool is None else "none, bgmv, sgmv",
+            self.stats.capture_s,
+            self.stats.memory_bytes / (1 << 20),
+        )
+        return self.stats
 
     def run(self, inp: StepInputs, lora: TritonLoRAContext | None) -> torch.Tensor:
         """The step's logits `[B, V]` (float32), from the graph of its bucket (captured on first use).
@@ -160,11 +196,11 @@ class DecodeGraphs:
         b = len(inp.seq_lens)
         size = self.bucket(b)
         assert size is not None, "the caller checked `handles` for this step"
-        key = (size, lora is not None)
+        key = (size, lora.kernel if lora is not None else None)
         graph = self._graphs.get(key)
         if graph is None:
             self._fill_padding(size)
-            graph = self._graphs[key] = self._capture(size, lora is not None)
+            graph = self._graphs[key] = self._capture(size, key[1])
         self._fill(inp, lora, size)
         graph.replay()
         return graph.logits[:b]
@@ -206,7 +242,8 @@ class DecodeGraphs:
             self.lora_counts[:size].copy_(torch.from_numpy(counts))
             self.lora_starts[:size].copy_(torch.from_numpy(starts))
 
-    def _capture(self, size: int, with_lora: bool) -> _Graph:
+    def _capture(self, size: int, kernel: str | None) -> _Graph:
+        """The graph of a `size`-row step with LoRA by `kernel` (None: no LoRA launch)."""
         from kernels._common import live_pointer_tables
 
         attn = AttentionMetadata(
@@ -221,7 +258,7 @@ class DecodeGraphs:
             max_query_len=1,
         )
         lora = None
-        if with_lora:
+        if kernel is not None:
             assert self.pool is not None, "a LoRA graph needs the adapter pool"
             meta = LoRABatchMeta(
                 token_indices_sorted=self.lora_order[:size],
@@ -231,9 +268,9 @@ class DecodeGraphs:
                 num_tokens=size,
                 max_tokens_per_slot=size,
                 token_slots=self.lora_slots[:size],
-                grid_tokens_per_slot=min(size, GRID_ROWS),
+                grid_tokens_per_slot=min(size, GRID_ROWS[kernel]),
             )
-            lora = TritonLoRAContext(self.pool, [-1] * size, meta)
+            lora = TritonLoRAContext(self.pool, [-1] * size, meta, kernel=kernel)
         batch = ForwardBatch(
             input_ids=self.input_ids[:size],
             positions=self.positions[:size],
@@ -248,7 +285,8 @@ class DecodeGraphs:
 def enable_decode_graphs(runner: ModelRunner, lora: LoRAManager | None, max_batch: int) -> bool:
     """Let `runner` replay plain decode steps from CUDA graphs when its paths can be captured: Triton
     attention, LoRA off or on the Triton path, and a model that can be captured (`graph_problem`, logged).
-    Returns whether it does."""
+    Captures every graph now (`DecodeGraphs.capture_all`: time and memory logged, kept in
+    `runner.graphs.stats`). Returns whether decode steps run from graphs."""
     if runner.backend.name != "triton" or (lora is not None and lora.backend != "triton"):
         return False
     problem = getattr(runner.model, "graph_problem", None)
@@ -256,6 +294,13 @@ def enable_decode_graphs(runner: ModelRunner, lora: LoRAManager | None, max_batc
         log.info("decode steps run eagerly, without CUDA graphs: %s", problem)
         return False
     runner.use_decode_graphs(CudaGraphCapture(), lora.pool if lora is not None else None, max_batch)
+    assert runner.graphs is not None, "use_decode_graphs sets them"
+    try:
+        runner.graphs.capture_all()
+    except Exception:  # a capture that fails must not stop the engine: it serves eagerly instead
+        log.exception("capturing decode graphs failed; decode steps run eagerly")
+        runner.graphs = None
+        return False
     return True
 
 

@@ -89,6 +89,26 @@ def lora_expand_ref(
             y[tokens, cols] = (y[tokens, cols].float() + delta).to(y.dtype)
 
 
+def lora_shrink_expand_ref(
+    x: Tensor,  # [T, H_in]
+    a_pools: Sequence[Tensor],  # per slice [num_pages, page_rank, H_in]
+    b_pools: Sequence[Tensor],  # per slice [num_pages, H_out_s, page_rank]
+    page_table: Tensor,  # [num_slices, max_slots, max_pages] int32
+    ranks: Tensor,  # [num_slices, max_slots] int32
+    scalings: Tensor,  # [num_slices, max_slots] float32
+    meta: LoRABatchMeta,
+    y: Tensor,  # [T, sum_s H_out_s], updated in place
+) -> None:
+    """The whole LoRA delta of a packed projection (the fused kernel's semantics): `lora_shrink_ref` into
+    a float32 ``v [num_slices, T, max_pages * page_rank]``, then `lora_expand_ref` of ``v`` into ``y``, i.e.
+    ``y[t, slice s] += scalings[s, slot] * (x[t] @ A.T) @ B.T`` for every row with an adapter.
+    """
+    max_rank = page_table.shape[2] * a_pools[0].shape[1]
+    v = torch.zeros(len(a_pools), x.shape[0], max_rank, dtype=torch.float32, device=x.device)
+    lora_shrink_ref(x, a_pools, page_table, ranks, meta, v)
+    lora_expand_ref(v, b_pools, page_table, ranks, scalings, meta, y)
+
+
 def write_kv_ref(
     key: Tensor,  # [T, Hkv, D]
     value: Tensor,  # [T, Hkv, D]

@@ -31,10 +31,10 @@ SCHEMA = {
 }
 
 
-def _batch() -> tuple[list[str], list[str | None]]:
-    """Every (prompt, adapter) pair of WORDS x DEMO_OUTPUTS, adapters interleaved."""
+def _batch(words: int = len(WORDS)) -> tuple[list[str], list[str | None]]:
+    """Every (prompt, adapter) pair of the first `words` WORDS x DEMO_OUTPUTS, adapters interleaved."""
     prompts, names = [], []
-    for w in WORDS:
+    for w in WORDS[:words]:
         for name in DEMO_OUTPUTS:
             prompts.append(f"{w}=")
             names.append(name)
@@ -49,12 +49,12 @@ def _valid(text: str) -> bool:
     return isinstance(doc, dict) and isinstance(doc.get("word"), str) and isinstance(doc.get("n"), int)
 
 
-def run(device: str, dtype: str) -> list[tuple[str, str, bool]]:
-    """(check, detail, passed) per check (module docstring)."""
+def run(device: str, dtype: str, words: int = len(WORDS)) -> list[tuple[str, str, bool]]:
+    """(check, detail, passed) per check (module docstring), over the first `words` WORDS."""
     from engine import LLM, LoRARequest, SamplingParams
     from engine.structured import StructuredSpec
 
-    prompts, names = _batch()
+    prompts, names = _batch(words)
     loras = {n: LoRARequest(n, str(DEMO / "adapters" / n)) for n in DEMO_OUTPUTS if n is not None}
     per_req = [loras[n] if n else None for n in names]
     greedy = SamplingParams(max_tokens=32, temperature=0, stop=["\n"])
@@ -90,12 +90,26 @@ def run(device: str, dtype: str) -> list[tuple[str, str, bool]]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="float32")
-    args = p.parse_args(argv)
-    rows = run(args.device, args.dtype)
+    words = f"prompt words per adapter, 1..{len(WORDS)} (fewer: a quicker smoke test)"
+    p.add_argument(
+        "--words", type=int, default=len(WORDS), choices=range(1, len(WORDS) + 1), metavar="N", help=words
+    )
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            print("bench/gpu/features.py needs a CUDA device (--device cpu smoke-tests the script itself)")
+            return 2
+    rows = run(args.device, args.dtype, args.words)
     print(f"| check ({args.device}, {args.dtype}) | result | pass |\n|---|---|---|")
     for name, detail, passed in rows:
         print(f"| {name} | {detail} | {'yes' if passed else 'NO'} |")

@@ -65,7 +65,7 @@ def profile_decode(eng, prompts, params, loras, steps: int, label: str, device: 
         eng.step()
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=sorted(SIZES), default="1b")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
@@ -84,7 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         "--cpu-attention", choices=["native", "torch"], default="native",
         help="CPU decode attention: the native paged kernel, or the torch gather + SDPA path",
     )  # fmt: skip
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: pass --device cpu to profile on the CPU")
         return 2

@@ -1,14 +1,17 @@
 """GPU check and micro-benchmark of the Triton kernels (needs CUDA; ``--help`` works anywhere).
 
 1. Correctness in bf16 (by default) of every kernel against ``kernels.reference``: SGMV shrink/expand
-   with mixed ranks, slot -1 tokens and random page tables; write_kv; paged decode and chunked prefill.
-2. Shrink/expand at decode batch sizes and one prefill batch, ``--adapters`` adapters of rank ``--rank``
-   over hidden size ``--hidden`` (tokens spread round-robin over adapters), reporting achieved memory
-   bandwidth against a measured device-to-device copy. Prints a markdown table.
+   and the fused BGMV kernel with mixed ranks, slot -1 tokens and random page tables; write_kv; paged
+   decode and chunked prefill.
+2. The LoRA kernels at decode batch sizes and one prefill batch, ``--adapters`` adapters of rank
+   ``--rank`` over hidden size ``--hidden`` (tokens spread round-robin over adapters): SGMV shrink,
+   expand, the pair, and the fused BGMV kernel (decode sizes), timed from CUDA graphs (no launch cost),
+   reporting achieved memory bandwidth against a measured device-to-device copy. A markdown table.
 
 Usage: ``python bench/kernels/triton_gpu.py [--dtype bfloat16] [--decode-batches 1,8,64]
 [--prefill-tokens 4096]``.
-``--device cpu`` (with ``TRITON_INTERPRET=1``, small sizes, not bf16) smoke-tests this script itself.
+``--device cpu`` (with ``TRITON_INTERPRET=1``, small sizes, not bf16; ``--tiny`` shrinks the checks)
+smoke-tests this script itself.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-check", action="store_true", help="skip the correctness checks")
     p.add_argument("--skip-bench", action="store_true", help="skip the micro-benchmark")
     p.add_argument("--device", default="cuda", help="cuda (default); cpu only under TRITON_INTERPRET=1")
+    p.add_argument("--tiny", action="store_true", help="small correctness problems (CPU smoke test)")
     return p.parse_args(argv)
 
 
@@ -94,9 +98,10 @@ def _close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> bool
     return ok
 
 
-def check_correctness(dtype: torch.dtype, dev: str = "cuda") -> bool:
-    """Every kernel vs the reference on CUDA; returns True when all pass."""
+def check_correctness(dtype: torch.dtype, dev: str = "cuda", tiny: bool = False) -> bool:
+    """Every kernel vs the reference on CUDA; returns True when all pass (`tiny`: small problems)."""
     from kernels import reference as ref
+    from kernels.lora_bgmv import lora_bgmv
     from kernels.lora_expand import lora_expand
     from kernels.lora_shrink import lora_shrink
     from kernels.paged_attention import paged_attention_decode, paged_attention_prefill, write_kv
@@ -106,21 +111,34 @@ def check_correctness(dtype: torch.dtype, dev: str = "cuda") -> bool:
     print("| check | max abs err | allowed | result |\n|---|---|---|---|")
     ok = True
     ranks = [[1, 4, 8, 16, 64, 128, 16, 8], [8, 0, 16, 4, 128, 64, 1, 8], [16, 64, 0, 128, 8, 4, 1, 8]]
-    h_outs = [512, 128, 128]
-    for label, slots in (("decode", [3, -1, 0, 5, 1, 2, 6, 4]), ("prefill", [i % 9 - 1 for i in range(300)])):
-        x, a_pools, b_pools, pt, rk, sc, meta = _lora_problem(slots, ranks, 512, h_outs, 16, dtype, dev)
+    h_in, h_outs, n_prefill = (64, [64, 32, 32], 40) if tiny else (512, [512, 128, 128], 300)
+    decode_slots = [3, -1, 0, 5, 1, 2, 6, 4]
+    few_rows = [3, 3, -1, 0, 5, 5, 5, 1, 2, 2, 6, 4, 4, 4, 4, 7]
+    cases = (
+        ("decode", decode_slots),
+        ("few rows", few_rows),
+        ("prefill", [i % 9 - 1 for i in range(n_prefill)]),
+    )
+    for label, slots in cases:
+        x, a_pools, b_pools, pt, rk, sc, meta = _lora_problem(slots, ranks, h_in, h_outs, 16, dtype, dev)
+        y = torch.randn(len(slots), sum(h_outs), device=dev).to(dtype)
+        y_bgmv, y_want = y.clone(), y.clone()
+        lora_bgmv(x, a_pools, b_pools, pt, rk, sc, meta, y_bgmv)
+        ref.lora_shrink_expand_ref(x, a_pools, b_pools, pt, rk, sc, meta, y_want)
+        ok &= _close(f"lora_bgmv {label}", y_bgmv, y_want, tol)
+        if label == "few rows":
+            continue
         out, want = torch.empty(3, len(slots), 128, device=dev), torch.empty(3, len(slots), 128, device=dev)
         lora_shrink(x, a_pools, pt, rk, meta, out)
         ref.lora_shrink_ref(x, a_pools, pt, rk, meta, want)
         ok &= _close(f"lora_shrink {label}", out, want, tol)
-        y = torch.randn(len(slots), sum(h_outs), device=dev).to(dtype)
         y_ref = y.clone()
         lora_expand(want, b_pools, pt, rk, sc, meta, y)
         ref.lora_expand_ref(want, b_pools, pt, rk, sc, meta, y_ref)
         ok &= _close(f"lora_expand {label}", y, y_ref, tol)
 
-    hq, hkv, d, bs = 32, 8, 128, 16
-    seq_lens, q_lens = [1, 17, 300, 1000], [1, 17, 45, 200]
+    hq, hkv, d, bs = (4, 2, 16, 4) if tiny else (32, 8, 128, 16)
+    seq_lens, q_lens = ([1, 7, 12, 20], [1, 7, 5, 9]) if tiny else ([1, 17, 300, 1000], [1, 17, 45, 200])
     max_blocks = max(cdiv(n, bs) for n in seq_lens)
     num_blocks = len(seq_lens) * max_blocks + 4
     k_cache = torch.randn(num_blocks, bs, hkv, d, device=dev).to(dtype)
@@ -128,7 +146,7 @@ def check_correctness(dtype: torch.dtype, dev: str = "cuda") -> bool:
     tables = torch.randperm(num_blocks)[: len(seq_lens) * max_blocks].view(len(seq_lens), -1).int().to(dev)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
     key, value = torch.randn(6, hkv, d, device=dev).to(dtype), torch.randn(6, hkv, d, device=dev).to(dtype)
-    slot_mapping = torch.tensor([0, -1, 37, 500, 16, 3], device=dev)
+    slot_mapping = torch.tensor([0, -1, 37, 50 if tiny else 500, 16, 3], device=dev)
     k2, v2 = k_cache.clone(), v_cache.clone()
     write_kv(key, value, k_cache, v_cache, slot_mapping)
     ref.write_kv_ref(key, value, k2, v2, slot_mapping)
@@ -150,11 +168,17 @@ def check_correctness(dtype: torch.dtype, dev: str = "cuda") -> bool:
 
 
 def _time_ms(fn: Callable[[], object], dev: str) -> float:
-    """Median time of ``fn`` in ms: ``triton.testing.do_bench`` (L2 flushed between runs) on CUDA."""
+    """Median time of ``fn`` in ms on CUDA: replayed from a CUDA graph (``do_bench_cudagraph``: the kernel
+    without its host launch cost, as the engine's decode graphs run it), else ``do_bench``."""
     if dev.startswith("cuda"):
         import triton.testing
 
-        return float(triton.testing.do_bench(fn))
+        fn()  # compile and fill the launchers' caches before any capture
+        try:
+            return float(triton.testing.do_bench_cudagraph(fn))
+        except Exception as exc:  # a capture problem must not hide the timing
+            print(f"(do_bench_cudagraph failed: {exc}; timing with launches)")
+            return float(triton.testing.do_bench(fn))
     fn()
     start = time.perf_counter()
     fn()
@@ -170,7 +194,9 @@ def copy_bandwidth(dev: str = "cuda") -> float:
 
 
 def bench(args: argparse.Namespace, dtype: torch.dtype, dev: str = "cuda") -> None:
-    """Time shrink and expand; report GB/s and the fraction of copy bandwidth."""
+    """Time shrink, expand, the SGMV pair and the fused BGMV kernel; report GB/s and the fraction of copy
+    bandwidth (bytes each must move: activations, the active adapters' pages, the output)."""
+    from kernels.lora_bgmv import lora_bgmv
     from kernels.lora_expand import lora_expand
     from kernels.lora_shrink import lora_shrink
 
@@ -194,9 +220,19 @@ def bench(args: argparse.Namespace, dtype: torch.dtype, dev: str = "cuda") -> No
             n * args.hidden * es + active * len(h_outs) * args.rank * args.hidden * es + v.numel() * 4
         )
         expand_bytes = v.numel() * 4 + active * sum(h_outs) * args.rank * es + 2 * y.numel() * es
+        shrink = partial(lora_shrink, x, a_pools, pt, rk, meta, v)
+        expand = partial(lora_expand, v, b_pools, pt, rk, sc, meta, y)
+
+        def pair(shrink=shrink, expand=expand) -> None:
+            shrink()
+            expand()
+
+        fused_bytes = shrink_bytes + expand_bytes - 2 * v.numel() * 4
         ops = (
-            ("shrink", shrink_bytes, partial(lora_shrink, x, a_pools, pt, rk, meta, v)),
-            ("expand", expand_bytes, partial(lora_expand, v, b_pools, pt, rk, sc, meta, y)),
+            ("shrink", shrink_bytes, shrink),
+            ("expand", expand_bytes, expand),
+            ("sgmv pair", fused_bytes, pair),
+            ("bgmv fused", fused_bytes, partial(lora_bgmv, x, a_pools, b_pools, pt, rk, sc, meta, y)),
         )
         for op, nbytes, fn in ops:
             ms = _time_ms(fn, dev)
@@ -213,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = DTYPES[args.dtype]
     ok = True
     if not args.skip_check:
-        ok = check_correctness(dtype, args.device)
+        ok = check_correctness(dtype, args.device, args.tiny)
     if not args.skip_bench:
         bench(args, dtype, args.device)
     return 0 if ok else 1

@@ -15,8 +15,8 @@ every slice s of a packed projection::
   each; long runs (prefill chunks) multiply the adapter's pages directly, one GEMM pair per page.
   Pages are zero beyond the rank, so whole pages are exact. Rows without an adapter are never
   touched. Pages narrower than the activations (`lora_dtype`) are widened as they are used.
-- `TritonLoRAContext` (CUDA): the SGMV shrink/expand kernels over the page tables, one launch each
-  per packed projection.
+- `TritonLoRAContext` (CUDA): per packed projection, the fused BGMV kernel (decode-sized runs) or the
+  SGMV shrink and expand kernels over the page tables, by `engine.lora.backend.lora_kernel_for`.
 Both match `kernels.reference.lora_shrink_ref` / `lora_expand_ref`.
 
 After the LoRA pass, rows of a DoRA or lora_bias adapter get that adapter's per-row epilogue
@@ -33,6 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.lora.backend import apply_triton_lora, lora_kernel_for, max_rows_per_adapter
 from engine.lora.cpu_plans import GatherPlan, NativePlan, Segment, cached_plan, gather_plan, native_plan
 from engine.lora.epilogue import RowEpilogue
 from engine.lora.pool import MODULE_INDEX, AdapterPool, ResidentAdapter
@@ -171,18 +172,26 @@ class CpuLoRAContext:
 
 
 class TritonLoRAContext:
-    """The CUDA path: per packed projection, one SGMV shrink and one expand launch over the page tables.
+    """The CUDA path: per packed projection, one fused BGMV launch (every adapter has at most
+    `BGMV_MAX_ROWS` rows in the step) or one SGMV shrink and one expand launch, over the page tables.
 
     `slots[t]` is the pool slot of flat-batch row t's adapter (-1: none). The SGMV metadata (rows grouped
     by slot) is built on the device at the first `apply`, unless given (`meta`: the static buffers of a
     CUDA-graph decode step, `engine/decode_graphs.py`), so a step replayed from a graph builds none.
     """
 
-    def __init__(self, pool: AdapterPool, slots: list[int], meta: LoRABatchMeta | None = None) -> None:
+    def __init__(
+        self,
+        pool: AdapterPool,
+        slots: list[int],
+        meta: LoRABatchMeta | None = None,
+        kernel: str | None = None,
+    ) -> None:
         self.pool = pool
         self.slots = slots
         self._meta = meta
-        self.max_rank = pool.max_pages_per_adapter * pool.page_rank
+        # "bgmv" or "sgmv", by the step's longest run on one adapter (`engine.lora.backend.lora_kernel_for`)
+        self.kernel = kernel or lora_kernel_for(max_rows_per_adapter(slots))
         by_slot = {r.slot: r for r in pool.resident.values() if r.epi_slot >= 0}
         runs: list[tuple[ResidentAdapter, range]] = []  # DoRA / lora_bias rows (graph steps have none)
         for t, slot in enumerate(slots):
@@ -203,17 +212,8 @@ class TritonLoRAContext:
         return self._meta
 
     def apply(self, layer_index: int, slice_names: tuple[str, ...], x: torch.Tensor, y: torch.Tensor) -> None:
-        from kernels.lora_expand import lora_expand
-        from kernels.lora_shrink import lora_shrink
-
-        pool = self.pool
         first = MODULE_INDEX[slice_names[0]]
         mods = range(first, first + len(slice_names))
-        page_table = pool.page_table[first : first + len(slice_names)]
-        ranks = pool.ranks[layer_index, first : first + len(slice_names)]
-        v = torch.empty(len(slice_names), x.shape[0], self.max_rank, dtype=torch.float32, device=x.device)
-        lora_shrink(x, [pool.a[m][:, layer_index] for m in mods], page_table, ranks, self.meta, v)
-        scalings = pool.scalings[layer_index, first : first + len(slice_names)]
-        lora_expand(v, [pool.b[m][:, layer_index] for m in mods], page_table, ranks, scalings, self.meta, y)
+        apply_triton_lora(self.pool, self.meta, self.kernel, layer_index, mods, x, y)
         if self.epilogue:
             self.epilogue.apply(layer_index, mods, y)

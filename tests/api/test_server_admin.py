@@ -219,6 +219,8 @@ def test_delete_and_vllm_compat_routes(server, text_model):
     assert admin.get("/admin/api/adapters/compat").status_code == 404
     pool = admin.get("/admin/api/pool").json()
     assert pool["healthy"] and pool["lora"]["pages_total"] > 0 and pool["info"]["device"] == "cpu"
+    info = pool["info"]  # decode graphs are a CUDA feature: none on CPU, reported as such
+    assert (info["cuda_graphs"], info["graph_capture_s"], info["graph_memory_bytes"]) == (0, 0.0, 0)
 
 
 def test_api_keys_scope_adapters(server, text_model):

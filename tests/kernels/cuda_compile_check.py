@@ -26,11 +26,12 @@ def _signature(kernel, ptrs: dict[str, str], floats: tuple[str, ...], constexprs
 
 
 def compile_all(dtypes: list[str]) -> None:
-    """Compile shrink, expand, write_kv and attention for each activation dtype in ``dtypes``."""
+    """Compile shrink, expand, the fused BGMV kernel, write_kv and attention for each activation dtype."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from kernels.lora_bgmv import _lora_bgmv_kernel
     from kernels.lora_expand import _lora_expand_kernel
     from kernels.lora_shrink import _lora_shrink_kernel
     from kernels.paged_attention import _attention_kernel, _write_kv_kernel
@@ -71,6 +72,21 @@ def compile_all(dtypes: list[str]) -> None:
                 {"v_ptr": "fp32", "b_table_ptr": "i64", "scalings_ptr": "fp32", "y_ptr": t},
                 (),
                 {"PAGE_RANK": 16, "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 16, "DOT_PRECISION": prec},
+            ),
+            *(
+                (
+                    _lora_bgmv_kernel,
+                    {
+                        "x_ptr": t,
+                        "a_table_ptr": "i64",
+                        "b_table_ptr": "i64",
+                        "scalings_ptr": "fp32",
+                        "y_ptr": t,
+                    },
+                    (),
+                    {"PAGE_RANK": 16, "BLOCK_M": m, "BLOCK_R": r, "BLOCK_K": k, "BLOCK_N": k},
+                )
+                for m, r, k in ((2, 16, 256), (8, 32, 32))  # bgmv_config's 1-2 row and 8-row tiles
             ),
             (
                 _write_kv_kernel,

@@ -27,3 +27,16 @@ def test_cpu_smoke_run_prints_table() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| prefill | 12 | expand |" in proc.stdout
+
+
+def test_cpu_smoke_correctness_checks_pass() -> None:
+    """The script's correctness part (every kernel vs the reference, the fused BGMV kernel included) on
+    small problems, interpreted."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    args = ["--device", "cpu", "--dtype", "float32", "--tiny", "--skip-bench"]
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| lora_bgmv few rows |" in proc.stdout and "FAIL" not in proc.stdout
+    assert proc.stdout.count("| ok |") == 10

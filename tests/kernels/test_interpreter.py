@@ -65,9 +65,9 @@ def test_kernels_compile_for_cuda_sm90() -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=900,
     )
     if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr:
         pytest.skip("Triton's bundled ptxas is unavailable")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.count("ok ") == 12
+    assert proc.stdout.count("ok ") == 16
