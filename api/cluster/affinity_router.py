@@ -88,6 +88,9 @@ class AffinityRouter(RequestRouter):
         self.adapter_tokens: dict[tuple[str, str], int] = {}  # (digest, replica) -> tokens in flight
         self.adapter_requests: dict[tuple[str, str], int] = {}  # (digest, replica) -> requests in flight
         self._pending: dict[str, tuple[list[bytes], dict[str, int]]] = {}  # id -> hashes, predicted hits
+        # requests chosen for a replica that has not accepted them yet (Serve asks it first): counted
+        # there meanwhile, so that a burst routed at once sees its own load
+        self._tentative: dict[str, _InFlight] = {}
         self._summaries: dict[str, tuple[Any, BlockSummary | None]] = {}  # replica -> (its report, parsed)
 
     async def choose_replicas(
@@ -99,6 +102,9 @@ class AffinityRouter(RequestRouter):
         if not candidate_replicas:
             return []
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        key = pending_request.metadata.internal_request_id if pending_request is not None else None
+        if key is not None:
+            self._tentative.pop(key, None)  # asked again (its first choice was full): not counted twice
         views = [self._view(r) for r in candidate_replicas]
         req = _add_request(pending_request)
         if req is None:
@@ -108,24 +114,28 @@ class AffinityRouter(RequestRouter):
         tokens = req.prompt_token_ids
         hashes = prompt_block_hashes(tokens, self.block_size, digest)
         ranked = rank(views, self.index, self.weights, hashes, self.block_size, len(tokens), digest)
-        if pending_request is not None:
-            predicted = {v.replica_id: cached for v, cached in ranked}
-            self._pending[pending_request.metadata.internal_request_id] = (hashes, predicted)
-            while len(self._pending) > MAX_PENDING:  # requests cancelled before Serve routed them
-                del self._pending[next(iter(self._pending))]
         order = [v.replica_id for v, _ in ranked]
         if digest is not None:
             assert req.lora is not None
             allowed = set(self._place(digest, req.lora.name, order, {v.replica_id: v for v in views}))
             order = [r for r in order if r in allowed]
+        if key is not None:
+            predicted = {v.replica_id: cached for v, cached in ranked}
+            self._pending[key] = (hashes, predicted)
+            self._tentative[key] = _InFlight(order[0], len(tokens) + req.params.max_tokens, digest)
+            for table in (self._pending, self._tentative):
+                while len(table) > MAX_PENDING:  # requests cancelled before Serve routed them
+                    del table[next(iter(table))]
         return [[by_id[r]] for r in order]
 
     def _place(self, digest: str, name: str, order: list[str], views: dict[str, ReplicaView]) -> list[str]:
         """The adapter's placement after this request's look at its load (`Placements.place`)."""
-        load = {
-            r: share(v, self.adapter_tokens.get((digest, r), 0), self.adapter_requests.get((digest, r), 0))
-            for r, v in views.items()
-        }
+        tentative = [t for t in self._tentative.values() if t.digest == digest]
+        load = {}
+        for r, v in views.items():
+            mine = [t.tokens for t in tentative if t.replica == r]
+            tokens = self.adapter_tokens.get((digest, r), 0) + sum(mine)
+            load[r] = share(v, tokens, self.adapter_requests.get((digest, r), 0) + len(mine))
         placed = self.placements.place(
             digest, name, order, load, busy=lambda r: self.adapter_requests.get((digest, r), 0) > 0
         )
@@ -136,6 +146,7 @@ class AffinityRouter(RequestRouter):
         """Count the request's tokens on its replica and remember the blocks it will cache there."""
         rid = replica_id.unique_id
         key = pending_request.metadata.internal_request_id
+        self._tentative.pop(key, None)
         rerouted = self._release(key)  # a replica that rejected it (queue full) gave it back to Serve
         req = _add_request(pending_request)
         tokens = len(req.prompt_token_ids) + req.params.max_tokens if req is not None else 1
@@ -158,6 +169,9 @@ class AffinityRouter(RequestRouter):
         """Serve calls this for every attempt, also one a replica rejected (its callback may come after
         the request was routed again, elsewhere): only the attempt on the counted replica is released."""
         self._pending.pop(internal_request_id, None)
+        tentative = self._tentative.get(internal_request_id)
+        if tentative is not None and tentative.replica == replica_id.unique_id:
+            del self._tentative[internal_request_id]  # its replica rejected it, or it failed there
         self._release(internal_request_id, replica_id.unique_id)
 
     def _release(self, key: str, replica: str | None = None) -> bool:
@@ -188,15 +202,16 @@ class AffinityRouter(RequestRouter):
         tokens and requests this router has in flight there."""
         stats = replica.routing_stats or {}
         rid = replica.replica_id.unique_id
+        waiting = [t.tokens for t in self._tentative.values() if t.replica == rid]
         return ReplicaView(
             rid,
             device=frozenset(stats.get("device", ())),
             host=frozenset(stats.get("host", ())),
             free_slot=bool(stats.get("free_slot", True)),
             budget_tokens=int(stats.get("budget_tokens", 1) or 1),
-            in_flight_tokens=self.tokens.get(rid, 0),
+            in_flight_tokens=self.tokens.get(rid, 0) + sum(waiting),
             max_seqs=int(stats.get("max_num_seqs") or 1 << 30),
-            in_flight_requests=self.requests.get(rid, 0),
+            in_flight_requests=self.requests.get(rid, 0) + len(waiting),
             held=self._summary(rid, stats.get("prefix")),
         )
 
