@@ -125,7 +125,8 @@ async def _start(settings: ServerSettings, client_factory: Callable[[Any], Any])
     follower = RegistryFollower(registry.adapters, registry.bus, on_change)
     admission = ClientAdmission(
         settings.client_seq_limit(),
-        capacity=settings.engine.max_num_seqs,
+        # behind `--replicas N` the ingress admits for every engine replica, not for one
+        capacity=settings.engine.max_num_seqs * getattr(client, "engine_replicas", 1),
         wait_seconds=settings.client_wait_seconds,
     )
     lookups = RegistryLane("lookup", threads=8, timeout=reg_settings.db_connect_timeout + 1.0)

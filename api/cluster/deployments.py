@@ -112,7 +112,9 @@ def ingress_deployment(settings: ServerSettings, options: ClusterOptions) -> Any
         from api.cluster.routes import router
 
         def make_client(cfg: EngineConfig) -> RemoteEngineClient:
-            return RemoteEngineClient(cfg, ENGINE_DEPLOYMENT, affinity=options.router == "multiplex")
+            client = RemoteEngineClient(cfg, ENGINE_DEPLOYMENT, affinity=options.router == "multiplex")
+            client.engine_replicas = options.replicas  # the ingress admits for all of them
+            return client
 
         ray_api.log_to_stderr()
         app = create_app(settings, client_factory=make_client)

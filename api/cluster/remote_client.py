@@ -57,6 +57,7 @@ class RemoteEngineClient:
         self.retries = retries
         self.retry_window_s = retry_window_s
         self.per_replica_metrics = True  # `/metrics` labels each replica's gauges with its id
+        self.engine_replicas = 1  # engine replicas the ingress admits requests for (set by the deployment)
         # the affinity router's counters on `/metrics` (its spreads, contractions, predicted hits)
         self.metric_collectors = [] if affinity else [router_stats.RouterCollector()]
         self.info: Ready | None = None
