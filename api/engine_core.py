@@ -36,6 +36,7 @@ from api.engine_protocol import (
     encode,
 )
 from engine import LLMEngine, LoRARequest
+from engine.distributed.worker_group import WorkerGroupError
 from engine.engine_config import EngineConfig
 from engine.lora.held_files import AdapterFilesGone
 from engine.model.cpu_gemm import bound_onednn_caches
@@ -68,8 +69,13 @@ def run_engine_core(
     push = ctx.socket(zmq.PUSH)
     push.connect(out_addr)
     bound_onednn_caches()  # before the model's first oneDNN call
+    engine: LLMEngine | None = None
     try:
         engine = LLMEngine(dataclasses.replace(config, detokenize=False))
+        # A failed tensor-parallel worker group ends this process (its workers killed): the API process
+        # then fails the requests in flight with its retryable 503, reports unhealthy and starts a new
+        # engine, whose group starts afresh.
+        engine.recover_worker_group = False
         graphs = engine.runner.graphs.stats if engine.runner.graphs is not None else None
         push.send(
             encode(
@@ -91,6 +97,8 @@ def run_engine_core(
         )
         _EngineLoop(engine, pull, push, stats_interval, watch).run()
     finally:
+        if engine is not None:
+            engine.shutdown()
         watch.close()
         pull.close(linger=0)
         push.close(linger=0)
@@ -159,6 +167,8 @@ class _EngineLoop:
         itself raise, the requests in flight end with an error and the loop (and process) goes on."""
         try:
             outputs = self.engine.step()
+        except WorkerGroupError:
+            raise  # ends the process (`run_engine_core`)
         except Exception as exc:
             log.exception("engine step failed; ending the requests in flight")
             ids = list(self.sent)

@@ -14,6 +14,7 @@ from fastapi import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from api.request_fields import check_fields, model_field_names
+from engine.lora_request import MAX_MIX_ADAPTERS, MAX_MIX_WEIGHT
 from engine.sampling_params import (
     BOUNDS,
     MAX_BAD_WORD_CHARS,
@@ -139,6 +140,25 @@ class StructuredOutputs(RequestBody):
     json_object: bool | None = None
 
 
+class AdapterWeight(RequestBody):
+    """One member of a weighted adapter mix (the loraplex `adapters` extension)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]
+    weight: float = Field(ge=-MAX_MIX_WEIGHT, le=MAX_MIX_WEIGHT, allow_inf_nan=False)
+
+    @field_validator("weight")
+    @classmethod
+    def _nonzero(cls, v: float) -> float:
+        if v == 0.0:
+            raise ValueError("must be non-zero (leave the adapter out instead)")
+        return v
+
+
+AdapterMix = Annotated[list[AdapterWeight], Field(min_length=1, max_length=MAX_MIX_ADAPTERS)]
+
+
 class SamplingFields(RequestBody):
     """The fields both generation endpoints share. A top-level field not declared here is refused with a
     400 naming it, unless `api.request_fields` accepts it (see there)."""
@@ -176,6 +196,8 @@ class SamplingFields(RequestBody):
     guided_choice: Annotated[list[Text], Field(min_length=1, max_length=MAX_GUIDED_CHOICES)] | None = None
     guided_grammar: Text | None = None
     structured_outputs: StructuredOutputs | None = None
+    # loraplex extension: a weighted mix of active adapters (api/mix.py; docs/endpoints.md)
+    adapters: AdapterMix | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -194,6 +216,15 @@ class SamplingFields(RequestBody):
                 )
             if not bound.holds(value):
                 raise ValueError(f"values must be in {bound.describe()}, got {value} for token {key}")
+        return v
+
+    @field_validator("adapters")
+    @classmethod
+    def _distinct_adapters(cls, v: list[AdapterWeight] | None) -> list[AdapterWeight] | None:
+        names = [a.name for a in v or []]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise ValueError(f"adapter {dup!r} appears twice; list each adapter once with its weight")
         return v
 
     @field_validator("top_k")

@@ -19,7 +19,8 @@ from api.engine_client import EngineDeadError, EngineUnavailableError, ServerShu
 from api.errors import APIError
 from api.generation import ChoiceUpdate, Generation
 from api.limits.limiter import Grant
-from api.openai_protocol import SamplingFields
+from api.mix import metric_label, mix_digest, mix_request
+from api.openai_protocol import AdapterWeight, SamplingFields
 from api.usage.service import usage_entry
 from engine.lora_request import LoRARequest
 from engine.request_tokens import resolve_request_tokens
@@ -42,7 +43,27 @@ class Target:
 
     @property
     def adapter(self) -> str | None:
+        """The adapter's name (a weighted mix: `a*0.7+b*0.3`); None for the base model."""
         return self.lora.name if self.lora else None
+
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        """Every adapter the request applies (a mix's members): the subjects of adapter rate limits."""
+        return tuple(lr.name for lr, _ in self.lora.members()) if self.lora else ()
+
+    @property
+    def label(self) -> str:
+        """The adapter as metrics label it ("" for the base model; a mix's members without weights)."""
+        if self.lora is None:
+            return ""
+        return metric_label(self.lora) if self.lora.mix else self.lora.name
+
+    @property
+    def digest(self) -> str | None:
+        """The adapter's content digest (a mix: the engine's key of its members and weights)."""
+        if self.lora is None:
+            return None
+        return mix_digest(self.lora) if self.lora.mix else self.lora.digest
 
 
 def is_base_model(state, name: str) -> bool:
@@ -50,14 +71,25 @@ def is_base_model(state, name: str) -> bool:
     return name == state.settings.served_model_name or name in state.settings.model_aliases
 
 
-async def resolve_target(request: Request, model: str | None, forced_adapter: str | None = None) -> Target:
+async def resolve_target(
+    request: Request,
+    model: str | None,
+    forced_adapter: str | None = None,
+    mix: list[AdapterWeight] | None = None,
+) -> Target:
     """The base model or an active adapter named by the request: 401 without a valid API key (when keys
     are required), 403 when the key may not use the base model, 404 for an adapter that is unknown,
     inactive or outside the key's scope (the same answer for all three, so a scoped key cannot probe which
-    adapter names exist; the scope is checked first, so neither does the time to answer tell)."""
+    adapter names exist; the scope is checked first, so neither does the time to answer tell).
+
+    With `mix` (the body's `adapters`), the weighted mix of those adapters (`api/mix.py`)."""
     state = request.app.state.loraplex
     key = await authenticate(request)
     name = forced_adapter or model or state.settings.served_model_name
+    if mix is not None:
+        named = None if forced_adapter is None and is_base_model(state, name) else name
+        shown = name if named is not None else state.settings.served_model_name
+        return Target(shown, await mix_request(state, key, mix, named, adapter_target), key)
     if forced_adapter is None and is_base_model(state, name):
         authorize(key, None)
         return Target(state.settings.served_model_name, None, key)
@@ -303,13 +335,13 @@ class RequestRun:
         if usage is None:
             return Grant()
         most = self.num_prompt_tokens + len(self.gen.choices) * self.gen.params.max_tokens
-        grant = await usage.admit(self.target.key, self.target.adapter, most)
+        grant = await usage.admit(self.target.key, self.target.adapters, most)
         if grant.headers:
             self.request.state.ratelimit_headers = grant.headers
         return grant
 
     def _record(self, status: str) -> None:
-        m, label = self.state.metrics, self.target.adapter or ""
+        m, label = self.state.metrics, self.target.label
         tokens = sum(len(c.token_ids) for c in self.gen.choices)
         m.requests.labels(label, status).inc()
         if self.state.usage is not None:
@@ -325,7 +357,8 @@ class RequestRun:
             m.ttft.labels(label).observe(self.first_token - self.t0)
             if tokens > 1:
                 m.tpot.labels(label).observe((time.monotonic() - self.first_token) / (tokens - 1))
-        self.state.traffic.record(self.target.adapter, tokens)
+        for adapter in self.target.adapters or (None,):
+            self.state.traffic.record(adapter, tokens)
 
     def _usage_entry(self, status: str, completion: int) -> UsageEntry:
         """The usage record of this request: its `usage` numbers (none when it never ran), the prompt
@@ -334,11 +367,10 @@ class RequestRun:
         cached: dict[int, int] = {}
         for c in self.gen.choices:
             cached[c.prompt_index] = max(cached.get(c.prompt_index, 0), c.num_cached_tokens)
-        lora = self.target.lora
         return usage_entry(
             self.target.key,
             self.target.adapter,
-            lora.digest if lora is not None else None,
+            self.target.digest,
             self.num_prompt_tokens if ran else 0,
             completion if ran else 0,
             min(sum(cached.values()), self.num_prompt_tokens) if ran else 0,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -94,6 +95,7 @@ class ServerSettings:
         engine_kw = overrides.pop("engine_kwargs", {}) or {}
         engine_cfg = EngineConfig(model=str(path), **engine_kw)
         engine_cfg.check_choices()
+        registry = _with_side_budget(registry, engine_cfg, path)
         for name in ("metrics_access", "docs_access"):
             value = overrides.get(name) or env.get(f"LORAPLEX_{name.upper()}") or "auto"
             if value not in ACCESS_LEVELS:
@@ -181,3 +183,16 @@ def _client_wait(given: float | None, env: Mapping[str, str]) -> float:
     if not 0 < value <= 3600:
         raise ValueError(f"client wait must be in (0, 3600] seconds, got {value:g}")
     return value
+
+
+def _with_side_budget(registry: RegistrySettings, engine: EngineConfig, model: Path) -> RegistrySettings:
+    """`registry` checking registrations against the engine's side budget (`engine/lora/side_memory.py`),
+    when the model's config can be read here (otherwise the engine alone refuses at load)."""
+    from engine.lora.side_memory import engine_side_budget
+    from engine.model_config import ModelConfig
+
+    try:
+        budget = engine_side_budget(engine, ModelConfig.from_dir(model))
+    except (OSError, ValueError):
+        return registry
+    return dataclasses.replace(registry, lora_side_budget=budget)

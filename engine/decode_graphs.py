@@ -293,7 +293,9 @@ def enable_decode_graphs(runner: ModelRunner, lora: LoRAManager | None, max_batc
     if problem is not None:
         log.info("decode steps run eagerly, without CUDA graphs: %s", problem)
         return False
-    runner.use_decode_graphs(CudaGraphCapture(), lora.pool if lora is not None else None, max_batch)
+    # no CUDA (the Triton interpreter on CPU): the same static buffers, each "replay" re-runs the pass
+    capture: GraphCapture = CudaGraphCapture() if runner.device.type == "cuda" else EagerReplay()
+    runner.use_decode_graphs(capture, lora.pool if lora is not None else None, max_batch)
     assert runner.graphs is not None, "use_decode_graphs sets them"
     try:
         runner.graphs.capture_all()

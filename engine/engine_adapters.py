@@ -16,6 +16,7 @@ from collections.abc import Set
 
 from engine.lora.loader import path_key
 from engine.lora.manager import LoRAInfo, LoRAManager, LoRAPoolStats
+from engine.lora.mix import checkpoint_problem, member_problem, mix_key
 from engine.lora_request import LoRARequest
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -28,13 +29,55 @@ class EngineAdapters:
         self.lora = lora
         self.scheduler = scheduler
 
-    def key_for(self, lora_request: LoRARequest | None) -> str | None:
-        """The adapter digest of a new request (None: no adapter, or its background load computes it)."""
+    def key_for(self, lora_request: LoRARequest | None) -> tuple[str | None, tuple[str, ...]]:
+        """(`lora_key`, `lora_keys`) of a new request: its adapter digest and the digests of every adapter
+        it applies (a weighted mix: `mix_key` and its members'); (None, ()) for no adapter, or while a
+        background load computes a digest. A mix with more members than `max_loras` is a ValueError."""
         if lora_request is None:
-            return None
+            return None, ()
         if self.lora is None:
             raise ValueError("a lora_request was given but the engine was created with enable_lora=False")
-        return self.lora.admit(lora_request)
+        self.check_mix_size(lora_request)
+        digests = [self.lora.admit(lr) for lr, _ in lora_request.members()]
+        if lora_request.mix:
+            self._check_members(lora_request, digests)
+        return self._keys(lora_request, digests)
+
+    def _check_members(self, lr: LoRARequest, digests: list[str | None]) -> None:
+        """ValueError for a mix member already in memory that a mix cannot combine (those not loaded
+        yet are checked once resident, `_refused_mixes`)."""
+        assert self.lora is not None
+        for (member, _), digest in zip(lr.mix, digests, strict=True):
+            if digest is None:
+                continue
+            ckpt = self.lora.residency.host_copy(digest)
+            res = self.lora.pool.resident.get(digest)
+            why = checkpoint_problem(ckpt, member.name) if ckpt is not None else None
+            why = why or (member_problem(res, member.name) if res is not None else None)
+            if why:
+                raise ValueError(why)
+
+    def check_mix_size(self, lr: LoRARequest) -> None:
+        """ValueError when the mix `lr` has more members than `max_loras` (it could never be scheduled), or
+        when the engine runs tensor parallel (its ranks apply one adapter per row)."""
+        if lr.mix and self.lora is not None and self.lora.pool.shard is not None:
+            raise ValueError("weighted adapter mixes are not supported under tensor parallel")
+        limit = self.scheduler.config.max_loras
+        if len(lr.members()) > limit:
+            raise ValueError(
+                f"the weighted mix has {len(lr.members())} adapters; this engine runs at most "
+                f"max_loras={limit} adapters per step"
+            )
+
+    @staticmethod
+    def _keys(lr: LoRARequest, digests: list[str | None]) -> tuple[str | None, tuple[str, ...]]:
+        """(lora_key, lora_keys) once every member digest is known, else (None, ())."""
+        known = [d for d in digests if d is not None]
+        if len(known) < len(digests):
+            return None, ()
+        if not lr.mix:
+            return known[0], (known[0],)
+        return mix_key(known, [w for _, w in lr.mix]), tuple(known)
 
     def failed_loads(self) -> list[SequenceError]:
         """Unfinished sequences whose adapter could not be loaded (each failure is reported once)."""
@@ -45,10 +88,13 @@ class EngineAdapters:
             return []
         out = []
         for seq in (*self.scheduler.running, *self.scheduler.waiting):
-            lr = seq.lora_request
-            err = failed.get(path_key(lr)) if lr is not None else None
-            if lr is not None and err is not None:
-                out.append((seq, f"adapter {lr.name!r} could not be loaded: {err}"))
+            if seq.lora_request is None:
+                continue
+            for lr, _ in seq.lora_request.members():
+                err = failed.get(path_key(lr))
+                if err is not None:
+                    out.append((seq, f"adapter {lr.name!r} could not be loaded: {err}"))
+                    break
         return out
 
     def prepare(self) -> list[SequenceError]:
@@ -61,16 +107,43 @@ class EngineAdapters:
             return []
         in_use = self.scheduler.running_adapters()
         lost: list[SequenceError] = []
+        lora = self.lora
         for seq in self.scheduler.waiting:
-            lr = seq.lora_request
-            if lr is None:
+            req = seq.lora_request
+            if req is None:
                 continue
+            members = [lr for lr, _ in req.members()]
             if seq.lora_key is None:
-                seq.lora_key = self.lora.poll_resolved(lr, in_use)
-            elif not self.lora.is_known(seq.lora_key) and self._resolve_or_none(lr) != seq.lora_key:
-                lost.append((seq, f"adapter {lr.name!r} was removed or changed while the request waited"))
-        self.lora.prepare(self.scheduler.adapters_wanted(), in_use)
-        return lost
+                # a member with a given digest was resolved by `key_for`; the others by their loads
+                digests = [
+                    lora.poll_resolved(lr, in_use) if lr.digest is None else lr.digest for lr in members
+                ]
+                seq.lora_key, seq.lora_keys = self._keys(req, digests)
+                continue
+            for lr, key in zip(members, seq.lora_keys, strict=True):
+                if not lora.is_known(key) and self._resolve_or_none(lr) != key:
+                    lost.append((seq, f"adapter {lr.name!r} was removed or changed while the request waited"))
+                    break
+        lora.prepare(self.scheduler.adapters_wanted(), in_use)
+        return lost + self._refused_mixes(lost)
+
+    def _refused_mixes(self, lost: list[SequenceError]) -> list[SequenceError]:
+        """Waiting mix requests with a resident member a mix cannot combine (`mix.member_problem`)."""
+        assert self.lora is not None
+        ended = {id(s) for s, _ in lost}
+        out: list[SequenceError] = []
+        resident = self.lora.pool.resident
+        for seq in self.scheduler.waiting:
+            req = seq.lora_request
+            if req is None or not req.mix or id(seq) in ended:
+                continue
+            for (lr, _), key in zip(req.mix, seq.lora_keys, strict=False):
+                res = resident.get(key)
+                why = member_problem(res, lr.name) if res is not None else None
+                if why is not None:
+                    out.append((seq, why))
+                    break
+        return out
 
     def _resolve_or_none(self, lr: LoRARequest) -> str | None:
         """`resolve_nowait`, with None for files that are gone or no longer an adapter."""
@@ -83,7 +156,7 @@ class EngineAdapters:
     def in_use(self) -> set[str]:
         """Digests of the adapters of every unfinished request, running or waiting."""
         sch = self.scheduler
-        return {s.lora_key for q in (sch.running, sch.waiting) for s in q if s.lora_key is not None}
+        return {k for q in (sch.running, sch.waiting) for s in q for k in s.adapter_keys}
 
     def retain(self) -> None:
         """Hold the adapters of every unfinished request; the others may be evicted."""
@@ -102,7 +175,15 @@ class EngineAdapters:
         return self.lora
 
     def add(self, lora_request: LoRARequest) -> str:
-        return self.manager().add_lora(lora_request, self.scheduler.running_adapters())
+        """Validate and load the adapter (a mix: each member, refusing members a mix cannot combine with
+        a ValueError) into host memory now; returns its digest (a mix: its `mix_key`)."""
+        manager, in_use = self.manager(), self.scheduler.running_adapters()
+        if not lora_request.mix:
+            return manager.add_lora(lora_request, in_use)
+        self.check_mix_size(lora_request)
+        digests = [manager.add_lora(lr, in_use) for lr, _ in lora_request.mix]
+        self._check_members(lora_request, list(digests))
+        return mix_key(digests, [w for _, w in lora_request.mix])
 
     def prefetch(self, lora_request: LoRARequest) -> None:
         self.manager().prefetch(lora_request, self.scheduler.running_adapters())

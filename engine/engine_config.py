@@ -34,6 +34,9 @@ class EngineConfig:
         None  # pages per projection; default: room for 2*max_loras max-rank adapters
     )
     lora_page_rank: int = 16
+    # device bytes for what resident adapters keep beside their pages (modules_to_save copies, token rows,
+    # embedding/LM-head LoRA, DoRA vectors; engine/lora/side_memory.py); None: as much as the pages take
+    lora_side_memory_bytes: int | None = None
     # Adapter-aware admission (engine/scheduler/admission.py): requests whose adapter is in the device pool
     # are admitted ahead of those whose adapter is not, each of which is passed over in at most
     # `lora_max_bypass_steps` steps; False: plain policy order.
@@ -55,6 +58,12 @@ class EngineConfig:
     # record the block hashes the prefix cache stores and evicts, for `LLMEngine.take_kv_events` (a
     # cluster replica reports them to the router); off, nothing is recorded
     kv_events: bool = False
+    # Tensor parallel (engine/distributed/): the model sharded over this many ranks (this process is
+    # rank 0); on CPU each rank gets num_threads / N threads. `distributed_timeout`: seconds a step's
+    # collective may wait for a rank before the group is declared failed (and restarted).
+    tensor_parallel_size: int = 1
+    fully_sharded_loras: bool = False
+    distributed_timeout: float = 30.0
 
     def adapter_pool_pages(self) -> int:
         """Pages per projection in the adapter pool: `lora_pool_pages`, or room for `2 * max_loras`
@@ -82,6 +91,31 @@ class EngineConfig:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be at least 1")
         self.speculative_config()
+        self.check_parallel()
+
+    def check_parallel(self) -> None:
+        """ValueError for parallel settings that cannot work on this machine (before loading)."""
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        if self.distributed_timeout <= 0:
+            raise ValueError(f"distributed_timeout must be > 0, got {self.distributed_timeout}")
+        if self.fully_sharded_loras and tp > 1:
+            raise ValueError("fully_sharded_loras is not implemented yet; use the default LoRA sharding")
+        if tp == 1:
+            return
+        device = self.resolve_device()
+        if device.type == "cuda" and tp > torch.cuda.device_count():
+            raise ValueError(
+                f"tensor_parallel_size={tp} needs {tp} CUDA devices; "
+                f"this machine has {torch.cuda.device_count()}"
+            )
+        if device.type == "cpu":
+            from engine.cpu_threads import available_cpus
+
+            cpus = self.num_threads or available_cpus()
+            if tp > cpus:
+                raise ValueError(f"tensor_parallel_size={tp} is more ranks than the {cpus} CPUs to run them")
 
     def speculative_config(self):
         """The parsed speculative decoding settings (None: off); ValueError for bad values."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import weakref
 from collections import abc
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,9 @@ import torch
 
 from engine.cpu_threads import ThreadGovernor, available_cpus
 from engine.decode_graphs import enable_decode_graphs
+from engine.distributed.setup import tensor_parallel
+from engine.distributed.shard_model import load_shard
+from engine.distributed.worker_group import WorkerGroup, WorkerGroupError
 from engine.engine_adapters import EngineAdapters, SequenceError
 from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheManager
@@ -56,19 +60,42 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.device = config.resolve_device()
         self.thread_governor = None
-        if self.device.type == "cpu":
+        checkpoint = ModelConfig.from_dir(config.model)
+        self.tp = tensor_parallel(config, checkpoint, self.device)  # None: one rank
+        if self.tp is not None:
+            # the workers stop when this engine is collected or the interpreter exits, even one whose
+            # start failed past this point
+            weakref.finalize(self, self.tp.group.close)
+            self.tp.group.launch()  # the workers load their shards while this process loads its own
+        # False (a server's engine process): a failed worker group is raised out of `step`, not restarted
+        self.recover_worker_group = True
+        # under tensor parallel the threads are split over the ranks (and no governor: it would change
+        # only this rank's)
+        if self.tp is None and self.device.type == "cpu":
             if config.num_threads is None:  # torch's default can exceed an affinity mask or cgroup quota
                 torch.set_num_threads(min(torch.get_num_threads(), available_cpus()))
             if config.adaptive_threads and torch.get_num_threads() > 1:
                 self.thread_governor = ThreadGovernor(torch.get_num_threads())
-        checkpoint = ModelConfig.from_dir(config.model)
         self.model_config = checkpoint.capped(config.max_model_len)  # what requests may use
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
         self.dtype_reason = dtype_reason(config.dtype, self.model_config, self.device)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
-        self.model = load_model(checkpoint, self.dtype, self.device)
-        if config.packed_cpu_gemms:
-            self.model.pack_cpu_gemms()
+        # this rank's shapes (the KV cache's heads): the whole model's at one rank, else rank 0's shard's
+        self.rank_config = self.model_config
+        if self.tp is None:
+            self.model = load_model(checkpoint, self.dtype, self.device)
+            if config.packed_cpu_gemms:
+                self.model.pack_cpu_gemms()
+        else:
+            self.rank_config = self.tp.shard.local_config().capped(config.max_model_len)
+            self.model = load_shard(
+                checkpoint,
+                self.tp.shard,
+                self.dtype,
+                self.device,
+                self.tp.group.all_reduce,
+                config.packed_cpu_gemms,
+            )
         self.num_kv_blocks = self._num_blocks()
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.kv.long_prompt_from = self.model.rope.long_from
@@ -87,7 +114,9 @@ class LLMEngine:
                 page_rank=config.lora_page_rank,
                 max_loras=config.max_loras,
                 backend=config.lora_backend,
-                base=ProjectionBaseWeights(self.model),
+                side_budget=config.lora_side_memory_bytes,
+                base=ProjectionBaseWeights(self.model) if self.tp is None else None,
+                shard=self.tp.shard if self.tp is not None else None,
             )
         self.scheduler = Scheduler(
             SchedulerConfig.from_engine_config(config),
@@ -98,7 +127,7 @@ class LLMEngine:
         self.adapters = EngineAdapters(self.lora, self.scheduler)
         self.runner = ModelRunner(
             self.model,
-            self.model_config,
+            self.rank_config,
             self.num_kv_blocks,
             config.block_size,
             self.dtype,
@@ -106,8 +135,11 @@ class LLMEngine:
             config.seed,
             config.attention_backend,
             lora_context=self.lora.step_context if self.lora is not None else None,
+            group=self.tp.group if self.tp is not None else None,
         )
-        if config.cuda_graphs and self.device.type == "cuda":
+        if self.tp is not None:
+            self._start_group(self.tp.group)
+        elif config.cuda_graphs and self.device.type == "cuda":
             enable_decode_graphs(self.runner, self.lora, config.max_num_seqs)
         self.structured = StructuredOutput(
             self.tokenizer, self.model_config.vocab_size, self._eos_token_ids()
@@ -135,13 +167,27 @@ class LLMEngine:
         return cls(EngineConfig(model=str(model), **kwargs))
 
     # ---- set-up helpers ---------------------------------------------------------------------------
+    def _start_group(self, group: WorkerGroup) -> None:
+        """Start the tensor-parallel workers with this rank's KV cache size and adapter pool."""
+        group.num_kv_blocks = self.num_kv_blocks
+        if self.lora is not None:
+            group.lora_backend = self.lora.backend
+            group.pool = self.lora.pool
+            self.lora.pool.journal = []
+        group.start()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do at one rank); the engine is unusable after."""
+        if self.tp is not None:
+            self.tp.group.close()
+
     def _num_blocks(self) -> int:
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             if cfg.num_kv_blocks < 1:
                 raise ValueError(f"num_kv_blocks must be >= 1, got {cfg.num_kv_blocks}")
             return cfg.num_kv_blocks
-        per_block = kv_block_bytes(self.model_config, cfg.block_size, self.dtype)
+        per_block = kv_block_bytes(self.rank_config, cfg.block_size, self.dtype)
         by_budget = cfg.kv_budget_bytes(self.device) // per_block
         enough = cfg.max_num_seqs * cdiv(self.model_config.max_model_len, cfg.block_size)
         return max(1, int(min(by_budget, enough)))
@@ -199,7 +245,7 @@ class LLMEngine:
                 f"request needs {self.kv.blocks_needed(max_total)} KV blocks for {max_total} tokens but the "
                 f"cache has {self.num_kv_blocks}; lower max_tokens or raise num_kv_blocks"
             )
-        lora_key = self.adapters.key_for(lora_request)
+        lora_key, lora_keys = self.adapters.key_for(lora_request)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs = []
         for i, choice in enumerate(params.choices()):
@@ -211,6 +257,7 @@ class LLMEngine:
             seqs.append(
                 Sequence(seq_id, ids, choice, arrival, priority, lora_request, lora_key, gen, max_total)
             )
+            seqs[-1].lora_keys = lora_keys
             self.structured.attach(seqs[-1])
         texts = [self._sequence_text(params) for _ in seqs]
         self._groups[request_id] = RequestGroup(request_id, text, ids, seqs, texts, params.n)
@@ -306,10 +353,15 @@ class LLMEngine:
             self.thread_governor.begin()
         self.structured.begin_step(plan)  # grammar masks are computed while the model runs
         try:
-            out = self.runner.run(plan)
-        except Exception:
-            plan, out, failed = self._run_isolated(plan)
-            outputs += failed
+            try:
+                out = self.runner.run(plan)
+            except WorkerGroupError:
+                raise
+            except Exception:
+                plan, out, failed = self._run_isolated(plan)
+                outputs += failed
+        except WorkerGroupError as exc:
+            return outputs + self._group_failed(exc)
         if self.thread_governor is not None:
             self.thread_governor.end()
         if self.spec is not None:
@@ -345,6 +397,20 @@ class LLMEngine:
             new_tokens = sum(max(1, s.num_new_tokens) for s in progressed)
             self.spec.end_step(plan.num_batched_tokens, time.perf_counter() - t_start, new_tokens)
         self.adapters.retain()
+        return outputs
+
+    def _group_failed(self, exc: WorkerGroupError) -> list[RequestOutput]:
+        """A rank died or hung: end every unfinished request with a retryable error, drop the prefix cache
+        (the workers' KV is gone) and restart the group; with `recover_worker_group` False, re-raise."""
+        assert self.tp is not None, "only a tensor-parallel engine has a worker group"
+        log.error("tensor-parallel worker group failed: %s", exc)
+        if not self.recover_worker_group:
+            self.tp.group.close()
+            raise exc
+        error = f"the engine's worker group failed ({exc}) and was restarted; retry the request"
+        outputs = [self._end_with_error(gid, error) for gid in list(self._groups)]
+        self.kv.pool.reset_prefix_cache()
+        self.tp.group.restart()
         return outputs
 
     def _propose(self) -> None:
@@ -442,5 +508,8 @@ class LLMEngine:
 
 
 def _adapter_names(requests) -> list[str]:
-    """Distinct adapter names of `requests`, sorted (the base model is left out)."""
-    return sorted({r.lora_request.name for r in requests if r.lora_request is not None})
+    """Distinct adapter names of `requests` (a weighted mix's members), sorted (the base model is left
+    out)."""
+    return sorted(
+        {lr.name for r in requests if r.lora_request is not None for lr, _ in r.lora_request.members()}
+    )

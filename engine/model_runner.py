@@ -5,11 +5,17 @@ block tables, the rows to sample; decodes first, then prefill chunks) and, when 
 uses an adapter, the per-step LoRA context from `lora_context`. A plain decode step replays a CUDA graph
 when `use_decode_graphs` was called (`engine/decode_graphs.py`); every other step runs eagerly, with its
 inputs copied to the device once.
+
+Under tensor parallel (`group`, `engine/distributed/worker_group.py`) the runner is rank 0: it sends the
+step's inputs and LoRA runs to the other ranks, runs its own shard's forward (whose all-reduces meet
+theirs) and samples alone. A forward that fails there leaves the group out of step, so it is raised as
+`WorkerGroupError` (the engine restarts the group) rather than as one request's failure.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,7 +28,10 @@ from engine.model.linear import LoRAStepContext
 from engine.model_config import ModelConfig
 from engine.sampler import Sampler
 from engine.scheduler.output import RunnerOutput, SampledToken, ScheduledSequence, SchedulerOutput
-from engine.step_inputs import step_inputs, to_forward_batch
+from engine.step_inputs import StepInputs, step_inputs, to_forward_batch
+
+if TYPE_CHECKING:
+    from engine.distributed.worker_group import WorkerGroup
 
 LoRAContextBuilder = Callable[[Sequence[ScheduledSequence]], LoRAStepContext | None]
 
@@ -44,9 +53,11 @@ class ModelRunner:
         seed: int = 0,
         attention_backend: str = "auto",
         lora_context: LoRAContextBuilder | None = None,
+        group: WorkerGroup | None = None,
     ) -> None:
         """`lora_context(items)`: the step's LoRA context for the scheduled items in flat-batch order
-        (None when LoRA is disabled)."""
+        (None when LoRA is disabled); `group`: the other tensor-parallel ranks (`cfg` is then this
+        rank's shard's config, so the KV cache holds its heads only)."""
         self.model, self.cfg, self.device, self.block_size = model, cfg, device, block_size
         shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
@@ -54,6 +65,7 @@ class ModelRunner:
         self.backend = select_backend(device, attention_backend)
         self.sampler = Sampler(device, seed)
         self.lora_context = lora_context
+        self.group = group
         self.last_batch: tuple[int, int] = (0, 0)  # (tokens, decode tokens) of the last step, for benchmarks
         self.graphs: DecodeGraphs | None = None  # plain decode steps from CUDA graphs (`use_decode_graphs`)
 
@@ -84,7 +96,9 @@ class ModelRunner:
             inp.positions = rope.long_rope_positions(inp.positions, prompt_lens)
         self.last_batch = (inp.num_tokens, inp.num_decodes)
         lora = self.lora_context(items) if self.lora_context is not None else None
-        if self.graphs is not None and self.graphs.handles(inp, lora):
+        if self.group is not None:
+            logits = self._forward_parallel(items, inp, lora)
+        elif self.graphs is not None and self.graphs.handles(inp, lora):
             logits = self.graphs.run(inp, lora)  # type: ignore[arg-type]  # handles() checked the type
         else:
             logits = self.model(to_forward_batch(inp, lora, self.device), self.kv_layers, self.backend)
@@ -94,6 +108,21 @@ class ModelRunner:
             by_item = {id(it): tok for it, tok in zip(sample_items, tokens, strict=True)}
             return RunnerOutput([by_item.get(id(it)) for it in plan.scheduled])
         return self._sample_with_spec(plan, sample_items, logits)
+
+    def _forward_parallel(
+        self, items: list[ScheduledSequence], inp: StepInputs, lora: LoRAStepContext | None
+    ) -> torch.Tensor:
+        """Rank 0's forward under tensor parallel: the plan to the other ranks, then our shard's pass."""
+        from engine.distributed.worker_group import WorkerGroupError
+
+        assert self.group is not None, "called under tensor parallel only"
+        self.group.send_step(inp, self.group.lora_runs(items) if lora is not None else [])
+        try:
+            return self.model(to_forward_batch(inp, lora, self.device), self.kv_layers, self.backend)
+        except WorkerGroupError:
+            raise
+        except Exception as exc:
+            raise WorkerGroupError(f"rank 0's forward failed: {exc!r}") from exc
 
     def _sample_with_spec(
         self, plan: SchedulerOutput, sample_items: list[ScheduledSequence], logits: torch.Tensor

@@ -51,9 +51,10 @@ class Sequence:
     arrival_time: float
     priority: int = 0
     lora_request: LoRARequest | None = None
-    lora_key: str | None = None  # content digest of the adapter; part of the prefix-cache key
+    lora_key: str | None = None  # content digest of the adapter (of a mix: `mix_key`); prefix-cache key
     generator: torch.Generator | None = None
     max_total_tokens: int = 0  # prompt + max_tokens, capped by the model's context
+    lora_keys: tuple[str, ...] = ()  # digests of every adapter its rows use (a mix's members), once known
 
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
@@ -77,6 +78,14 @@ class Sequence:
         self.all_token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None:
             self.logprobs = []
+
+    @property
+    def adapter_keys(self) -> tuple[str, ...]:
+        """Digests of the adapters this sequence's rows apply (a mix's members; none for the base model or
+        while its digests are not known)."""
+        if self.lora_keys:
+            return self.lora_keys
+        return (self.lora_key,) if self.lora_key is not None else ()
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -219,3 +219,28 @@ def paged_attention_prefill_ref(
         pos = torch.arange(length - (hi - lo), length, device=q.device)
         out[lo:hi] = _attend(q[lo:hi], k, v, pos, scale, window, softcap).to(q.dtype)
     return out
+
+
+def fused_moe_ref(
+    x: Tensor,  # [T, H]
+    w_gate_up: Tensor,  # [E, 2I, H]: gate rows, then up rows
+    w_down: Tensor,  # [E, H, I]
+    topk_weights: Tensor,  # [T, k]
+    topk_ids: Tensor,  # [T, k] in [0, E)
+) -> Tensor:
+    """The routed experts' output of a MoE feed-forward block::
+
+        out[t] = Σ_j topk_weights[t, j] * Wd[e] · (silu(Wg[e] · x[t]) * (Wu[e] · x[t])),  e = topk_ids[t, j]
+        where Wg[e] = w_gate_up[e, :I], Wu[e] = w_gate_up[e, I:], Wd[e] = w_down[e]
+
+    Experts no token chose are never read. Returns ``[T, H]`` in ``x.dtype``.
+    """
+    inter = w_gate_up.shape[1] // 2
+    out = torch.zeros(x.shape[0], w_down.shape[1], dtype=torch.float32, device=x.device)
+    for e in torch.unique(topk_ids).tolist():
+        tokens, choice = (topk_ids == e).nonzero(as_tuple=True)
+        gu = x[tokens].float() @ w_gate_up[e].float().T
+        h = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+        y = (h @ w_down[e].float().T) * topk_weights[tokens, choice].float().unsqueeze(1)
+        out.index_add_(0, tokens, y)
+    return out.to(x.dtype)

@@ -65,7 +65,9 @@ def prepare(
         max_weights_bytes=max_adapter_bytes(model, settings.max_lora_rank),
     )
     with stage_upload(Path(source), settings.data_dir / "tmp", limits, progress) as staged:
-        checkpoint, config_bytes = validate_adapter(staged.directory, model, settings.max_lora_rank)
+        checkpoint, config_bytes = validate_adapter(
+            staged.directory, model, settings.max_lora_rank, settings.lora_side_budget
+        )
         yield PreparedUpload(
             checkpoint=checkpoint,
             config_bytes=config_bytes,

@@ -26,6 +26,9 @@ class RegistrySettings:
     redis_channel: str = "loraplex:events"
     blob_store: str = "local"  # "local": files under data_dir/blobs; "database": in the registry database
     max_lora_rank: int = 64
+    # the serving engine's budget for adapters' side stores (bytes, and bytes per element of its pool):
+    # an adapter that could never be resident there is refused at registration (None: not checked)
+    lora_side_budget: tuple[int, int] | None = None
     max_upload_bytes: int = 2 * 1024**3
     max_unpacked_bytes: int = 4 * 1024**3
     max_zip_entries: int = 64

@@ -1,5 +1,6 @@
-"""`/admin/adapters/{name}`: versions, activate / deactivate / roll back / delete, endpoint snippets,
-recent traffic. Every action is a CSRF-checked POST that redirects back with a flash message."""
+"""`/admin/adapters/{name}`: versions, what the serving version contains (DoRA, LoRA bias, tokens added,
+modules saved, device memory), activate / deactivate / roll back / delete, endpoint snippets, recent
+traffic. Every action is a CSRF-checked POST that redirects back with a flash message."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from admin_ui.page_data import adapter_series, engine_tiers
 from admin_ui.session import CsrfSession, Session
 from admin_ui.snippets import endpoint_snippets
 from admin_ui.templating import flash, render
+from api.adapter_contents import current_contents
 from api.deps import AdaptersDep, StateDep
 from api.errors import APIError
 from api.routes.admin_api import call_registry, read_registry
@@ -44,6 +46,7 @@ async def detail_page(name: str, request: Request, state: StateDep, session: Ses
         "tokens": total.tokens if total else 0,
         "last_used": state.traffic.last_used.get(name),
         "limits": await read_registry(state, state.registry.limits.get, "adapter", name),
+        "contents": await current_contents(state, detail),
     }
     return render(request, "adapter_detail.html", context, session, active="adapters")
 

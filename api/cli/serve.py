@@ -147,6 +147,23 @@ def serve(
             help="CUDA: replay plain decode steps from captured graphs (default), or run every step eagerly.",
         ),
     ] = None,
+    tensor_parallel_size: Annotated[
+        int | None,
+        typer.Option(
+            "--tensor-parallel-size",
+            "-tp",
+            help="Shard the model over N ranks (vLLM's meaning): CUDA: N GPUs; CPU: N processes sharing "
+            "--threads. A rank that dies or hangs restarts the engine (requests in flight get a 503).",
+            min=1,
+        ),
+    ] = None,
+    fully_sharded_loras: Annotated[
+        bool | None,
+        typer.Option(
+            "--fully-sharded-loras",
+            help="vLLM's flag: LoRA A sharded by rank too (not implemented yet: refused).",
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
     shutdown_grace: Annotated[
         float | None,
@@ -232,7 +249,11 @@ def serve(
     from engine.model_config import ModelConfig
 
     try:  # reads config.json (or a GGUF file's header) only: bad models fail here, not in the engine
-        ModelConfig.from_dir(model).capped(max_model_len)
+        checkpoint = ModelConfig.from_dir(model).capped(max_model_len)
+        if tensor_parallel_size is not None and tensor_parallel_size > 1:
+            from engine.distributed.shard import check_tensor_parallel
+
+            check_tensor_parallel(checkpoint, tensor_parallel_size)
         modules = vllm_flags.parse_lora_modules(lora_modules or [])
         template = None if chat_template is None else vllm_flags.read_chat_template(chat_template)
         if tool_call_parser is not None:
@@ -271,6 +292,8 @@ def serve(
                 tokenizer=None if tokenizer is None else str(tokenizer.expanduser().absolute()),
                 seed=seed,
                 max_num_batched_tokens=max_num_batched_tokens,
+                tensor_parallel_size=tensor_parallel_size,
+                fully_sharded_loras=fully_sharded_loras,
             ),
         )
     except ValueError as exc:

@@ -46,6 +46,7 @@ from api.cluster.router_score import (
     share,
 )
 from api.engine_protocol import AddRequest, decode_to_engine
+from engine.lora.mix import mix_key
 
 log = logging.getLogger("loraplex.router")
 MAX_PENDING = 4096  # requests being routed whose block hashes are kept until Serve names their replica
@@ -110,7 +111,7 @@ class AffinityRouter(RequestRouter):
         if req is None:
             ordered = sorted(views, key=lambda v: (v.in_flight_tokens, v.replica_id))
             return [[by_id[v.replica_id]] for v in ordered]
-        digest = req.lora.digest if req.lora is not None else None
+        digest = _adapter_key(req)
         tokens = req.prompt_token_ids
         hashes = prompt_block_hashes(tokens, self.block_size, digest)
         ranked = rank(views, self.index, self.weights, hashes, self.block_size, len(tokens), digest)
@@ -150,7 +151,7 @@ class AffinityRouter(RequestRouter):
         rerouted = self._release(key)  # a replica that rejected it (queue full) gave it back to Serve
         req = _add_request(pending_request)
         tokens = len(req.prompt_token_ids) + req.params.max_tokens if req is not None else 1
-        digest = req.lora.digest if req is not None and req.lora is not None else None
+        digest = _adapter_key(req) if req is not None else None
         self.in_flight[key] = _InFlight(rid, tokens, digest)
         _add(self.tokens, rid, tokens)
         _add(self.requests, rid, 1)
@@ -232,6 +233,20 @@ def _add(counts: dict, key: Any, n: int) -> None:
         counts[key] = v
     else:
         counts.pop(key, None)
+
+
+def _adapter_key(req: AddRequest) -> str | None:
+    """The key the engine caches the request's blocks under: its adapter's content digest, a weighted
+    mix's `mix_key` over its members' digests (None: the base model)."""
+    lr = req.lora
+    if lr is None:
+        return None
+    if lr.mix:
+        digests = [m.digest for m, _ in lr.mix]
+        if any(d is None for d in digests):
+            return lr.name  # not predicted; never a base-model hit
+        return mix_key([d for d in digests if d is not None], [w for _, w in lr.mix])
+    return lr.digest
 
 
 def _add_request(pending: PendingRequest | None) -> AddRequest | None:

@@ -190,6 +190,13 @@ class EngineReplica:
         self.loaded_paths[digest] = str(path)
         return LoadedAdapter(active.name, digest, str(path))
 
+    async def _local(self, lr: LoRARequest) -> LoRARequest:
+        """A mix member as this replica's engine reads it (its files here; loaded if need be)."""
+        if lr.digest is None:
+            raise AdapterRefused(f"the adapter {lr.name!r} has no content digest")
+        adapter = await self.load(lr.digest, lr.name)
+        return LoRARequest(adapter.name, adapter.path, adapter.digest)
+
     # ---- what the router knows -------------------------------------------------------------------
     def _on_kv_events(self, msg: KVEventsMsg) -> None:
         if self.held is None:
@@ -226,7 +233,17 @@ class EngineReplica:
         if not self.client.healthy:  # the engine died and is restarting: let the ingress go elsewhere
             yield _item(self.replica_id, failed="the engine process of this replica is down")
             return
-        if req.lora is not None and req.lora.digest is not None:
+        if req.lora is not None and req.lora.mix:  # a weighted mix: each member from this replica's files
+            try:
+                members = [(await self._local(lr), w) for lr, w in req.lora.mix]
+            except AdapterRefused as exc:
+                yield _item(self.replica_id, refused=str(exc))
+                return
+            except (EngineDeadError, EngineUnavailableError) as exc:
+                yield _item(self.replica_id, failed=f"the engine could not load the adapter: {exc}")
+                return
+            req = msgspec.structs.replace(req, lora=LoRARequest.weighted(members, name=req.lora.name))
+        elif req.lora is not None and req.lora.digest is not None:
             try:
                 if adapter is None or adapter.digest != req.lora.digest:
                     adapter = await self.load(req.lora.digest, req.lora.name)

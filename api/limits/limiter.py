@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from api.errors import APIError
@@ -95,12 +95,14 @@ class RequestLimiter:
         self._pending: set[asyncio.Task] = set()
         self._last_warning = 0.0
 
-    async def admit(self, key: str | None, adapter: str | None, tokens: int) -> Grant:
-        """A grant for one request of `key` on `adapter` that may use `tokens`; `APIError` 429 when a
-        limit is reached (503 when the backend is down and the fail mode is "closed")."""
+    async def admit(self, key: str | None, adapter: str | Sequence[str] | None, tokens: int) -> Grant:
+        """A grant for one request of `key` on `adapter` (a weighted mix: each of its adapters, all or
+        nothing) that may use `tokens`; `APIError` 429 when a limit is reached (503 when the backend is
+        down and the fail mode is "closed")."""
         buckets: list[Bucket] = []
         slots: list[Slot] = []
-        for kind, name in (("key", key), ("adapter", adapter)):
+        adapters = [adapter] if adapter is None or isinstance(adapter, str) else list(adapter)
+        for kind, name in (("key", key), *(("adapter", a) for a in adapters)):
             info = self.table.get(kind, name)
             if info is None:
                 continue

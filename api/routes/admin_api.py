@@ -20,6 +20,7 @@ from fastapi import APIRouter, File, Form, Query, Response, UploadFile
 from pydantic import Field
 from starlette.datastructures import UploadFile as UploadedFile  # what forms hold (FastAPI's is a subclass)
 
+from api.adapter_contents import AdapterDetailView, current_contents
 from api.deps import AdminActor, StateDep
 from api.errors import APIError, error_responses
 from api.openai_protocol import LoadLoRARequest, RequestBody, UnloadLoRARequest
@@ -170,8 +171,11 @@ async def list_adapters(state: StateDep, _: AdminActor) -> AdapterList:
 
 
 @router.get("/adapters/{name}")
-async def show_adapter(name: str, state: StateDep, _: AdminActor) -> AdapterDetail:
-    return await read_registry(state, state.registry.adapters.show, name)
+async def show_adapter(name: str, state: StateDep, _: AdminActor) -> AdapterDetailView:
+    """The adapter's record, its versions, and what its serving version contains (`contents`: DoRA,
+    LoRA bias, modules with LoRA, trainable tokens, saved modules, device memory in this pool)."""
+    detail: AdapterDetail = await read_registry(state, state.registry.adapters.show, name)
+    return AdapterDetailView(detail.adapter, detail.versions, await current_contents(state, detail))
 
 
 @router.post("/adapters/{name}/activate")

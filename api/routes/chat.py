@@ -74,7 +74,7 @@ async def prepare_chat(body: ChatCompletionRequest, request: Request, adapter: s
     once it is within its limits: everything before generation, shared by `/v1/chat/completions` and
     `/v1/responses`."""
     state = request.app.state.loraplex
-    target = await resolve_target(request, body.model, adapter)
+    target = await resolve_target(request, body.model, adapter, body.adapters)
     if state.tokenizer is None:
         raise APIError(
             400,

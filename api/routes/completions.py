@@ -48,7 +48,7 @@ async def adapter_completions(name: AdapterName, body: CompletionRequest, reques
 
 async def _complete(body: CompletionRequest, request: Request, adapter: str | None):
     state = request.app.state.loraplex
-    target = await resolve_target(request, body.model, adapter)
+    target = await resolve_target(request, body.model, adapter, body.adapters)
     raw_prompts = body.prompts()
     if body.suffix is not None:
         raise APIError(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -113,8 +114,9 @@ class UsageLimits:
         refresher = asyncio.create_task(_reload_forever(table, settings.limits_refresh_seconds))
         return cls(recorder, limiter, metrics, refresher, subscription)
 
-    async def admit(self, key: Any, adapter: str | None, tokens: int) -> Grant:
-        """Admit a request of `key` on `adapter` that may use `tokens` (429 over a limit)."""
+    async def admit(self, key: Any, adapter: str | Sequence[str] | None, tokens: int) -> Grant:
+        """Admit a request of `key` on `adapter` (a weighted mix: on each of its adapters) that may use
+        `tokens` (429 over a limit)."""
         if self.limiter is None:
             return Grant()
         return await self.limiter.admit(key_name(key), adapter, tokens)

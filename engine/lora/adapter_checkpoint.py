@@ -39,6 +39,7 @@ import torch
 
 from engine.lora.adapter_error import AdapterError as AdapterError
 from engine.lora.adapter_rules import EMBEDDING_NAMES, AdapterRules, check_config, refused_part, target_set
+from engine.lora.expert_checkpoint import ExpertLoRAWeights, ExpertTensors
 from engine.lora.safetensors_file import WEIGHTS_FILE, load_tensors, parse_safetensors_header
 from engine.lora.vocab_checkpoint import (
     SavedModule,
@@ -100,6 +101,7 @@ class AdapterCheckpoint:
     vocab: tuple[VocabLoRAWeights, ...] = ()  # LoRA on embed_tokens / lm_head
     tokens: tuple[TrainableTokens, ...] = ()  # trainable_token_indices: replaced rows of embed / head
     saved: tuple[SavedModule, ...] = ()  # modules_to_save: whole copies of embed_tokens / lm_head
+    experts: tuple[ExpertLoRAWeights, ...] = ()  # LoRA on a MoE model's routed experts
     # what the engine derives from these weights and the base model (DoRA's epilogue vectors), kept with
     # the host copy so it is computed once per load; not part of the adapter's identity
     derived: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -211,8 +213,9 @@ def inspect_adapter(
     token_names: dict[str, str] = {}
     saved_names = saved_copies(config, header, family.checkpoint_key)
     saved_tensors = {name for name, _ in saved_names.values()}
+    experts = ExpertTensors(config, model, rules)
     for name in header:
-        if name in saved_tensors:
+        if name in saved_tensors or experts.take(name):
             continue
         engine_module = _engine_module(name, family.checkpoint_key)
         tok = token_tensor(name, engine_module)
@@ -245,6 +248,7 @@ def inspect_adapter(
         not pairs
         and not token_names
         and not saved_names
+        and not experts
         and not any(set(v) - {"base"} for v in vocab_pairs.values())
     ):
         raise AdapterError(f"{WEIGHTS_FILE}: contains no LoRA tensors")
@@ -312,12 +316,18 @@ def inspect_adapter(
             )
             row += width
 
+    expert_weights = experts.weights(header, tensors, max_lora_rank, load_weights)
     present = {module for _, module in pairs}
+    expert_names = tuple(
+        f"experts.{p}" for p in ("gate_up", "down") if any(w.proj == p for w in expert_weights)
+    )
     return AdapterCheckpoint(
         digest=digest,
-        rank=max([m.rank for m in modules] + [v.rank for v in vocab]),
+        rank=max([m.rank for m in modules] + [v.rank for v in vocab] + [w.rank for w in expert_weights]),
         alpha=rules.alpha,
-        target_modules=tuple(p for p in targets if p in present) + tuple(v.module for v in vocab),
+        target_modules=tuple(p for p in targets if p in present)
+        + tuple(v.module for v in vocab)
+        + expert_names,
         use_rslora=rules.use_rslora,
         size_bytes=len(raw_config) + len(data),
         base_model_name=config.get("base_model_name_or_path"),
@@ -327,6 +337,7 @@ def inspect_adapter(
         vocab=vocab,
         tokens=tokens,
         saved=saved,
+        experts=expert_weights,
     )
 
 

@@ -2,8 +2,9 @@
 
 `check_config` refuses unsupported settings (with the field named) and returns the rank/alpha rules;
 `target_set` resolves `target_modules` / `layers_to_transform` / `exclude_modules` to the (layer,
-projection) pairs and vocabulary modules of the model, as PEFT matches them; `refused_part` says why a
-family does not adapt a module (`ModelFamily.lora_refused`: a mixture-of-experts model's experts).
+projection) pairs and vocabulary modules of the model, as PEFT matches them (names of a mixture-of-experts
+model's per-expert linears are left to `expert_checkpoint.py`); `refused_part` says why a family does not
+adapt a module (`ModelFamily.lora_refused`: a mixture-of-experts model's router, shared expert, dense MLP).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.lora.adapter_error import AdapterError
+from engine.lora.expert_targets import names_an_expert
 from engine.model.family import LoRATarget
 from engine.model.registry import model_family
 from engine.model_config import ModelConfig
@@ -56,8 +58,6 @@ def _pattern_key(patterns: dict[str, Any], key: str) -> str | None:
 
 
 _REFUSED_FIELDS = {
-    "target_parameters": "LoRA on raw parameters (e.g. a mixture-of-experts model's fused experts) is not "
-    "supported yet",
     "layer_replication": "layer_replication is not supported",
     "ensure_weight_tying": "ensure_weight_tying (LoRA tied across embed_tokens, lm_head) is not supported",
 }
@@ -135,7 +135,7 @@ def target_set(
         aliases = model_family(model.architecture).module_aliases
         chosen = {k for k in keys if any(rx.fullmatch(n) for n in (k, *aliases(model.architecture, k)))}
         chosen |= vocab_chosen
-        if not chosen:
+        if not chosen and not names_an_expert(model, targets, regex=True):
             raise AdapterError(f"target_modules: regex {targets!r} matches no supported projection")
     elif isinstance(targets, list) and all(isinstance(t, str) for t in targets):
         chosen = set()
@@ -154,6 +154,8 @@ def target_set(
                 chosen |= hits
                 continue
             hits = {k for k in keys if k == t or k.endswith("." + t)}
+            if not hits and names_an_expert(model, t):  # per-expert linears: `expert_checkpoint.py`
+                continue
             refused = refused_part(model, t)
             if refused is not None:
                 raise AdapterError(f"target_modules: {t!r} {refused}")

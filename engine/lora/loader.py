@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -47,8 +48,17 @@ class LoadStats:
 class AdapterLoader:
     """Adapter identities (name -> digest -> files) and the background thread that reads them."""
 
-    def __init__(self, model: ModelConfig, max_lora_rank: int, pin_memory: bool = False) -> None:
+    def __init__(
+        self,
+        model: ModelConfig,
+        max_lora_rank: int,
+        pin_memory: bool = False,
+        check: Callable[[AdapterCheckpoint], None] | None = None,
+    ) -> None:
+        """`check(ckpt)`: raises `AdapterError` for an adapter the engine cannot hold (e.g. the pool's side
+        budget), so it fails to load like an invalid one."""
         self.model = model
+        self.check = check
         self.max_lora_rank = max_lora_rank
         self.pin_memory = pin_memory  # page-locked host copies (CUDA: faster, asynchronous uploads)
         self.stats = LoadStats()
@@ -60,6 +70,8 @@ class AdapterLoader:
         self._held: dict[str, HeldAdapterFiles] = {}  # digest -> its files, opened for waiting requests
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        # why this engine cannot serve a valid adapter (e.g. a kind tensor parallel does not shard), or None
+        self.refuse: Callable[[AdapterCheckpoint], str | None] | None = None
 
     # ---- identity ---------------------------------------------------------------------------------
     def resolve(self, lr: LoRARequest) -> str:
@@ -220,6 +232,11 @@ class AdapterLoader:
         t0 = time.perf_counter()
         contents = held.read() if held is not None else None
         ckpt = inspect_adapter(path, self.model, self.max_lora_rank, load_weights=True, contents=contents)
+        problem = self.refuse(ckpt) if self.refuse is not None else None
+        if problem:
+            raise AdapterError(problem)
+        if self.check is not None:
+            self.check(ckpt)
         if self.pin_memory:
             ckpt = _pin_host_memory(ckpt)
         dt = time.perf_counter() - t0

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence, Set
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,12 +32,15 @@ from engine.lora.cpu_cache import CpuAdapterCache
 from engine.lora.dora import BaseWeights
 from engine.lora.held_files import AdapterFilesGone
 from engine.lora.loader import AdapterLoader
-from engine.lora.pool import AdapterPool
+from engine.lora.pool import AdapterPool, ResidentAdapter
 from engine.lora.residency import AdapterResidency
 from engine.lora_request import LoRARequest
 from engine.model.linear import LoRAStepContext
 from engine.model_config import ModelConfig
 from engine.scheduler.output import ScheduledSequence
+
+if TYPE_CHECKING:
+    from engine.distributed.shard import TensorShard
 
 
 @dataclass(slots=True)
@@ -49,6 +53,7 @@ class LoRAInfo:
     rank: int | None
     pinned: bool
     pages: int
+    memory_bytes: int = 0  # device bytes of its pages (projections and MoE experts); 0 when not resident
 
 
 @dataclass(slots=True)
@@ -64,6 +69,16 @@ class LoRAPoolStats:
     load_failures: int
     load_seconds_total: float
     last_load_seconds: float
+    side_bytes_used: int = 0  # device bytes resident adapters keep beside their pages
+    side_bytes_budget: int = 0
+
+
+def _device_rank(dev: ResidentAdapter) -> int:
+    """The largest rank of a resident adapter, over its projections and its experts."""
+    ranks = [r for layer in dev.layer_ranks for r in layer]
+    if dev.experts is not None:
+        ranks += [r for layer in dev.experts.ranks for r in layer.values()]
+    return max(ranks, default=0)
 
 
 REMOVED_MEMORY = 4096  # removed digests remembered, so late requests for them retire them again
@@ -92,15 +107,29 @@ class LoRAManager:
         max_loras: int,
         backend: str,
         base: BaseWeights | None = None,
+        shard: TensorShard | None = None,
+        side_budget: int | None = None,
     ) -> LoRAManager:
         """The engine's manager: a pool of `num_pages` pages per projection
         (`EngineConfig.adapter_pool_pages`), a host cache of `max_cpu_loras` adapters (default
         `max(64, 4 * max_loras)`). `dtype` is the pool's (adapter weights), `compute_dtype` the model's;
-        `base`: the model's projection weights, which DoRA adapters need (`engine/lora/dora.py`)."""
-        pool = AdapterPool(model, num_pages, page_rank, max_lora_rank, dtype, device, base)
+        `base`: the model's projection weights, which DoRA adapters need (`engine/lora/dora.py`); `shard`:
+        tensor parallel rank 0's shard (its pool holds its part of every adapter); `side_budget`: bytes for
+        what adapters keep beside their pages (`engine/lora/side_memory.py`; None: as much as the pages
+        take); an adapter whose side stores exceed it is refused at load."""
+        local = model if shard is None else shard.local_config()
+        pool = AdapterPool(
+            local, num_pages, page_rank, max_lora_rank, dtype, device, base, shard, side_budget
+        )
         cpu = CpuAdapterCache(max_cpu_loras or max(64, 4 * max_loras))
         chosen = select_lora_backend(backend, device, dtype, compute_dtype)
-        loader = AdapterLoader(model, max_lora_rank, pin_memory=device.type == "cuda")
+        loader = AdapterLoader(
+            model, max_lora_rank, pin_memory=device.type == "cuda", check=pool.check_side_budget
+        )
+        if shard is not None:
+            from engine.distributed.shard import unsharded_adapter_kind
+
+            loader.refuse = unsharded_adapter_kind
         return cls(loader, AdapterResidency(pool, cpu, chosen, device))
 
     @property
@@ -248,10 +277,11 @@ class LoRAManager:
                 tier = "loading"
             else:
                 tier = "disk"
-            rank = max((max(r) for r in dev.layer_ranks), default=0) if dev else (ckpt.rank if ckpt else None)
+            rank = _device_rank(dev) if dev else (ckpt.rank if ckpt else None)
             pinned = digest in res.pinned
             names = self.loader.names_of(digest)
-            out.append(LoRAInfo(digest, names, tier, rank, pinned, dev.num_pages if dev else 0))
+            pages, memory = (dev.num_pages, dev.memory_bytes) if dev else (0, 0)
+            out.append(LoRAInfo(digest, names, tier, rank, pinned, pages, memory))
         return out
 
     # ---- per step ---------------------------------------------------------------------------------
@@ -308,6 +338,8 @@ class LoRAManager:
             load_failures=load.failures,
             load_seconds_total=load.seconds_total,
             last_load_seconds=load.last_seconds,
+            side_bytes_used=pool.side_used,
+            side_bytes_budget=pool.side_budget,
         )
 
     def shutdown(self) -> None:

@@ -20,23 +20,38 @@ per-row epilogue `y ← y ⊙ f + c` (`engine/lora/dora.py`), computed at upload
 pool's `base` weights (host side, float32; cached with the host copy, so once per load) and held in the
 pool's `epilogues` store (`engine/lora/epilogue.py`) under the adapter's `epi_slot`.
 
+LoRA on a mixture-of-experts model's routed experts lives in the pool's `experts` store
+(`engine/lora/expert_pages.py`: pages of per-expert A/B rows, grown as expert adapters arrive);
+`ResidentAdapter.memory_bytes` is an adapter's device bytes in both kinds of pages.
+
 An adapter with LoRA on embed_tokens / lm_head, or trainable tokens, keeps its device copy of those
 (at vocabulary width) in `ResidentAdapter.vocab` (`engine/lora/vocab_step.py`), outside the pages;
 dropped on eviction.
+
+Under tensor parallel each rank has its own pool over its shard's widths (`cfg` is the rank's local
+config) and `shard` cuts every adapter to the rank's part (`engine/distributed/shard.py`). Rank 0 decides
+slots and pages; with `journal` set, its pool records every upload and eviction, which the worker group
+replays on the other ranks with `place` at the same slot and pages.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.lora.adapter_checkpoint import PROJECTIONS, AdapterCheckpoint, module_features
 from engine.lora.dora import BaseWeights, row_epilogue
 from engine.lora.epilogue import EpilogueStore
+from engine.lora.expert_pages import ExpertPageStore, ExpertResident
+from engine.lora.side_memory import check_side_budget, page_pool_bytes, side_bytes
 from engine.lora.vocab_step import VocabLoRA, device_vocab_lora
 from engine.model_config import ModelConfig
 from kernels.intmath import cdiv
+
+if TYPE_CHECKING:
+    from engine.distributed.shard import TensorShard
 
 MODULE_INDEX = {m: i for i, m in enumerate(PROJECTIONS)}
 
@@ -54,6 +69,9 @@ class ResidentAdapter:
     epi_slot: int = -1  # slot in the pool's epilogue store (DoRA / lora_bias adapters), -1: none
     epi_modules: frozenset[int] = frozenset()  # module indices with epilogue vectors
     vocab: VocabLoRA | None = None  # its embed_tokens / lm_head LoRA on the device (`vocab_step.py`)
+    experts: ExpertResident | None = None  # its pages of LoRA on a MoE model's experts (`expert_pages.py`)
+    memory_bytes: int = 0  # device bytes of its pages (projections and experts)
+    side_bytes: int = 0  # device bytes beside its pages (vocab copy, epilogue vectors; `side_memory.py`)
 
 
 class AdapterPool:
@@ -68,6 +86,8 @@ class AdapterPool:
         dtype: torch.dtype,
         device: torch.device,
         base: BaseWeights | None = None,
+        shard: TensorShard | None = None,
+        side_budget: int | None = None,
     ) -> None:
         if page_rank < 1:
             raise ValueError(f"lora page_rank must be >= 1, got {page_rank}")
@@ -80,6 +100,9 @@ class AdapterPool:
         self.cfg, self.page_rank, self.num_pages = cfg, page_rank, num_pages
         self.dtype, self.device = dtype, device
         self.base = base  # the base model's weights (DoRA norms, base biases); None: DoRA refused
+        self.shard = shard  # tensor parallel: this rank's part of each adapter (None: all of it)
+        # rank 0 under tensor parallel: ("upload", ckpt, slot, pages) / ("evict", digest) in order
+        self.journal: list[tuple] | None = None
         layers = cfg.num_layers
         self.a: list[torch.Tensor] = []
         self.b: list[torch.Tensor] = []
@@ -98,9 +121,16 @@ class AdapterPool:
         self._free_pages = [list(range(num_pages)) for _ in PROJECTIONS]
         self._free_slots = list(range(self.max_slots))
         self.resident: dict[str, ResidentAdapter] = {}
+        # LoRA on a MoE model's routed experts (pages allocated as expert adapters arrive)
+        self.experts = (
+            ExpertPageStore(cfg, num_pages, page_rank, dtype, device) if cfg.extra.get("moe") else None
+        )
         # Data the compute paths derive from the current residents (e.g. the CPU path's gather indices),
         # keyed by what it depends on; cleared on every upload and eviction so it never goes stale.
         self.step_cache: dict[str, object] = {}
+        # what residents keep beside their pages, bounded like the pages (engine/lora/side_memory.py)
+        self.side_budget = side_budget or page_pool_bytes(cfg, num_pages, page_rank, dtype.itemsize)
+        self.side_used = 0
 
     # ---- capacity ---------------------------------------------------------------------------------
     def pages_needed(self, ckpt: AdapterCheckpoint) -> list[int]:
@@ -111,9 +141,23 @@ class AdapterPool:
             need[i] = max(need[i], cdiv(w.rank, self.page_rank))
         return need
 
+    def side_need(self, ckpt: AdapterCheckpoint) -> int:
+        """Device bytes `ckpt` keeps beside its pages when resident (`side_memory.side_bytes`)."""
+        if "side_bytes" not in ckpt.derived:
+            ckpt.derived["side_bytes"] = side_bytes(ckpt, self.cfg, self.dtype.itemsize)
+        return int(ckpt.derived["side_bytes"])
+
+    def check_side_budget(self, ckpt: AdapterCheckpoint) -> None:
+        """`AdapterError` (naming both numbers) when `ckpt` alone exceeds the side budget."""
+        check_side_budget(ckpt, self.cfg, self.dtype.itemsize, self.side_budget)
+
     def fits(self, ckpt: AdapterCheckpoint) -> bool:
-        return bool(self._free_slots) and all(
-            n <= len(free) for n, free in zip(self.pages_needed(ckpt), self._free_pages, strict=True)
+        experts_fit = not ckpt.experts or (self.experts is not None and self.experts.fits(ckpt))
+        return (
+            bool(self._free_slots)
+            and experts_fit
+            and self.side_used + self.side_need(ckpt) <= self.side_budget
+            and all(n <= len(free) for n, free in zip(self.pages_needed(ckpt), self._free_pages, strict=True))
         )
 
     def pages_used(self) -> int:
@@ -130,9 +174,21 @@ class AdapterPool:
         if not self.fits(ckpt):
             raise RuntimeError("adapter pool has no room; evict first")
         need = self.pages_needed(ckpt)
+        pages = [self._free_pages[m][:n] for m, n in enumerate(need)]
+        return self.place(ckpt, self._free_slots[0], pages)
+
+    def place(self, ckpt: AdapterCheckpoint, slot: int, pages: list[list[int]]) -> ResidentAdapter:
+        """Copy an adapter's weights (this rank's part of them) into the free `pages` (per module) and
+        give it the free `slot`: `upload`'s choice, or on another tensor-parallel rank rank 0's."""
+        assert self.shard is None or not (ckpt.use_dora or ckpt.lora_bias or ckpt.vocab), (
+            "the loader refuses adapter kinds tensor parallel does not shard"
+        )
         self.step_cache.clear()
-        slot = self._free_slots.pop(0)
-        pages = [[self._free_pages[m].pop(0) for _ in range(n)] for m, n in enumerate(need)]
+        self._free_slots.remove(slot)
+        for m, plist in enumerate(pages):
+            for page in plist:
+                self._free_pages[m].remove(page)
+        need = [len(p) for p in pages]
         layer_ranks = [[0] * len(PROJECTIONS) for _ in range(self.cfg.num_layers)]
         layer_scalings = [[0.0] * len(PROJECTIONS) for _ in range(self.cfg.num_layers)]
         pr = self.page_rank
@@ -146,8 +202,10 @@ class AdapterPool:
             for w in ckpt.modules:
                 m = MODULE_INDEX[w.module]
                 assert w.lora_a is not None and w.lora_b is not None, "uploading an adapter needs its weights"
-                a = w.lora_a.to(self.device, self.dtype)
-                b = w.lora_b.to(self.device, self.dtype)
+                a, b = w.lora_a, w.lora_b
+                if self.shard is not None:
+                    a, b = self.shard.lora(w.module, a, b)
+                a, b = a.to(self.device, self.dtype), b.to(self.device, self.dtype)
                 for j, page in enumerate(pages[m]):
                     lo, hi = j * pr, min((j + 1) * pr, w.rank)
                     if lo >= hi:
@@ -159,11 +217,21 @@ class AdapterPool:
                 layer_ranks[w.layer][m] = w.rank
                 layer_scalings[w.layer][m] = w.scaling
         entry = ResidentAdapter(ckpt.digest, slot, pages, layer_ranks, layer_scalings, num_pages=sum(need))
+        entry.memory_bytes = sum(
+            len(plist) * (self.a[m][0].nbytes + self.b[m][0].nbytes) for m, plist in enumerate(pages)
+        )
+        if ckpt.experts and self.experts is not None:
+            entry.experts = self.experts.upload(ckpt)
+            entry.memory_bytes += entry.experts.memory_bytes
         epi = self._epilogues(ckpt)
         if epi:
             entry.epi_slot, entry.epi_modules = self.epilogues.add(epi), frozenset(epi)
         entry.vocab = device_vocab_lora(ckpt, self.cfg.vocab_size, self.dtype, self.device)
+        entry.side_bytes = self.side_need(ckpt)
+        self.side_used += entry.side_bytes
         self.resident[ckpt.digest] = entry
+        if self.journal is not None:
+            self.journal.append(("upload", ckpt, slot, pages))
         return entry
 
     def _epilogues(self, ckpt: AdapterCheckpoint) -> dict[int, torch.Tensor]:
@@ -189,12 +257,17 @@ class AdapterPool:
     def evict(self, digest: str) -> None:
         """Return an adapter's pages and slot to the free lists (its weights are no longer served)."""
         entry = self.resident.pop(digest)
+        if self.journal is not None:
+            self.journal.append(("evict", digest))
         self.step_cache.clear()
+        self.side_used -= entry.side_bytes
         self.ranks[:, :, entry.slot] = 0
         self.scalings[:, :, entry.slot] = 0
         self.page_table[:, entry.slot] = 0
         if entry.epi_slot >= 0:
             self.epilogues.remove(entry.epi_slot)
+        if entry.experts is not None and self.experts is not None:
+            self.experts.evict(entry.experts)
         for m, plist in enumerate(entry.pages):
             self._free_pages[m].extend(plist)
         self._free_slots.append(entry.slot)

@@ -17,6 +17,7 @@ import torch
 
 from engine.lora.adapter_checkpoint import AdapterCheckpoint
 from engine.lora.cpu_cache import CpuAdapterCache
+from engine.lora.mix import Member, mixed_context, needs_mix
 from engine.lora.pool import AdapterPool, ResidentAdapter
 from engine.lora.step_context import CpuLoRAContext, TritonLoRAContext, token_segments
 from engine.model.linear import LoRAStepContext
@@ -84,25 +85,52 @@ class AdapterResidency:
         self.held.discard(digest)
 
     def step_context(self, items: Sequence[ScheduledSequence]) -> LoRAStepContext | None:
-        """The LoRA context for a step's scheduled sequences (flat-batch order); None if none uses one."""
-        adapters: list[ResidentAdapter | None] = []
-        any_lora = False
-        for it in items:
-            key = it.seq.lora_key
-            res = self.pool.resident.get(key) if key is not None else None
-            assert key is None or res is not None, "scheduled adapter must be resident"
-            if res is not None:
-                self._clock += 1
-                res.last_used = self._clock
-                any_lora = True
-            adapters.append(res)
-        if not any_lora:
+        """The LoRA context for a step's scheduled sequences (flat-batch order); None if none uses one.
+        Steps with weighted mixes get one pass per mix position (`engine/lora/mix.py`)."""
+        rows = [self._members(it) for it in items]
+        if not any(rows):
             return None
         counts = [it.num_tokens for it in items]
-        if self.backend != "triton":
-            native = self.backend == "native"
-            return CpuLoRAContext(self.pool, token_segments(counts, adapters), native=native)
-        slots = [
-            (-1 if a is None else a.slot) for a, n in zip(adapters, counts, strict=True) for _ in range(n)
-        ]
-        return TritonLoRAContext(self.pool, slots)
+        if needs_mix(rows):
+            return mixed_context(counts, rows, self._pass_context, self.device)
+        return self._pass_context(counts, [r[0][0] if r else None for r in rows], 0)
+
+    def _members(self, it: ScheduledSequence) -> list[Member]:
+        """The resident adapters a scheduled sequence's rows apply, with their weights (stamped used)."""
+        seq = it.seq
+        if seq.lora_key is None:
+            return []
+        lr = seq.lora_request
+        pairs: list[tuple[str, float]] = [(seq.lora_key, 1.0)]
+        if lr is not None and lr.mix:
+            pairs = list(zip(seq.lora_keys, (w for _, w in lr.mix), strict=True))
+        out = []
+        for key, weight in pairs:
+            res = self.pool.resident.get(key)
+            assert res is not None, "scheduled adapter must be resident"
+            self._clock += 1
+            res.last_used = self._clock
+            out.append((res, weight))
+        return out
+
+    def _pass_context(
+        self, counts: list[int], adapters: list[ResidentAdapter | None], k: int
+    ) -> LoRAStepContext:
+        """An ordinary LoRA context: item i's `counts[i]` rows on `adapters[i]` (None: no adapter);
+        `k`: the mix position it computes (0: each row's first or only adapter)."""
+        return lora_context(self.pool, self.backend, counts, adapters, tag=f"#{k}" if k else "")
+
+
+def lora_context(
+    pool: AdapterPool,
+    backend: str,
+    counts: Sequence[int],
+    adapters: Sequence[ResidentAdapter | None],
+    tag: str = "",
+) -> LoRAStepContext:
+    """The step context of `backend` for flat-batch requests of `counts` rows each using `adapters`
+    (None: the base model), in that order; `tag` names the pass in the CPU path's cached plans."""
+    if backend != "triton":
+        return CpuLoRAContext(pool, token_segments(counts, adapters), native=backend == "native", tag=tag)
+    slots = [(-1 if a is None else a.slot) for a, n in zip(adapters, counts, strict=True) for _ in range(n)]
+    return TritonLoRAContext(pool, slots)

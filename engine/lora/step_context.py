@@ -24,7 +24,8 @@ After the LoRA pass, rows of a DoRA or lora_bias adapter get that adapter's per-
 rows are not touched.
 
 Both contexts also carry the step's embedding / LM-head LoRA (`vocab`, `engine/lora/vocab_step.py`),
-which the model applies to its lookups and logits.
+which the model applies to its lookups and logits, and its LoRA on a MoE model's experts (`experts`,
+`engine/lora/expert_step.py`), which the MoE block applies per (expert, adapter) run.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch
 from engine.lora.backend import apply_triton_lora, lora_kernel_for, max_rows_per_adapter
 from engine.lora.cpu_plans import GatherPlan, NativePlan, Segment, cached_plan, gather_plan, native_plan
 from engine.lora.epilogue import RowEpilogue
+from engine.lora.expert_step import expert_step
 from engine.lora.pool import MODULE_INDEX, AdapterPool, ResidentAdapter
 from engine.lora.vocab_step import VocabLoRAStep, adapter_runs
 from kernels.lora_meta import LoRABatchMeta, build_lora_batch_meta
@@ -69,8 +71,13 @@ class CpuLoRAContext:
     reads each pair's pages in place instead of gathering them (float32, bfloat16 or float16 activations).
     """
 
-    def __init__(self, pool: AdapterPool, segments: list[Segment], native: bool = False) -> None:
+    def __init__(
+        self, pool: AdapterPool, segments: list[Segment], native: bool = False, tag: str = ""
+    ) -> None:
+        """`tag` names this context's plans in the pool's step cache (one per pass of a weighted mix,
+        `engine/lora/mix.py`, so the passes do not evict each other's plans)."""
         self.pool = pool
+        self.tag = tag
         self.native: NativePlan | None = None
         self.gather: GatherPlan | None = None
         self.segments: list[Segment] = []  # long runs for `_apply_segments`
@@ -79,13 +86,14 @@ class CpuLoRAContext:
             pool.epilogues, [(s.adapter, range(s.start, s.end)) for s in segments if s.adapter.epi_slot >= 0]
         )
         self.vocab = VocabLoRAStep([(s.adapter, range(s.start, s.end)) for s in segments])
+        self.experts = expert_step(pool, [(s.adapter, range(s.start, s.end)) for s in segments])
         if native:  # the plan is made by the first `apply`, which knows the activations' dtype
             self._native_segments = segments
             return
         self.segments = [s for s in segments if s.end - s.start >= GATHER_MAX_ROWS]
         short = [s for s in segments if s.end - s.start < GATHER_MAX_ROWS]
         if short:
-            self.gather = cached_plan(pool, "cpu_gather", short, gather_plan)
+            self.gather = cached_plan(pool, "cpu_gather" + tag, short, gather_plan)
 
     def apply(self, layer_index: int, slice_names: tuple[str, ...], x: torch.Tensor, y: torch.Tensor) -> None:
         """y[t, slice s] += scaling * (x[t] @ A.T) @ B.T for every row t with an adapter (in place)."""
@@ -129,7 +137,9 @@ class CpuLoRAContext:
             assert self._native_segments is not None, "a native context keeps its segments for the plan"
             # threads and the activations' dtype are part of the cache key: a plan's calls fix both
             key = (torch.get_num_threads(), x.dtype)
-            self.native = cached_plan(self.pool, "cpu_native", self._native_segments, native_plan, *key)
+            self.native = cached_plan(
+                self.pool, "cpu_native" + self.tag, self._native_segments, native_plan, *key
+            )
         off = 0
         for m in mods:
             call = self.native.calls[m]
@@ -203,6 +213,8 @@ class TritonLoRAContext:
         self.epilogue = RowEpilogue(pool.epilogues, runs)
         vocab = {r.slot: r for r in pool.resident.values() if r.vocab is not None}
         self.vocab = VocabLoRAStep(adapter_runs(slots, vocab) if vocab else [])
+        experts = {r.slot: r for r in pool.resident.values() if r.experts is not None}
+        self.experts = expert_step(pool, adapter_runs(slots, experts) if experts else [])
 
     @property
     def meta(self) -> LoRABatchMeta:

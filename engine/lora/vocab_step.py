@@ -30,7 +30,7 @@ shared matrix's logits only, the embedding LoRA to the lookups only, as PEFT kee
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -114,10 +114,23 @@ def adapter_runs(
 
 
 class VocabLoRAStep:
-    """The step's embedding / LM-head LoRA over `runs`: (adapter with a `vocab` copy, its flat rows)."""
+    """The step's embedding / LM-head LoRA over `runs`: (adapter with a `vocab` copy, its flat rows).
 
-    def __init__(self, runs: Sequence[tuple[ResidentAdapter, range]]) -> None:
-        self._runs = [(ad.vocab, rows) for ad, rows in runs if ad.vocab is not None]
+    `weights` (one per run, default 1): a weighted mix's member weight, which multiplies the scaling of
+    that run's embedding and LM-head LoRA (`engine/lora/mix.py`; mix members have no trainable tokens
+    or saved modules)."""
+
+    def __init__(
+        self, runs: Sequence[tuple[ResidentAdapter, range]], weights: Sequence[float] | None = None
+    ) -> None:
+        self._runs: list[tuple[VocabLoRA, range]] = []
+        for i, (ad, rows) in enumerate(runs):
+            v, w = ad.vocab, 1.0 if weights is None else weights[i]
+            if v is None:
+                continue
+            if w != 1.0:
+                v = replace(v, embed_scaling=v.embed_scaling * w, head_scaling=v.head_scaling * w)
+            self._runs.append((v, rows))
 
     def __bool__(self) -> bool:
         return bool(self._runs)

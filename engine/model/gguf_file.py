@@ -5,8 +5,9 @@ metadata states, as the fields of a Hugging Face `config.json`.
 (a directory with a `config.json` is a Hugging Face checkpoint, whatever else it holds). The weights
 themselves are read by `engine.model.gguf_loader`.
 
-Supported: `general.architecture` `llama` (also Mistral-family files, which llama.cpp calls llama),
-`qwen2`, `granite` and `phi3`; tensors in the types of `SUPPORTED_TYPES`, dequantized at load. What a
+Supported: `general.architecture` `llama` (also Mistral-family and Mixtral files, which llama.cpp calls
+llama), `qwen2`, `granite`, `phi3`, `gemma2`, `gemma3` and the mixture-of-experts `qwen2moe`, `qwen3moe`,
+`olmoe` (`engine/model/gguf_moe.py`); tensors in the types of `SUPPORTED_TYPES`, dequantized at load. What a
 family's files state beyond Llama's (Granite's scales, Phi-3's partial rotary and LongRoPE factors) its
 family reads (`gguf_config` of `engine/model/family.py`).
 """
@@ -14,6 +15,7 @@ family reads (`gguf_config` of `engine/model/family.py`).
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,9 @@ ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",  # (Mixtral files are llama files with experts: `_config`)
 }
 # ggml tensor types `gguf.dequantize` unpacks and the loader accepts
 SUPPORTED_TYPES = (
@@ -175,6 +180,8 @@ def _config(reader: Any, arch: str, path: Path, shapes: dict, types: dict[str, s
         hf_arch = (
             "MistralForCausalLM"  # llama.cpp files Mistral models under llama (as transformers reads it)
         )
+    if arch == "llama" and field_value(reader, "llama.expert_count"):
+        hf_arch = "MixtralForCausalLM"  # and Mixtral models under llama, with experts
     hidden = int(need("embedding_length"))
     eos = [
         int(v)
@@ -185,7 +192,7 @@ def _config(reader: Any, arch: str, path: Path, shapes: dict, types: dict[str, s
     dtype = _HALF_TYPES.get(next(iter(matmul_types)), "float32") if len(matmul_types) == 1 else "float32"
     cfg = {
         "architectures": [hf_arch],
-        "model_type": "mistral" if hf_arch == "MistralForCausalLM" else arch,
+        "model_type": {"MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral"}.get(hf_arch, arch),
         "_name_or_path": name,
         "vocab_size": shapes["token_embd.weight"][1],
         "hidden_size": hidden,
@@ -204,6 +211,9 @@ def _config(reader: Any, arch: str, path: Path, shapes: dict, types: dict[str, s
         "torch_dtype": dtype,
         "use_sliding_window": False,
     }
+    routers = {int(n.split(".")[1]) for n in shapes if re.match(r"^blk\.\d+\.ffn_gate_inp\.weight$", n)}
+    if routers:  # a mixture-of-experts file: the blocks without a router have a dense MLP
+        cfg["mlp_only_layers"] = [i for i in range(cfg["num_hidden_layers"]) if i not in routers]
     family = model_family(hf_arch)
     if family.gguf_config is not None:
 

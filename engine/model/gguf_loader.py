@@ -4,7 +4,8 @@ llama.cpp's converter writes Llama's q and k projections with the rows of each h
 rotates adjacent pairs, HF's rotates the two halves of a head); `unpermute_rows` puts them back, so
 the result equals the HF checkpoint the file was converted from (up to quantization); Granite's are
 written the same way. Qwen2 and Phi-3 files are written unpermuted (Phi-3's q|k|v and gate|up as the
-fused `attn_qkv` and `ffn_up` tensors, the family's `gguf_layer_modules`).
+fused `attn_qkv` and `ffn_up` tensors, the family's `gguf_layer_modules`). A mixture-of-experts file's
+stacked expert tensors become the HF keys of `engine/model/gguf_moe.py`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from engine.model.gguf_file import GGUFError, dequantize_tensor, open_reader
+from engine.model.gguf_moe import expert_tensors, is_expert_tensor
 from engine.model.loader import CheckpointError
 from engine.model.registry import model_family
 from engine.model_config import ModelConfig
@@ -82,16 +84,14 @@ def _iterate(reader: Any, cfg: ModelConfig) -> Iterator[tuple[str, str, torch.Te
     permuted = cfg.architecture in family.gguf_permuted
     layer_modules = _LAYER_MODULES | dict(family.gguf_layer_modules)
     for t in reader.tensors:
+        if is_expert_tensor(t.name):  # a MoE's experts: one GGUF tensor, one or more HF keys
+            for expert_key, expert_w in expert_tensors(t.name, _dequantized(t, cfg)):
+                yield cfg.path.name, expert_key, expert_w
+            continue
         key = hf_key(t.name, layer_modules)
         if key is None:
             continue
-        try:
-            array = dequantize_tensor(t)
-        except GGUFError as exc:
-            raise CheckpointError(f"{cfg.path.name}: {exc}") from exc
-        if not array.flags.writeable:  # F32 tensors come back as views of the read-only file mapping
-            array = array.copy()
-        w = torch.from_numpy(array)
+        w = _dequantized(t, cfg)
         if permuted and key.endswith("q_proj.weight"):
             w = unpermute_rows(w, cfg.num_heads)
         elif permuted and key.endswith("k_proj.weight"):
@@ -99,3 +99,14 @@ def _iterate(reader: Any, cfg: ModelConfig) -> Iterator[tuple[str, str, torch.Te
         if family.gguf_tensor is not None:
             w = family.gguf_tensor(key, w)
         yield cfg.path.name, key, w
+
+
+def _dequantized(t: Any, cfg: ModelConfig) -> torch.Tensor:
+    """Reader tensor `t` as a writable float32 torch tensor in HF (row-major) shape."""
+    try:
+        array = dequantize_tensor(t)
+    except GGUFError as exc:
+        raise CheckpointError(f"{cfg.path.name}: {exc}") from exc
+    if not array.flags.writeable:  # F32 tensors come back as views of the read-only file mapping
+        array = array.copy()
+    return torch.from_numpy(array)

@@ -6,10 +6,13 @@ gate|up, so the base GEMM runs once. Its forward computes::
     y = x @ W.T (+ b)
     if lora is not None:                  # per-step adapter state; None when no adapter is in the batch
         lora.apply(layer_index, slice_names, x, y)   # y[:, slice s] += scale * (x @ A_s.T) @ B_s.T
+    if all_reduce is not None:            # a row-parallel shard under tensor parallel: sum the ranks'
+        all_reduce(y)                     # partial outputs (LoRA's partial delta included), in place
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -47,6 +50,8 @@ class ProjectionLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
         self.packed = False  # True: `weight` is in oneDNN's blocked layout (`pack_weight`, CPU float32)
         self._row_sq: torch.Tensor | None = None  # squared row norms (taken before packing), for DoRA
+        # tensor parallel, row-parallel shards (o, down): the in-place sum of every rank's partial output
+        self.all_reduce: Callable[[torch.Tensor], None] | None = None
 
     def forward(self, x: torch.Tensor, lora: LoRAStepContext | None = None) -> torch.Tensor:
         if self.packed:
@@ -55,6 +60,8 @@ class ProjectionLinear(nn.Module):
             y = nn.functional.linear(x, self.weight, self.bias)
         if lora is not None:
             lora.apply(self.layer_index, self.slice_names, x, y)
+        if self.all_reduce is not None:
+            self.all_reduce(y)
         return y
 
     def pack_weight(self) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -16,6 +17,9 @@ from engine.model.registry import model_family
 from engine.model.rope import RotaryEmbedding
 from engine.model_config import ModelConfig
 
+if TYPE_CHECKING:
+    from engine.distributed.shard import TensorShard
+
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
@@ -23,7 +27,9 @@ class CheckpointError(ValueError):
     """Weights are missing, extra or of the wrong shape for the config."""
 
 
-def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> DecoderForCausalLM:
+def load_model(
+    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, shard: TensorShard | None = None
+) -> DecoderForCausalLM:
     """Build the architecture's model (its family, `engine/model/registry.py`) on `device` in `dtype`
     and fill every parameter from the checkpoint's tensors.
 
@@ -31,6 +37,9 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> De
     random initialization. Packed projections (q|k|v, gate|up) are filled slice by slice, or whole
     where the checkpoint stores them fused (the family's `checkpoint_modules`). A GGUF
     checkpoint (`cfg.path` is the file) is dequantized tensor by tensor (`gguf_loader`).
+
+    `shard`: build this tensor-parallel rank's shard only (`engine/distributed/shard.py`): the model of
+    its local config, each projection tensor cut to the rank's rows or columns as it is read.
     """
     if Path(cfg.path).is_file():
         from engine.model.gguf_loader import gguf_tensors
@@ -40,7 +49,7 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> De
         tensors = _safetensors(Path(cfg.path))
     family = model_family(cfg.architecture)
     with torch.device("meta"):
-        model = family.build(cfg)
+        model = family.build(cfg if shard is None else shard.local_config())
     model = model.to(dtype).to_empty(device=device)
     for module in model.modules():  # every RoPE table set (Gemma 3 has a local and a global one)
         if isinstance(module, RotaryEmbedding):
@@ -58,6 +67,8 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> De
             name, slice_idx = target
             if name not in params:
                 raise CheckpointError(f"{source}: unexpected tensor {hf_key!r}")
+            if shard is not None:
+                tensor = _shard_tensor(model, shard, name, slice_idx, tensor)
             _copy_into(model, params[name], name, slice_idx, tensor, hf_key)
             filled.add(name if slice_idx is None else f"{name}#{slice_idx}")
     _check_complete(model, params, filled)
@@ -130,6 +141,19 @@ def _copy_expert(model, params, key: str, src: torch.Tensor, hf_key: str, filled
     dest.copy_(src)
     filled.add(name if expert is None else f"{name}#e{expert}.{half}")
     return True
+
+
+def _shard_tensor(model, shard: TensorShard, name: str, slice_idx: int | None, t: torch.Tensor):
+    """The part of checkpoint tensor `t` (for parameter `name`, slice `slice_idx`) that `shard` holds:
+    a projection's rows or columns, anything else whole."""
+    from engine.model.linear import ProjectionLinear
+
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner) if owner else model
+    if not isinstance(module, ProjectionLinear):
+        return t
+    names = module.slice_names if slice_idx is None else (module.slice_names[slice_idx],)
+    return shard.projection(names, leaf, t)
 
 
 def _copy_into(model, dest: torch.Tensor, name: str, slice_idx: int | None, src: torch.Tensor, key: str):

@@ -5,20 +5,20 @@ For the step's flat token batch `x` [T, H]:
 1. route: `router_logits = x @ Wg.T` [T, E]; `p = softmax(logits)` in float32; the top-k experts of each
    token and their probabilities (renormalized to sum 1 where the config says `norm_topk_prob`;
    Mixtral always does), cast to the model's dtype as transformers does;
-2. sort the step's T*k (token, expert) pairs by expert once (`argsort` of the flat choices, stable),
-   so each expert's rows are one contiguous segment of the gathered input;
-3. one GEMM per projection per expert that has tokens: `gu = x_e @ W_gate_up[e].T`,
-   `h = silu(gate) * up`, `y_e = h @ W_down[e].T` over the expert's segment (on the CPU a torch loop
-   over the experts with tokens: the experts without any are never read);
-4. combine: each pair's output times its routing weight, summed into its token's row (`index_add_`).
+2. the routed experts (`engine/model/moe_experts.py`, `experts_forward`): the step's T*k (token, expert)
+   pairs sorted by expert (and within an expert by adapter) once, one GEMM per projection per expert
+   that has tokens, `gu = x_e @ W_gate_up[e].T`, `h = silu(gate) * up`, `y_e = h @ W_down[e].T`, each
+   adapter's LoRA delta for that expert added on its rows, and the weighted combine (`index_add_`); on
+   CUDA, for steps without expert LoRA on the layer, the Triton fused-MoE kernel (`kernels/fused_moe.py`).
 
 Qwen2-MoE adds a shared expert (a dense gated MLP) scaled by `sigmoid(x @ w_shared_gate.T)`.
 
 Expert weights are 3-D: `experts.gate_up` [E, 2I, H] (gate rows first) and `experts.down` [E, H, I],
 transformers 5's fused layout; the loader fills them whole from a fused checkpoint or expert by expert
 from the per-expert layout (`experts.N.gate_proj/up_proj/down_proj`, Mixtral's `w1/w3/w2`,
-`expert_piece`). LoRA does not reach the experts, the router or the shared expert: adapters that target
-them are refused at validation (`engine/lora/adapter_checkpoint.py`).
+`expert_piece`). LoRA reaches the experts (`engine/lora/expert_checkpoint.py`: PEFT's `target_parameters`
+or per-expert module names); adapters on the router, the shared expert or a dense layer's MLP are refused
+at validation (`MOE_REFUSED_TARGETS`).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from torch import nn
 from engine.model.decoder import MLP, DecoderForCausalLM, DecoderLayer
 from engine.model.family import LLAMA_LORA_TARGETS, LoRATarget
 from engine.model.linear import LoRAStepContext
+from engine.model.moe_experts import experts_forward
 from engine.model.rope import RotaryEmbedding
 from engine.model_config import ModelConfig, ModelConfigError
 
@@ -101,6 +102,7 @@ class SparseMoE(nn.Module):
         moe = cfg.extra["moe"]
         hidden = cfg.hidden_size
         self.top_k, self.norm_topk_prob = int(moe["top_k"]), bool(moe["norm_topk_prob"])
+        self.layer = layer
         self.gate = Router(int(moe["num_experts"]), hidden)
         self.experts = Experts(int(moe["num_experts"]), hidden, int(moe["intermediate_size"]))
         self.shared_expert: MLP | None = None
@@ -119,29 +121,30 @@ class SparseMoE(nn.Module):
         return weights.to(x.dtype), ids
 
     def forward(self, x: torch.Tensor, lora: LoRAStepContext | None = None, fused=None) -> torch.Tensor:
-        """The block's output [T, H]; `lora` and `fused` are unused (no LoRA on experts; torch ops)."""
+        """The block's output [T, H]: the routed experts with the step's expert LoRA (`lora.experts`,
+        `engine/model/moe_experts.py`), plus Qwen2-MoE's gated shared expert; `fused` is unused. On CUDA a
+        step without expert LoRA on this layer runs the Triton fused-MoE kernel (`triton_experts`)."""
         weights, ids = self.route(x)
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # pairs sorted by expert, once
-        tokens = order // self.top_k
-        counts = torch.bincount(flat, minlength=self.experts.num_experts).tolist()
-        xs = x[tokens]
-        ys = torch.empty_like(xs)
-        inter, start = self.experts.inter, 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            seg = xs[start : start + n]
-            gu = nn.functional.linear(seg, self.experts.gate_up[e])
-            h = nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
-            ys[start : start + n] = nn.functional.linear(h, self.experts.down[e])
-            start += n
-        ys.mul_(weights.reshape(-1)[order].unsqueeze(1))
-        out = torch.zeros_like(x).index_add_(0, tokens, ys)
+        hook = getattr(lora, "experts", None)
+        if self.uses_triton(x) and (hook is None or not hook.adapts(self.layer)):
+            out = self.triton_experts(x, weights, ids)
+        else:
+            out = experts_forward(self.experts.gate_up, self.experts.down, x, weights, ids, hook, self.layer)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             gate = torch.sigmoid(nn.functional.linear(x, self.shared_expert_gate.weight))
             out.add_(gate * self.shared_expert(x, None))
         return out
+
+    def uses_triton(self, x: torch.Tensor) -> bool:
+        """Whether the routed experts of a step over `x` run the Triton kernel: on CUDA tensors."""
+        return x.is_cuda
+
+    def triton_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum [T, H] by `kernels/fused_moe.py` (pairs sorted by expert on the
+        device, one grouped GEMM per projection, no host synchronization)."""
+        from kernels.fused_moe import fused_moe
+
+        return fused_moe(x, self.experts.gate_up, self.experts.down, weights, ids)
 
 
 def is_sparse_layer(cfg: ModelConfig, layer: int) -> bool:
@@ -171,23 +174,23 @@ class MoEForCausalLM(DecoderForCausalLM):
         self.graph_problem = "the MoE block reads its experts' token counts on the host each step"
 
 
-# MoE families' PEFT targets: the attention projections (LoRA on experts, router, shared expert and the
-# dense layers' MLP is refused at validation, naming the module: `MOE_REFUSED_TARGETS`)
+# MoE families' PEFT targets: the attention projections; the routed experts take LoRA through PEFT's
+# `target_parameters` or per-expert module names (`engine/lora/expert_checkpoint.py`); LoRA on the router,
+# the shared expert and the dense layers' MLP is refused at validation, naming the module
 MOE_LORA_TARGETS: Mapping[str, LoRATarget] = {
     p: t for p, t in LLAMA_LORA_TARGETS.items() if t.parent == "self_attn"
 }
 _MOE_WHY = (
-    "is part of the mixture-of-experts feed-forward block (router, experts, shared expert, dense MLP); "
-    "LoRA on it is not supported yet (only the attention projections q_proj, k_proj, v_proj, o_proj)"
+    "is part of the mixture-of-experts feed-forward block (router, shared expert, dense MLP); LoRA on it "
+    "is not supported (only the attention projections q_proj, k_proj, v_proj, o_proj and the routed "
+    "experts: target_parameters mlp.experts.gate_up_proj / down_proj, or per-expert gate_proj, up_proj, "
+    "down_proj, w1, w2, w3)"
 )
 # module names of a MoE model's feed-forward blocks (any layout) an adapter may name, refused
 MOE_REFUSED_TARGETS: Mapping[str, str] = dict.fromkeys(
-    (
-        "mlp", "gate", "experts", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3",
-        "shared_expert", "shared_expert_gate", "gate_up_proj", "block_sparse_moe",
-    ),
+    ("mlp", "gate", "experts", "shared_expert", "shared_expert_gate", "gate_up_proj", "block_sparse_moe"),
     _MOE_WHY,
-)  # fmt: skip
+)
 
 
 def moe_settings(raw: dict[str, Any], norm_topk_prob: bool | None = None) -> dict[str, Any]:

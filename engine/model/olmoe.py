@@ -16,6 +16,7 @@ import torch
 
 from engine.model.decoder import Attention
 from engine.model.family import ModelFamily
+from engine.model.gguf_moe import GGUF_MOE_LAYER_MODULES, gguf_moe_tensor, moe_gguf_config
 from engine.model.layers import RMSNorm
 from engine.model.linear import LoRAStepContext
 from engine.model.moe import (
@@ -77,4 +78,7 @@ FAMILY = ModelFamily(
     configure=configure,
     lora_targets=MOE_LORA_TARGETS,
     lora_refused=MOE_REFUSED_TARGETS,
+    gguf_layer_modules=GGUF_MOE_LAYER_MODULES,
+    gguf_config=moe_gguf_config(norm_topk_prob=False),
+    gguf_tensor=gguf_moe_tensor,
 )

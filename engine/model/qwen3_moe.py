@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.model.family import ModelFamily
+from engine.model.gguf_moe import GGUF_MOE_LAYER_MODULES, gguf_moe_tensor, moe_gguf_config
 from engine.model.moe import MOE_LORA_TARGETS, MOE_REFUSED_TARGETS, MoEForCausalLM, moe_settings
 
 
@@ -27,4 +28,7 @@ FAMILY = ModelFamily(
     configure=configure,
     lora_targets=MOE_LORA_TARGETS,
     lora_refused=MOE_REFUSED_TARGETS,
+    gguf_layer_modules=GGUF_MOE_LAYER_MODULES,
+    gguf_config=moe_gguf_config(norm_topk_prob=True),
+    gguf_tensor=gguf_moe_tensor,
 )

@@ -8,7 +8,7 @@ misses the pool. Resident-first ordering instead takes the requests whose adapte
 first, so an adapter's requests run while it is in the pool, and lists the missing adapters after the
 resident ones in `Scheduler.adapters_wanted`, so uploads evict only adapters no earlier request wants.
 
-    deferred(r) = r uses an adapter that is not resident (or whose digest is not known yet)
+    deferred(r) = r uses an adapter (of a mix: any member) that is not resident (or not known yet)
                   and r was never preempted and r.num_admission_bypasses < max_bypass_steps
     order       = policy order, stably re-sorted by (priority class, deferred)
 
@@ -34,7 +34,7 @@ def is_deferred(seq: Sequence, is_resident: Callable[[str], bool], max_bypass_st
         return False  # base model: nothing to load
     if seq.num_preemptions > 0 or seq.num_admission_bypasses >= max_bypass_steps:
         return False
-    return seq.lora_key is None or not is_resident(seq.lora_key)
+    return seq.lora_key is None or not all(is_resident(k) for k in seq.adapter_keys)
 
 
 def resident_first(policy: str, order: list[Sequence], deferred: set[int]) -> list[Sequence]:

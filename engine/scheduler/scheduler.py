@@ -113,8 +113,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def running_adapters(self) -> set[str]:
-        """Digests of the adapters used by running sequences (they must stay resident)."""
-        return {s.lora_key for s in self.running if s.lora_key is not None}
+        """Digests of the adapters used by running sequences (they must stay resident; a weighted mix
+        counts each of its members)."""
+        return {k for s in self.running for k in s.adapter_keys}
 
     def adapters_wanted(self) -> list[str]:
         """Adapters of waiting sequences that admission could take next, in admission order (policy `lpm`
@@ -129,9 +130,9 @@ class Scheduler:
         for seq in self._admission_order(lambda s: 0)[0]:
             if len(wanted) >= limit:
                 break
-            key = seq.lora_key
-            if key is not None and key not in running and key not in wanted:
-                wanted.append(key)
+            for key in seq.adapter_keys:
+                if key not in running and key not in wanted:
+                    wanted.append(key)
         return wanted
 
     def _admission_order(
@@ -171,7 +172,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted: list[Sequence] = []
-        adapters: set[str | None] = set()
+        adapters: set[str] = set()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -196,7 +197,7 @@ class Scheduler:
             if req in preempted:
                 continue
             scheduled.append(self._scheduled(req, n, spec))
-            adapters.add(req.lora_key)
+            adapters.update(req.adapter_keys)
             budget -= n
             i += 1
 
@@ -209,8 +210,8 @@ class Scheduler:
         self.stats.num_batched_tokens = out.num_batched_tokens
         return out
 
-    def _admit(self, budget: int, scheduled: list[ScheduledSequence], adapters: set[str | None]) -> int:
-        running_adapters = {r.lora_key for r in self.running} | adapters
+    def _admit(self, budget: int, scheduled: list[ScheduledSequence], adapters: set[str]) -> int:
+        running_adapters = self.running_adapters() | adapters
         hit_cache: dict[int, tuple[list, int]] = {}
 
         def cached(req: Sequence) -> int:
@@ -227,14 +228,14 @@ class Scheduler:
                 break
             if req.lora_request is not None and req.lora_key is None:
                 continue  # its adapter's digest is still being computed by a background load
-            key = req.lora_key
-            new_adapter = key is not None and key not in running_adapters
-            if new_adapter and sum(k is not None for k in running_adapters) >= self.config.max_loras:
+            keys = req.adapter_keys  # a weighted mix takes a slot for each member
+            new = [k for k in keys if k not in running_adapters]
+            if new and len(running_adapters) + len(new) > self.config.max_loras:
                 req.num_lora_skips += 1
                 if req.num_lora_skips >= self.config.lora_starvation_steps:
                     break
                 continue
-            if key is not None and not self.is_resident(key):
+            if not all(self.is_resident(k) for k in keys):
                 continue
             # Look up again: blocks cached earlier in this loop (e.g. by an n>1 sibling) may now hit.
             hit_cache.pop(id(req), None)
@@ -252,7 +253,7 @@ class Scheduler:
             self.waiting.remove(req)
             self.running.append(req)
             req.status = SequenceStatus.RUNNING
-            running_adapters.add(key)
+            running_adapters.update(keys)
             scheduled.append(self._scheduled(req, n))
             admitted.add(id(req))
             budget -= n

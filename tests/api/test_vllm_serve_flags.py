@@ -185,6 +185,9 @@ def _serve(*args: str, tmp_path: Path) -> tuple[int, str]:
         (["--tokenizer", "/no/such/tokenizer"], "--tokenizer /no/such/tokenizer: no tokenizer files"),
         (["--tokenizer", str(DEMO / "adapters")], "no tokenizer files there"),
         (["--gpu-memory-utilization", "0"], "gpu_memory_utilization must be in (0, 1]"),
+        (["-tp", "3"], "tensor_parallel_size=3 does not divide the model's 4 attention heads"),
+        (["--tensor-parallel-size", "2", "--threads", "1"], "more ranks than the 1 CPUs"),
+        (["-tp", "2", "--fully-sharded-loras"], "fully_sharded_loras is not implemented yet"),
     ],
 )
 def test_flags_that_cannot_mean_what_vllm_means_are_refused(args, message, tmp_path) -> None:
@@ -202,7 +205,7 @@ def test_chat_template_without_a_tokenizer_is_refused(tmp_path) -> None:
 
 
 def test_unknown_flags_and_two_models_are_errors(tmp_path) -> None:
-    code, out = _serve(str(DEMO / "base"), "--tensor-parallel-size", "2", tmp_path=tmp_path)
+    code, out = _serve(str(DEMO / "base"), "--pipeline-parallel-size", "2", tmp_path=tmp_path)
     assert code == 2 and "No such option" in out, out
     code, out = _serve(str(DEMO / "base"), "--model", str(DEMO / "adapters"), tmp_path=tmp_path)
     assert code == 1 and "two base models" in out, out

@@ -1,7 +1,8 @@
 """PEFT adapters on mixture-of-experts models: attention adapters in mixed batches with base rows equal
-PEFT's greedy tokens (under chunked prefill and preemption too); adapters on the router or the experts
-(PEFT's `target_parameters`, per-expert module names, a dense layer's MLP) are refused by the registry's
-validation and by the engine's load, naming the module, and leave nothing loaded."""
+PEFT's greedy tokens (under chunked prefill and preemption too); adapters on the router (as a module or
+PEFT's `target_parameters`), on a parameter that is not an expert's, on a dense layer's MLP or on the
+shared expert are refused by the registry's validation and by the engine's load, naming the module, and
+leave nothing loaded. (LoRA on the experts: test_moe_expert_lora.py.)"""
 
 from __future__ import annotations
 
@@ -94,42 +95,41 @@ def _variant(src: Path, dst: Path, config: dict, tensors: dict[str, torch.Tensor
 
 
 def _refused(adapters, tmp_path) -> list[tuple[Path, str]]:
-    """Adapters on qwen3_moe's router and experts, each with the refusal message it must get."""
+    """Adapters on qwen3_moe's router, on a dense layer's MLP and on a parameter that is not an expert's,
+    each with the refusal message it must get."""
     base, dirs, _ = adapters["qwen3_moe"]
     model = ModelConfig.from_dir(base)
     h, e, r = model.hidden_size, model.extra["moe"]["num_experts"], 4
-    pre = "base_model.model.model.layers.0.mlp"
 
-    def lora(module: str, out: int) -> dict[str, torch.Tensor]:
-        return {
-            f"{pre}.{module}.lora_A.weight": torch.ones(r, h),
-            f"{pre}.{module}.lora_B.weight": torch.ones(out, r),
-        }
+    def lora(module: str, fin: int, out: int) -> dict[str, torch.Tensor]:
+        pre = f"base_model.model.model.layers.{module}"
+        return {f"{pre}.lora_A.weight": torch.ones(r, fin), f"{pre}.lora_B.weight": torch.ones(out, r)}
 
-    router, expert = lora("gate", e), lora("experts.3.gate_proj", 32)
-    src = dirs["attn-r4"]
+    router, dense = lora("0.mlp.gate", h, e), lora("1.mlp.gate_proj", h, model.intermediate_size)
+    src, attn = dirs["attn-r4"], ["q_proj", "k_proj", "v_proj", "o_proj"]
     return [
         (
-            build_adapter(base, tmp_path / "params", r=4, target_modules=["q_proj"],
-                          target_parameters=["mlp.experts.gate_up_proj"]),
-            r"target_parameters: \['mlp.experts.gate_up_proj'\]: LoRA on raw parameters",
+            build_adapter(base, tmp_path / "router-param", r=4, target_modules=["q_proj"],
+                          target_parameters=["mlp.gate.weight"]),
+            r"target_parameters: 'mlp.gate.weight': LoRA on the router is not supported",
+        ),
+        (
+            build_adapter(base, tmp_path / "attn-param", r=4, target_modules=["v_proj"],
+                          target_parameters=["self_attn.q_proj.weight"]),
+            r"target_parameters: 'self_attn.q_proj.weight': LoRA on self_attn.q_proj.weight is not supported",
         ),
         (
             _variant(src, tmp_path / "router", {"target_modules": ["q_proj", "gate"]}, router),
             r"target_modules: 'gate' is part of the mixture-of-experts feed-forward block",
         ),
         (
-            _variant(src, tmp_path / "per-expert", {"target_modules": ["q_proj", "gate_proj"]}, expert),
-            r"target_modules: 'gate_proj' is part of the mixture-of-experts",
-        ),
-        (
-            _variant(src, tmp_path / "tensor", {"target_modules": r".*_proj"}, expert),
-            r"module 'model.layers.0.mlp.experts.3.gate_proj' is part of the mixture-of-experts",
+            _variant(src, tmp_path / "dense-mlp", {"target_modules": [*attn, "gate_proj"]}, dense),
+            r"module 'model.layers.1.mlp.gate_proj' is part of the mixture-of-experts",
         ),
     ]  # fmt: skip
 
 
-def test_router_and_expert_adapters_are_refused(adapters, tmp_path):
+def test_router_and_dense_mlp_adapters_are_refused(adapters, tmp_path):
     """Refused at registration (the registry's validation) and at load (nothing left loaded); the
     engine keeps serving the attention adapter afterwards."""
     base, dirs, oracle = adapters["qwen3_moe"]

@@ -9,6 +9,7 @@ quantized; for K-quants (which `gguf` only dequantizes) every matmul weight is r
 from __future__ import annotations
 
 import json
+import re
 import string
 from pathlib import Path
 
@@ -40,6 +41,22 @@ _GEMMA_TO_GGUF = {
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
 }
+# mixture-of-experts families: router, q/k norms, Qwen2-MoE's shared expert (the experts: `_stack_experts`)
+_MOE_TO_GGUF = {
+    "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
+_MOE_ARCHS = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe"}
+_EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+_FUSED_KEY = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_EXPERT_PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up"}
+_EXPERT_PROJ["w2"] = "down"  # (Mixtral's older names)
 # byte offsets of the float16 scale fields in one block of each K-quant (the rest may be any bytes)
 _K_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
@@ -100,15 +117,18 @@ def write_gguf(
     skip: tuple[str, ...] = (),
     seed: int = 0,
     tokenizer_model: str = "llama",
+    stacked_experts: bool = True,
 ) -> Path:
-    """Write the checkpoint in `hf_dir` (a tiny llama, qwen2, granite, phi3, gemma2 or gemma3) as the
-    GGUF file `out`."""
+    """Write the checkpoint in `hf_dir` (a tiny llama, qwen2, granite, phi3, gemma2, gemma3, or the MoE
+    qwen3_moe, qwen2_moe, mixtral, olmoe) as the GGUF file `out`; a MoE's experts stacked in 3-D tensors
+    (`stacked_experts=False`: one tensor per expert, as older Mixtral files hold them)."""
     import gguf
 
     out.parent.mkdir(parents=True, exist_ok=True)
     cfg = json.loads((hf_dir / "config.json").read_text())
     archs = {"llama": "llama", "qwen2": "qwen2", "granite": "granite", "phi3": "phi3", "gemma2": "gemma2"}
-    arch = (archs | {"gemma3_text": "gemma3"})[cfg["model_type"]]
+    arch = (archs | {"gemma3_text": "gemma3"} | _MOE_ARCHS)[cfg["model_type"]]
+    moe = cfg["model_type"] in _MOE_ARCHS
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name(name)
@@ -118,10 +138,12 @@ def write_gguf(
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    head_dim = cfg["hidden_size"] // heads
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     rope = cfg.get("rope_parameters") or {}
     w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     _family_metadata(w, arch, cfg)
+    if moe:
+        _moe_metadata(w, cfg, head_dim)
     if arch == "gemma3":  # the global layers' base
         w.add_rope_freq_base(float(rope["full_attention"]["rope_theta"]))
     else:
@@ -141,8 +163,12 @@ def write_gguf(
     rng = np.random.default_rng(seed)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
-    for key, t in load_file(str(hf_dir / "model.safetensors")).items():
-        gname = gguf_name(key, _GEMMA_TO_GGUF if arch.startswith("gemma") else {})
+    state = load_file(str(hf_dir / "model.safetensors"))
+    if moe:
+        state = _stack_experts(state, stacked_experts)
+    for key, t in state.items():
+        overrides = _GEMMA_TO_GGUF if arch.startswith("gemma") else (_MOE_TO_GGUF if moe else {})
+        gname = key if key.startswith("blk.") else gguf_name(key, overrides)
         if gname is None or gname in skip:
             continue
         t = t.float()
@@ -157,6 +183,48 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def _stack_experts(state: dict[str, torch.Tensor], stacked: bool) -> dict[str, torch.Tensor]:
+    """`state` with the expert weights (per-expert or fused keys) as llama.cpp's converter writes them:
+    `blk.N.ffn_{gate,up,down}_exps.weight` [E, I, H] / [E, H, I], or per expert `blk.N.ffn_gate.E.weight`."""
+    out, pieces = {}, {}
+    for key, t in state.items():
+        m, f = _EXPERT_KEY.match(key), _FUSED_KEY.match(key)
+        if m is not None:
+            pieces[(int(m[1]), _EXPERT_PROJ[m[3]], int(m[2]))] = t
+        elif f is not None and f[2] == "down_proj":
+            pieces |= {(int(f[1]), "down", e): t[e] for e in range(t.shape[0])}
+        elif f is not None:
+            half = t.shape[1] // 2
+            pieces |= {(int(f[1]), "gate", e): t[e, :half] for e in range(t.shape[0])}
+            pieces |= {(int(f[1]), "up", e): t[e, half:] for e in range(t.shape[0])}
+        else:
+            out[key] = t
+    for layer, proj in sorted({(k[0], k[1]) for k in pieces}):
+        experts = sorted(e for (lyr, p, e) in pieces if (lyr, p) == (layer, proj))
+        if stacked:
+            stack = torch.stack([pieces[(layer, proj, e)] for e in experts])
+            out[f"blk.{layer}.ffn_{proj}_exps.weight"] = stack
+        else:
+            out |= {f"blk.{layer}.ffn_{proj}.{e}.weight": pieces[(layer, proj, e)] for e in experts}
+    return out
+
+
+def _moe_metadata(w, cfg: dict, head_dim: int) -> None:
+    """The `{arch}.expert_*` fields llama.cpp's converter writes, and the head size when it is not
+    hidden / heads (Qwen3-MoE)."""
+    w.add_expert_count(int(cfg.get("num_experts") or cfg["num_local_experts"]))
+    w.add_expert_used_count(int(cfg["num_experts_per_tok"]))
+    if cfg.get("moe_intermediate_size"):
+        w.add_expert_feed_forward_length(int(cfg["moe_intermediate_size"]))
+    if cfg.get("shared_expert_intermediate_size"):
+        w.add_expert_shared_feed_forward_length(int(cfg["shared_expert_intermediate_size"]))
+    if cfg.get("clip_qkv") is not None:
+        w.add_clamp_kqv(float(cfg["clip_qkv"]))
+    if head_dim != cfg["hidden_size"] // cfg["num_attention_heads"]:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
 
 
 def _family_metadata(w, arch: str, cfg: dict) -> None:

@@ -20,6 +20,32 @@ def cpu_llm(base: Path, **kwargs) -> LLM:
     return LLM(str(base), **(defaults | kwargs))
 
 
+def lora_request(name: str, dirs: Mapping[str, Path], mixes=None) -> LoRARequest:
+    """The adapter `name` of `dirs`, or the weighted mix `mixes[name]` of them."""
+    if mixes and name in mixes:
+        return LoRARequest.weighted([(LoRARequest(m, str(dirs[m])), w) for m, w in mixes[name]], name=name)
+    return LoRARequest(name, str(dirs[name]))
+
+
+def build_weighted_cat(
+    base: Path, dirs: Mapping[str, Path], members: list[tuple[str, float]], out: Path
+) -> Path:
+    """PEFT's `add_weighted_adapter(combination_type="cat")` of the adapters `members` names (with their
+    weights), saved as an adapter directory `out` (the oracle of a weighted mix)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    (first, _), *rest = members
+    peft = PeftModel.from_pretrained(model, dirs[first], adapter_name=first)
+    for name, _ in rest:
+        peft.load_adapter(dirs[name], adapter_name=name)
+    names, weights = [n for n, _ in members], [w for _, w in members]
+    peft.add_weighted_adapter(names, weights, "mix", combination_type="cat")
+    peft.save_pretrained(out, selected_adapters=["mix"])
+    return out / "mix"
+
+
 def check_mixed_batch(
     llm: LLM, dirs: Mapping[str, Path], oracle, seed: int, n: int, logprobs: bool = False
 ) -> None:
@@ -40,11 +66,13 @@ def check_requests(
     reqs: list[tuple[list[int], str | None]],
     new: int,
     logprobs: bool = False,
+    mixes: Mapping[str, list[tuple[str, float]]] | None = None,
 ) -> None:
     """Generate `new` greedy tokens for each (prompt, adapter name or None) of `reqs` in one batch: the
     tokens (and with `logprobs` each token's log-probability, to 1e-4) equal `oracle`'s (PEFT), and every
-    KV block is free or cached afterwards."""
-    loras = [LoRARequest(name, str(dirs[name])) if name else None for _, name in reqs]
+    KV block is free or cached afterwards. A name in `mixes` is requested as that weighted mix of other
+    adapters of `dirs` (its own dir, for the oracle, holds PEFT's `add_weighted_adapter` result)."""
+    loras = [lora_request(name, dirs, mixes) if name else None for _, name in reqs]
     top = 1 if logprobs else None
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, logprobs=top)
     outs = llm.generate([p for p, _ in reqs], params, lora_request=loras)

@@ -1,5 +1,5 @@
-"""The registry on a mixture-of-experts base model: an attention adapter registers; adapters on the
-router or the experts are refused with the module named, leaving no row, no blob and no temp file."""
+"""The registry on a mixture-of-experts base model: attention and expert adapters register; adapters on
+the router are refused with the module named, leaving no row, no blob and no temp file."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def moe_adapters(base_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """`attn`: q/v LoRA; `params`: PEFT's `target_parameters` on the fused experts; `router`: `attn`
-    plus LoRA tensors on layer 0's router."""
+    plus LoRA tensors on layer 0's router; `router-param`: the router's weight in `target_parameters`."""
     root = tmp_path_factory.mktemp("moe-adapters")
     attn = build_adapter(base_model, root / "attn", r=4, target_modules=["q_proj", "v_proj"])
     params = build_adapter(
@@ -49,23 +49,29 @@ def moe_adapters(base_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     weights = load_file(router / "adapter_model.safetensors")
     weights |= {f"{pre}.lora_A.weight": torch.ones(4, 64), f"{pre}.lora_B.weight": torch.ones(8, 4)}
     save_file(weights, str(router / "adapter_model.safetensors"))
-    return {"attn": attn, "params": params, "router": router}
+    router_param = build_adapter(
+        base_model,
+        root / "router-param",
+        r=4,
+        target_modules=["q_proj"],
+        target_parameters=["mlp.gate.weight"],
+    )
+    return {"attn": attn, "params": params, "router": router, "router-param": router_param}
 
 
-def test_attention_adapter_registers(registry: Registry, moe_adapters) -> None:
-    assert registry.adapters.register("bot", moe_adapters["attn"]).created
+@pytest.mark.parametrize("case", ["attn", "params"])
+def test_attention_and_expert_adapters_register(case: str, registry: Registry, moe_adapters) -> None:
+    assert registry.adapters.register("bot", moe_adapters[case]).created
 
 
 @pytest.mark.parametrize(
     ("case", "message"),
     [
-        ("params", r"target_parameters: \['mlp.experts.down_proj'\]: LoRA on raw parameters"),
+        ("router-param", r"target_parameters: 'mlp.gate.weight': LoRA on the router is not supported"),
         ("router", r"target_modules: 'gate' is part of the mixture-of-experts feed-forward block"),
     ],
 )
-def test_router_and_expert_adapters_refused(
-    case: str, message: str, registry: Registry, moe_adapters
-) -> None:
+def test_router_adapters_refused(case: str, message: str, registry: Registry, moe_adapters) -> None:
     with pytest.raises(InvalidAdapter, match=message):
         registry.adapters.register("bot", moe_adapters[case])
     assert_nothing_left(registry)

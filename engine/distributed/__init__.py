@@ -1,0 +1,9 @@
+"""The engine on several devices: tensor parallel over a worker group on torch.distributed.
+
+- `group.py`: the one owner of the process group (gloo on CPU, NCCL on CUDA) and its collectives;
+- `shard.py`: what each rank holds of the model and of every adapter (Megatron-style);
+- `shard_model.py`: a rank's model shard, wired to the all-reduce;
+- `step_plan.py`: the typed frames rank 0 sends each step (inputs, LoRA runs, pool changes);
+- `worker.py` / `worker_group.py`: ranks 1..N-1, and rank 0's handle on them (start, step, restart);
+- `setup.py`: rank 0's set-up from the engine's config.
+"""

@@ -1,0 +1,150 @@
+"""The messages rank 0 sends the other tensor-parallel ranks: typed arrays in one byte frame, no pickle.
+
+A frame is ``[kind, n, (dtype code, ndim, shape...) * n]`` as int64, then each array's raw bytes. Kinds:
+
+- `STEP`: one forward pass. Arrays: input_ids [T], positions [T], slot_mapping [T] (int64),
+  block_tables [B, M] (int32), seq_lens [B], query_starts [B+1], [num_decodes] (int64), and the LoRA
+  runs [S, 3] = (first row, end row, pool slot) of the rows that use an adapter (S = 0: none).
+- `UPLOAD`: write an adapter into the pool. Arrays: digest (uint8, ASCII), [slot], pages per module
+  [7] then the page ids, per adapted (layer, module) its [layer, module index, rank] (int64 [W, 3]) and
+  scaling (float64 [W]), then A and B of each, float32.
+- `EVICT`: digest. `STOP`: no arrays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.lora.adapter_checkpoint import PROJECTIONS, AdapterCheckpoint, LoRAModuleWeights
+from engine.step_inputs import StepInputs
+
+STEP, UPLOAD, EVICT, STOP = 1, 2, 3, 4
+_DTYPES = [np.dtype(t) for t in (np.int64, np.int32, np.float32, np.float64, np.uint8)]
+
+
+def encode(kind: int, arrays: list[np.ndarray]) -> bytes:
+    """One frame of `kind` carrying `arrays` (each of a dtype in `_DTYPES`)."""
+    head: list[int] = [kind, len(arrays)]
+    for a in arrays:
+        head += [_DTYPES.index(a.dtype), a.ndim, *a.shape]
+    parts = [np.asarray([len(head), *head], dtype=np.int64).tobytes()]
+    parts += [np.ascontiguousarray(a).tobytes() for a in arrays]
+    return b"".join(parts)
+
+
+def decode(frame: bytes) -> tuple[int, list[np.ndarray]]:
+    """(kind, arrays) of a frame made by `encode`."""
+    n_head = int(np.frombuffer(frame, dtype=np.int64, count=1)[0])
+    head = np.frombuffer(frame, dtype=np.int64, count=n_head, offset=8).tolist()
+    kind, count, i = head[0], head[1], 2
+    offset = 8 * (n_head + 1)
+    arrays = []
+    for _ in range(count):
+        dtype, ndim = _DTYPES[head[i]], head[i + 1]
+        shape = tuple(head[i + 2 : i + 2 + ndim])
+        i += 2 + ndim
+        size = int(np.prod(shape)) if shape else 1
+        arrays.append(np.frombuffer(frame, dtype=dtype, count=size, offset=offset).reshape(shape).copy())
+        offset += size * dtype.itemsize
+    return kind, arrays
+
+
+@dataclass(slots=True)
+class WorkerStep:
+    """A decoded `STEP`: the forward inputs (no logits rows: only rank 0 samples) and the LoRA runs."""
+
+    inputs: StepInputs
+    lora_runs: np.ndarray  # [S, 3] (start, end, slot)
+
+
+def encode_step(inp: StepInputs, lora_runs: list[tuple[int, int, int]]) -> bytes:
+    runs = np.asarray(lora_runs, dtype=np.int64).reshape(-1, 3)
+    return encode(
+        STEP,
+        [
+            np.asarray(inp.input_ids, dtype=np.int64),
+            inp.positions.astype(np.int64, copy=False),
+            inp.slot_mapping.astype(np.int64, copy=False),
+            inp.block_tables.astype(np.int32, copy=False),
+            np.asarray(inp.seq_lens, dtype=np.int64),
+            np.asarray(inp.query_starts, dtype=np.int64),
+            np.asarray([inp.num_decodes], dtype=np.int64),
+            runs,
+        ],
+    )
+
+
+def decode_step(arrays: list[np.ndarray]) -> WorkerStep:
+    ids, pos, slots, tables, seq_lens, starts, nd, runs = arrays
+    inp = StepInputs(
+        input_ids=ids.tolist(),
+        positions=pos,
+        slot_mapping=slots,
+        block_tables=tables,
+        seq_lens=seq_lens.tolist(),
+        query_starts=starts.tolist(),
+        logits_rows=[],
+        num_decodes=int(nd[0]),
+    )
+    return WorkerStep(inp, runs)
+
+
+def _digest(d: str) -> np.ndarray:
+    return np.frombuffer(d.encode("ascii"), dtype=np.uint8)
+
+
+def encode_upload(ckpt: AdapterCheckpoint, slot: int, pages: list[list[int]]) -> bytes:
+    mods = [w for w in ckpt.modules if w.lora_a is not None and w.lora_b is not None]
+    index = {m: i for i, m in enumerate(PROJECTIONS)}
+    meta = np.asarray([[w.layer, index[w.module], w.rank] for w in mods], dtype=np.int64).reshape(-1, 3)
+    weights = []
+    for w in mods:
+        assert w.lora_a is not None and w.lora_b is not None, "filtered above"
+        weights += [w.lora_a.float().numpy(), w.lora_b.float().numpy()]
+    return encode(
+        UPLOAD,
+        [
+            _digest(ckpt.digest),
+            np.asarray([slot], dtype=np.int64),
+            np.asarray([len(p) for p in pages], dtype=np.int64),
+            np.asarray([p for plist in pages for p in plist], dtype=np.int64),
+            meta,
+            np.asarray([w.scaling for w in mods], dtype=np.float64),
+            *weights,
+        ],
+    )
+
+
+def decode_upload(arrays: list[np.ndarray]) -> tuple[AdapterCheckpoint, int, list[list[int]]]:
+    """(the adapter, with the weights it had on rank 0, as float32; its slot; its pages per module)."""
+    digest, slot, counts, flat, meta, scalings, *weights = arrays
+    pages, at = [], 0
+    for n in counts.tolist():
+        pages.append(flat[at : at + n].tolist())
+        at += n
+    modules = []
+    for i, (layer, m, rank) in enumerate(meta.tolist()):
+        a, b = torch.from_numpy(weights[2 * i]), torch.from_numpy(weights[2 * i + 1])
+        modules.append(LoRAModuleWeights(layer, PROJECTIONS[m], rank, 0.0, float(scalings[i]), a, b))
+    ckpt = AdapterCheckpoint(
+        digest=bytes(digest).decode("ascii"),
+        rank=max((w.rank for w in modules), default=0),
+        alpha=0.0,
+        target_modules=(),
+        use_rslora=False,
+        size_bytes=0,
+        base_model_name=None,
+        modules=tuple(modules),
+    )
+    return ckpt, int(slot[0]), pages
+
+
+def encode_evict(digest: str) -> bytes:
+    return encode(EVICT, [_digest(digest)])
+
+
+def decode_evict(arrays: list[np.ndarray]) -> str:
+    return bytes(arrays[0]).decode("ascii")

@@ -1,0 +1,184 @@
+"""A tensor-parallel worker process (ranks 1..N-1): its model shard, KV cache (its heads) and adapter pool.
+
+It loads its shard, reports ready on its pipe, joins the process group, and then runs what rank 0 sends
+(`engine/distributed/step_plan.py`): pool uploads and evictions at the slots and pages rank 0 chose, and
+forward passes, whose all-reduces meet rank 0's. It computes no logits and samples nothing. Any failure
+ends the process, which closes its sockets, so rank 0's next collective fails at once; a closed pipe
+(rank 0 gone) ends it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.distributed.channel import Channel
+from engine.engine_config import EngineConfig
+
+if TYPE_CHECKING:
+    from engine.distributed.group import ProcessGroup
+    from engine.lora.pool import AdapterPool, ResidentAdapter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """What a worker needs to build its rank (one JSON line on its stdin, at start)."""
+
+    config: EngineConfig
+    rank: int
+    world: int
+    port: int  # the process group's rendezvous
+    control_port: int  # rank 0's socket for this worker's channel
+    device: str  # e.g. "cpu", "cuda:1"
+    num_threads: int
+    lora_dtype: str  # the pool's dtype name
+    timeout: float
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerSpec:
+        raw = json.loads(text)
+        return cls(**(raw | {"config": EngineConfig(**raw["config"])}))
+
+
+def worker_main(spec: WorkerSpec) -> None:
+    """The worker process's life (module docstring): connect, load the shard, take rank 0's sizes
+    (`{"num_kv_blocks": n, "lora_backend": name or null}`, JSON), report ready, join, serve, exit."""
+    conn = Channel.connect(spec.control_port)
+    conn.send_bytes(str(spec.rank).encode())
+    try:
+        worker = _Worker(spec)
+        sizes = json.loads(conn.recv_bytes())
+        worker.allocate(int(sizes["num_kv_blocks"]), sizes["lora_backend"])
+    except BaseException as exc:  # reported to rank 0, which raises it at start
+        with contextlib.suppress(OSError):
+            conn.send_bytes(f"error: {exc}".encode())
+        os._exit(1)
+    conn.send_bytes(b"ready")
+    try:
+        worker.join()
+        worker.serve(conn)
+    except BaseException:
+        traceback.print_exc(file=sys.stderr)
+        os._exit(1)
+    os._exit(0)
+
+
+class _Worker:
+    def __init__(self, spec: WorkerSpec) -> None:
+        from engine.attention import select_backend
+        from engine.distributed.shard import TensorShard
+        from engine.distributed.shard_model import load_shard
+        from engine.model_config import ModelConfig, resolve_dtype
+
+        torch.set_num_threads(spec.num_threads)
+        cfg = spec.config
+        self.spec = spec
+        self.device = torch.device(spec.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        checkpoint = ModelConfig.from_dir(cfg.model)
+        dtype = resolve_dtype(cfg.dtype, checkpoint, self.device)
+        self.shard = TensorShard(spec.rank, spec.world, checkpoint)
+        self.group: ProcessGroup | None = None
+        self.model = load_shard(
+            checkpoint, self.shard, dtype, self.device, self._all_reduce, cfg.packed_cpu_gemms
+        )
+        self.dtype = dtype
+        self.backend = select_backend(self.device, cfg.attention_backend)
+        self.lora_backend: str | None = None
+        self.pool: AdapterPool | None = None
+
+    def allocate(self, num_kv_blocks: int, lora_backend: str | None) -> None:
+        """This rank's KV cache (its heads, rank 0's block count) and adapter pool (rank 0's layout;
+        `lora_backend` None: LoRA disabled)."""
+        from engine.lora.pool import AdapterPool
+        from engine.model_config import resolve_lora_dtype
+
+        cfg, local = self.spec.config, self.shard.local_config()
+        shape = (local.num_layers, 2, num_kv_blocks, cfg.block_size, local.num_kv_heads, local.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_layers = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(local.num_layers)]
+        self.lora_backend = lora_backend
+        if lora_backend is not None:
+            self.pool = AdapterPool(
+                local,
+                cfg.adapter_pool_pages(),
+                cfg.lora_page_rank,
+                cfg.max_lora_rank,
+                resolve_lora_dtype(self.spec.lora_dtype, self.dtype),
+                self.device,
+                None,
+                self.shard,
+            )
+
+    def _all_reduce(self, t: torch.Tensor) -> None:
+        assert self.group is not None, "the group is joined before the first forward"
+        self.group.all_reduce(t)
+
+    def join(self) -> None:
+        from engine.distributed.group import ProcessGroup
+
+        s = self.spec
+        self.group = ProcessGroup(s.rank, s.world, s.port, self.device, s.timeout)
+
+    def serve(self, conn: Channel) -> None:
+        from engine.distributed import step_plan as sp
+
+        while True:
+            try:
+                frame = conn.recv_bytes()
+            except (EOFError, OSError):
+                return  # rank 0 is gone
+            kind, arrays = sp.decode(frame)
+            if kind == sp.STEP:
+                self._step(sp.decode_step(arrays))
+            elif kind == sp.UPLOAD:
+                assert self.pool is not None, "uploads only come with LoRA enabled"
+                ckpt, slot, pages = sp.decode_upload(arrays)
+                self.pool.place(ckpt, slot, pages)
+            elif kind == sp.EVICT:
+                assert self.pool is not None, "evictions only come with LoRA enabled"
+                self.pool.evict(sp.decode_evict(arrays))
+            elif kind == sp.STOP:
+                return
+
+    @torch.inference_mode()
+    def _step(self, step) -> None:
+        from engine.lora.residency import lora_context
+        from engine.step_inputs import to_forward_batch
+
+        lora = None
+        if len(step.lora_runs):
+            assert self.pool is not None, "LoRA runs only come with LoRA enabled"
+            assert self.lora_backend is not None, "set with the pool"
+            by_slot = {r.slot: r for r in self.pool.resident.values()}
+            counts: list[int] = []
+            adapters: list[ResidentAdapter | None] = []
+            row = 0
+            for start, end, slot in step.lora_runs.tolist():
+                if start > row:
+                    counts.append(start - row)
+                    adapters.append(None)
+                counts.append(end - start)
+                adapters.append(by_slot[slot])
+                row = end
+            if row < step.inputs.num_tokens:
+                counts.append(step.inputs.num_tokens - row)
+                adapters.append(None)
+            lora = lora_context(self.pool, self.lora_backend, counts, adapters)
+        batch = to_forward_batch(step.inputs, lora, self.device)
+        self.model(batch, self.kv_layers, self.backend)

@@ -1,0 +1,114 @@
+"""A step's LoRA on a mixture-of-experts model's routed experts (`ExpertLoRAStep`), read by the MoE block.
+
+Built once per step from the runs of flat-batch rows whose adapter has expert pages
+(`engine/lora/expert_pages.py`). The MoE block (`engine/model/moe_experts.py`) sorts its (token, expert)
+pairs by (expert, `row_adapter[token]`) once, so within each expert's rows every adapter's rows are one
+run, and for each run adds that adapter's delta for that expert::
+
+    out[run] += scaling[a, layer, p] * (x[run] @ A[a, layer, p, e].T) @ B[a, layer, p, e].T
+
+one GEMM pair per page the adapter's rank on p covers (pages are zero beyond the rank); short runs (decode
+rows) of a layer are applied together instead, their pages gathered into two row-vector `bmm`s
+(`add_pairs`). Rows of base
+requests and of adapters without expert LoRA have `row_adapter` = `num_adapters` and are never touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.lora.expert_pages import ExpertPageStore, ExpertResident
+from engine.lora.pool import AdapterPool, ResidentAdapter
+from kernels.intmath import cdiv
+
+
+class ExpertLoRAStep:
+    """The step's expert adapters and each row's index among them (module docstring)."""
+
+    def __init__(self, store: ExpertPageStore, runs: Sequence[tuple[ResidentAdapter, range]]) -> None:
+        self.store = store
+        self.adapters: list[ExpertResident] = []
+        index: dict[int, int] = {}
+        self._runs: list[tuple[int, range]] = []
+        for ad, rows in runs:
+            assert ad.experts is not None, "expert runs are of adapters with expert pages"
+            if ad.slot not in index:
+                index[ad.slot] = len(self.adapters)
+                self.adapters.append(ad.experts)
+            self._runs.append((index[ad.slot], rows))
+        self.num_adapters = len(self.adapters)
+        self._rows: torch.Tensor | None = None
+
+    def __bool__(self) -> bool:
+        return self.num_adapters > 0
+
+    def row_adapter(self, num_rows: int, device: torch.device) -> torch.Tensor:
+        """int64 [num_rows]: each flat-batch row's adapter index, `num_adapters` for rows without one."""
+        if self._rows is None or self._rows.shape[0] != num_rows:
+            rows = torch.full((num_rows,), self.num_adapters, dtype=torch.long)
+            for j, run in self._runs:
+                rows[run.start : run.stop] = j
+            self._rows = rows.to(device)
+        return self._rows
+
+    def adapts(self, layer: int) -> bool:
+        """Whether any adapter of the step has expert LoRA in `layer`."""
+        return any(ad.ranks[layer] for ad in self.adapters)
+
+    def add(
+        self, layer: int, proj: str, expert: int, adapter: int, x: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """`out += scaling * (x @ A_e.T) @ B_e.T` for adapter index `adapter`'s expert `expert` (in place)."""
+        ad = self.adapters[adapter]
+        rank = ad.ranks[layer].get(proj, 0)
+        if not rank:
+            return
+        scale = ad.scalings[layer][proj]
+        a, b = self.store.a[proj], self.store.b[proj]
+        for page in ad.pages[proj][: cdiv(rank, self.store.page_rank)]:
+            v = x @ a[page, layer, expert].to(x.dtype).T
+            out.addmm_(v, b[page, layer, expert].to(x.dtype).T, alpha=scale)
+
+    def add_pairs(
+        self,
+        layer: int,
+        proj: str,
+        rows: list[int],
+        experts: list[int],
+        adapters: list[int],
+        x: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """For every pair k: `out[rows[k]] += s * (x[rows[k]] @ A.T) @ B.T` with adapter `adapters[k]`'s
+        pages of expert `experts[k]`: the pages of all pairs gathered into `[K, page_rank, in]` and
+        `[K, out, page_rank]`, two row-vector `bmm`s and one `index_add_` (short runs: decode rows)."""
+        store, pr = self.store, self.store.page_rank
+        index, entry, scale = [], [], []
+        for row, e, j in zip(rows, experts, adapters, strict=True):
+            ad = self.adapters[j]
+            rank = ad.ranks[layer].get(proj, 0)
+            for page in ad.pages[proj][: cdiv(rank, pr)]:
+                index.append((page * store.cfg.num_layers + layer) * store.num_experts + e)
+                entry.append(row)
+                scale.append(ad.scalings[layer][proj])
+        if not index:
+            return
+        a_all, b_all = store.a[proj], store.b[proj]
+        device = out.device
+        idx = torch.tensor(index, dtype=torch.long, device=device)
+        at = torch.tensor(entry, dtype=torch.long, device=device)
+        a = a_all.view(-1, pr, a_all.shape[-1]).index_select(0, idx).to(x.dtype)  # [K, pr, in]
+        b = b_all.view(-1, b_all.shape[-2], pr).index_select(0, idx).to(x.dtype)  # [K, out, pr]
+        v = torch.bmm(x.index_select(0, at).unsqueeze(1), a.transpose(1, 2))  # [K, 1, pr]
+        v.mul_(torch.tensor(scale, dtype=x.dtype, device=device).view(-1, 1, 1))
+        out.index_add_(0, at, torch.bmm(v, b.transpose(1, 2)).squeeze(1))
+
+
+def expert_step(pool: AdapterPool, runs: Sequence[tuple[ResidentAdapter, range]]) -> ExpertLoRAStep | None:
+    """The step's expert LoRA over `runs` (adapter, flat-batch rows), or None when none has expert pages."""
+    if pool.experts is None:
+        return None
+    runs = [(ad, rows) for ad, rows in runs if ad.experts is not None]
+    return ExpertLoRAStep(pool.experts, runs) if runs else None

@@ -1,0 +1,170 @@
+"""The routed experts of one MoE layer over the step's tokens: `experts_forward`, the seam a device kernel
+replaces (a CUDA fused-MoE kernel slots in here), with each token's own adapter's LoRA on its experts.
+
+For x [T, H], each token's top-k expert ids and routing weights, and the step's expert LoRA (or None)::
+
+    key[t, j]  = ids[t, j] * (A + 1) + adapter(t)      A adapters with expert LoRA; A: none
+    order      = argsort(key)  (stable, once)           pairs grouped by expert, then by adapter
+    gu  = grouped GEMM: for each expert e with rows, gu[rows_e] = x[rows_e] @ W_gate_up[e].T
+          then per (expert e, adapter a) run:  gu[run] += s_a (x[run] @ A_a,e.T) @ B_a,e.T
+          (runs of fewer than `SHORT_RUN` rows: all of them at once, pages gathered, two `bmm`s)
+    h   = silu(gu[:, :I]) * gu[:, I:]
+    y   = grouped GEMM with W_down, then per run  y[run] += s_a (h[run] @ A'_a,e.T) @ B'_a,e.T
+    out[t] = sum_j weight[t, j] * y[pair (t, j)]        (`index_add_` in pair order)
+
+Experts without tokens are never read, so a decode step's cost follows the active experts' weights. The
+grouped GEMM is one `torch._grouped_mm` per projection over the sorted rows on the CPU (it measured
+equal to 0.84x the time of a torch loop over the experts at decode and prefill shapes on a 2-core EPYC,
+docs/benchmarks.md, and gives the loop's bits); elsewhere, or where this torch lacks it, that loop.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Protocol
+
+import torch
+from torch import nn
+
+
+class ExpertLoRAHook(Protocol):
+    """A step's LoRA on the experts (`engine/lora/expert_step.py`, `ExpertLoRAStep`)."""
+
+    num_adapters: int
+
+    def row_adapter(self, num_rows: int, device: torch.device) -> torch.Tensor:
+        """int64 [num_rows]: each row's adapter index, `num_adapters` for rows without expert LoRA."""
+        ...
+
+    def adapts(self, layer: int) -> bool:
+        """Whether any adapter of the step has expert LoRA in `layer`."""
+        ...
+
+    def add(
+        self, layer: int, proj: str, expert: int, adapter: int, x: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """`out += scaling * (x @ A.T) @ B.T` of adapter `adapter` for `expert`'s projection `proj`."""
+        ...
+
+    def add_pairs(
+        self,
+        layer: int,
+        proj: str,
+        rows: list[int],
+        experts: list[int],
+        adapters: list[int],
+        x: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """`add` for single rows: row `rows[k]` of x and out with adapter `adapters[k]`, `experts[k]`."""
+        ...
+
+
+def experts_forward(
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    lora: ExpertLoRAHook | None = None,
+    layer: int = 0,
+) -> torch.Tensor:
+    """The routed experts' weighted output [T, H] (module docstring). `gate_up` [E, 2I, H], `down` [E, H, I],
+    `weights` [T, k] in x's dtype, `ids` [T, k]; `lora` the step's expert LoRA, `layer` its layer index."""
+    num_experts, top_k, inter = gate_up.shape[0], ids.shape[1], down.shape[2]
+    groups = 1
+    flat = ids.reshape(-1)
+    if lora is not None and lora.adapts(layer):
+        groups = lora.num_adapters + 1
+        adapter = lora.row_adapter(x.shape[0], x.device)
+        flat = flat * groups + adapter.repeat_interleave(top_k)
+    else:
+        lora = None
+    order = torch.argsort(flat, stable=True)  # pairs sorted by (expert, adapter), once
+    tokens = order // top_k
+    counts = torch.bincount(flat, minlength=num_experts * groups)
+    per_expert = counts.view(num_experts, groups).sum(1)
+    runs = counts.tolist()
+    sizes = per_expert.tolist()
+    xs = x[tokens]
+    gu = _grouped_linear(xs, gate_up, sizes, per_expert)
+    plan = _RunPlan(runs, groups) if lora is not None else None
+    if lora is not None and plan is not None:
+        plan.apply(lora, layer, "gate_up", xs, gu)
+    h = nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+    ys = _grouped_linear(h, down, sizes, per_expert)
+    if lora is not None and plan is not None:
+        plan.apply(lora, layer, "down", h, ys)
+    ys.mul_(weights.reshape(-1)[order].unsqueeze(1))
+    return torch.zeros_like(x).index_add_(0, tokens, ys)
+
+
+def _grouped_linear(
+    xs: torch.Tensor, w: torch.Tensor, sizes: list[int], counts: torch.Tensor
+) -> torch.Tensor:
+    """`ys[rows of e] = xs[rows of e] @ w[e].T` for the expert-sorted rows `xs` (`sizes[e]` rows each):
+    on the CPU one `torch._grouped_mm` (where this torch has it), else a GEMM per expert with rows."""
+    if _grouped_mm_works(xs.device.type, xs.dtype):
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        return torch._grouped_mm(xs, w.transpose(1, 2), offs=offs)
+    ys = xs.new_empty(xs.shape[0], w.shape[1])
+    start = 0
+    for e, n in enumerate(sizes):
+        if n:
+            ys[start : start + n] = nn.functional.linear(xs[start : start + n], w[e])
+            start += n
+    return ys
+
+
+@functools.cache
+def _grouped_mm_works(device: str, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` exists here and computes the per-expert GEMMs exactly (CPU only: on
+    CUDA it needs Hopper-class GPUs and aligned shapes, and a fused-MoE kernel is the fast path there)."""
+    if device != "cpu" or not hasattr(torch, "_grouped_mm"):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(5, 8, generator=gen).to(dtype), torch.randn(3, 16, 8, generator=gen).to(dtype)
+    try:
+        y = torch._grouped_mm(a, b.transpose(1, 2), offs=torch.tensor([2, 2, 5], dtype=torch.int32))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    ref = torch.cat([nn.functional.linear(a[:2], b[0]), nn.functional.linear(a[2:], b[2])])
+    return bool(torch.allclose(y.float(), ref.float(), rtol=1e-3, atol=1e-3))
+
+
+# (expert, adapter) runs shorter than this (decode rows) are applied together as gathered pairs, while
+# they are at most GATHER_MAX_PAIRS rows in all (the gathered pages are a copy of K pages); longer runs,
+# and all runs of a step with more such rows (a prefill over many adapters), multiply the pages in place
+SHORT_RUN = 4
+GATHER_MAX_PAIRS = 128
+
+
+class _RunPlan:
+    """A layer's (expert, adapter) runs over the sorted rows: `runs[e * groups + j]` rows of adapter j
+    within expert e's rows, in that order (j = groups - 1: rows without expert LoRA, never touched)."""
+
+    def __init__(self, runs: list[int], groups: int) -> None:
+        self.long: list[tuple[int, int, int, int]] = []  # (expert, adapter, first row, rows)
+        self.rows: list[int] = []  # rows of short runs, with their expert and adapter
+        self.experts: list[int] = []
+        self.adapters: list[int] = []
+        lo, short = 0, list[tuple[int, int, int, int]]()
+        for i, n in enumerate(runs):
+            e, j = divmod(i, groups)
+            if n and j < groups - 1:
+                (self.long if n >= SHORT_RUN else short).append((e, j, lo, n))
+            lo += n
+        if sum(n for *_, n in short) > GATHER_MAX_PAIRS:
+            self.long += short
+            return
+        for e, j, lo, n in short:
+            self.rows.extend(range(lo, lo + n))
+            self.experts.extend([e] * n)
+            self.adapters.extend([j] * n)
+
+    def apply(self, lora: ExpertLoRAHook, layer: int, proj: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Every run's LoRA delta for projection `proj` into `out` (rows of x and out: the sorted pairs)."""
+        for e, j, lo, n in self.long:
+            lora.add(layer, proj, e, j, x[lo : lo + n], out[lo : lo + n])
+        if self.rows:
+            lora.add_pairs(layer, proj, self.rows, self.experts, self.adapters, x, out)

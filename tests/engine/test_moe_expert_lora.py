@@ -1,0 +1,178 @@
+"""LoRA on the routed experts of the four MoE families, in mixed batches, token-for-token equal to PEFT
+(float32): PEFT's `target_parameters` on transformers 5's fused expert parameters alone; base rows with
+three adapters of different ranks and targets (attention, experts, both) under chunked prefill and
+preemption; adapters saved in the per-expert layout (`experts.N.gate_proj` ..., Mixtral's `w1/w3/w2`)
+beside fused ones. The adapter pool reports each adapter's device memory, expert pages included.
+
+(Attention-only adapters on MoE models and the refusals are in test_moe_lora.py.)"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import LLM, LoRARequest, SamplingParams
+from engine.lora.expert_pages import EXPERT_PROJS
+from engine.model_config import ModelConfig
+from tests.helpers.expert_adapters import build_per_expert_adapter
+from tests.helpers.peft_batch import check_requests, cpu_llm
+from tests.helpers.tiny_adapters import PeftGreedyOracle, build_adapter
+from tests.helpers.tiny_models import MOE_ARCHS
+
+pytestmark = pytest.mark.slow  # the PEFT oracle on tiny models
+
+NEW = 6
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+SPECS = {
+    "experts-r4": dict(r=4, lora_alpha=8, target_modules=[], target_parameters=EXPERTS),
+    "attn-r8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "o_proj"]),
+    "both-r16": dict(
+        r=16,
+        lora_alpha=16,
+        target_modules=["k_proj", "o_proj"],
+        target_parameters=EXPERTS,
+        rank_pattern={"down_proj": 2},
+        alpha_pattern={"gate_up_proj": 48},
+    ),
+    "down-r2-rslora": dict(
+        r=2, lora_alpha=4, target_modules=["q_proj"], target_parameters=["down_proj"], use_rslora=True
+    ),
+}
+
+
+class _TwinOracle:
+    """PEFT on an adapter's fused twin where PEFT cannot read the adapter's own layout (Qwen2-MoE's
+    per-expert adapters: `tests/helpers/expert_adapters.py`)."""
+
+    def __init__(self, oracle: PeftGreedyOracle, twins: dict) -> None:
+        self.oracle, self.twins = oracle, twins
+
+    def greedy(self, prompt, new, adapter):
+        return self.oracle.greedy(prompt, new, self.twins.get(adapter, adapter))
+
+
+@pytest.fixture(scope="module")
+def adapters(checkpoint, tmp_path_factory):
+    """Per MoE arch: (base dir, {name: adapter dir}, oracle); "per-expert" is in the per-expert layout."""
+    out = {}
+    for arch in MOE_ARCHS:
+        base = checkpoint(arch)
+        root = tmp_path_factory.mktemp(f"moe_expert_adapters_{arch}")
+        dirs = {
+            name: build_adapter(base, root / name, seed=i, **spec)
+            for i, (name, spec) in enumerate(SPECS.items())
+        }
+        twin = root / "per-expert-twin" if arch == "qwen2_moe" else None
+        dirs["per-expert"] = build_per_expert_adapter(
+            base, root / "per-expert", r=4, lora_alpha=8, seed=9, twin=twin
+        )
+        oracle = PeftGreedyOracle(base)
+        out[arch] = (base, dirs, _TwinOracle(oracle, {dirs["per-expert"]: twin}) if twin else oracle)
+    return out
+
+
+def _requests(seed: int, names: list[str | None], n: int) -> list[tuple[list[int], str | None]]:
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(3, 96) for _ in range(rng.randrange(2, 26))], names[i % len(names)]) for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_expert_adapter_alone_matches_peft(arch, adapters):
+    """Only the experts are adapted (`target_parameters`, no target_modules); the adapter changes the
+    tokens, and the engine's are PEFT's."""
+    base, dirs, oracle = adapters[arch]
+    reqs = _requests(1, ["experts-r4"], 4)
+    adapted = [oracle.greedy(p, NEW, dirs["experts-r4"]) for p, _ in reqs]
+    assert adapted != [oracle.greedy(p, NEW, None) for p, _ in reqs]
+    check_requests(cpu_llm(base), dirs, oracle, reqs, NEW)
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_mixed_expert_and_attention_adapters_with_chunking_and_preemption(arch, adapters):
+    """Base rows and three adapters (attention only, experts only, both with rank/alpha patterns) in one
+    batch: once as is, once in chunks of 9 tokens with a KV cache small enough to preempt."""
+    base, dirs, oracle = adapters[arch]
+    names = ["attn-r8", "experts-r4", None, "both-r16"]
+    check_requests(cpu_llm(base), dirs, oracle, _requests(2, names, 6), NEW)
+    llm = cpu_llm(base, num_kv_blocks=14, max_num_batched_tokens=9, max_loras=3)
+    check_requests(llm, dirs, oracle, _requests(3, [*names, "down-r2-rslora"], 8), NEW)
+    assert llm.engine.get_stats().num_preemptions > 0
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_per_expert_layout_adapter_matches_peft(arch, adapters):
+    """An adapter saved with per-expert `target_modules` (gate, up and down of every expert, and q_proj)
+    beside a fused `target_parameters` adapter and base rows, on a per-expert-layout checkpoint."""
+    base, dirs, oracle = adapters[arch]
+    check_requests(cpu_llm(base), dirs, oracle, _requests(4, ["per-expert", None, "both-r16"], 6), NEW)
+
+
+def test_pool_reports_expert_adapter_memory(adapters):
+    """`list_loras` counts a resident adapter's expert pages in its `memory_bytes`: per projection page,
+    layers x experts x page_rank x (in + out) values; an attention adapter has none of them."""
+    base, dirs, _ = adapters["qwen3_moe"]
+    cfg = ModelConfig.from_dir(base)
+    llm = cpu_llm(base)
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    for name in ("experts-r4", "attn-r8"):
+        llm.generate([[5, 6, 7]], params, lora_request=LoRARequest(name, str(dirs[name])))
+    infos = {i.names[0]: i for i in llm.engine.list_loras()}
+    pool = llm.engine.lora.pool
+    assert pool.experts is not None
+    expert_bytes = sum(pool.experts.page_bytes(p) for p in EXPERT_PROJS)  # rank 4 <= page_rank: a page each
+    attn = infos["attn-r8"].memory_bytes
+    assert attn > 0 and infos["experts-r4"].memory_bytes == expert_bytes
+    moe = cfg.extra["moe"]
+    values = (
+        cfg.num_layers
+        * moe["num_experts"]
+        * pool.page_rank
+        * (2 * cfg.hidden_size + 3 * moe["intermediate_size"])
+    )
+    assert expert_bytes == values * 4  # float32
+    assert infos["experts-r4"].rank == 4
+
+
+def test_dense_model_refuses_target_parameters(checkpoint, tmp_path):
+    """`target_parameters` on a model without experts is refused, naming the field."""
+    from engine.lora.adapter_checkpoint import AdapterError, inspect_adapter
+
+    base = checkpoint("llama")
+    path = build_adapter(
+        base, tmp_path / "p", r=2, target_modules=["v_proj"], target_parameters=["q_proj.weight"]
+    )
+    with pytest.raises(AdapterError, match=r"target_parameters: \['q_proj.weight'\]: LoRA on raw parameters"):
+        inspect_adapter(path, ModelConfig.from_dir(base))
+    llm = LLM(str(base), device="cpu", dtype="float32")
+    with pytest.raises(AdapterError, match="target_parameters"):
+        llm.generate([[5, 6]], SamplingParams(max_tokens=2), lora_request=LoRARequest("p", str(path)))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_other_lora_backends_apply_expert_lora(backend, adapters):
+    """The torch CPU path and the CUDA path's Triton SGMV context (interpreted on the CPU) carry the
+    step's expert LoRA as the native path does: PEFT's tokens for a mixed batch on Mixtral."""
+    base, dirs, oracle = adapters["mixtral"]
+    kw = {"lora_backend": backend} | ({"attention_backend": "triton"} if backend == "triton" else {})
+    check_requests(cpu_llm(base, **kw), dirs, oracle, _requests(5, ["both-r16", None, "experts-r4"], 3), 3)
+
+
+def test_prefix_cache_and_ngram_speculation_with_expert_adapters(adapters):
+    """Repetitive prompts with a shared prefix on expert adapters and base rows, under n-gram speculation:
+    prefix-cache hits, drafts verified (multi-row runs per request) through the experts' LoRA, and
+    PEFT's tokens."""
+    base, dirs, oracle = adapters["qwen3_moe"]
+    rng = random.Random(6)
+    shared = [rng.randrange(3, 96) for _ in range(9)]
+    reqs = []
+    for i, name in enumerate(["experts-r4", None, "both-r16", "experts-r4", None]):
+        phrase = [rng.randrange(3, 96) for _ in range(rng.randrange(2, 5))]
+        reqs.append(((shared if i % 2 == 0 else []) + phrase * rng.randrange(2, 5), name))
+    llm = cpu_llm(base, speculative="ngram", num_speculative_tokens=3)
+    for _ in range(2):  # the second round reuses the first's cached blocks
+        check_requests(llm, dirs, oracle, reqs, NEW)
+    stats = llm.engine.get_stats()
+    assert stats.prefix_cache_hits > 0 and stats.spec_verifications > 0
