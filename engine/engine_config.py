@@ -100,11 +100,19 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
         if self.distributed_timeout <= 0:
             raise ValueError(f"distributed_timeout must be > 0, got {self.distributed_timeout}")
-        if self.fully_sharded_loras and tp > 1:
-            raise ValueError("fully_sharded_loras is not implemented yet; use the default LoRA sharding")
         if tp == 1:
             return
         device = self.resolve_device()
+        if self.fully_sharded_loras and self.lora_page_rank % tp:
+            raise ValueError(
+                f"fully_sharded_loras splits each LoRA page's rank-rows over the ranks: lora_page_rank "
+                f"{self.lora_page_rank} must be divisible by tensor_parallel_size={tp}"
+            )
+        if self.fully_sharded_loras and device.type == "cuda":
+            raise ValueError(
+                "fully_sharded_loras runs on the CPU LoRA path only (the Triton LoRA kernels read whole A "
+                "pages); use the default LoRA sharding on CUDA"
+            )
         if device.type == "cuda" and tp > torch.cuda.device_count():
             raise ValueError(
                 f"tensor_parallel_size={tp} needs {tp} CUDA devices; "

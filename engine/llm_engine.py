@@ -118,6 +118,8 @@ class LLMEngine:
                 base=ProjectionBaseWeights(self.model) if self.tp is None else None,
                 shard=self.tp.shard if self.tp is not None else None,
             )
+            if self.tp is not None and self.tp.shard.fully_sharded:
+                self.lora.pool.all_gather = self.tp.group.all_gather
         self.scheduler = Scheduler(
             SchedulerConfig.from_engine_config(config),
             self.kv,

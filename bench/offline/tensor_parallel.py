@@ -1,7 +1,7 @@
 """Tensor parallel TP=2 vs TP=1 at the same total CPU threads, in one run.
 
     python -m bench.offline.tensor_parallel [--threads 2] [--batch 8] [--new 32] [--repeats 3]
-        [--hidden 1024 --layers 8 --heads 16 --kv-heads 4 --inter 2816] [--json out.json]
+        [--hidden 1024 --layers 8 --heads 16 --kv-heads 4 --inter 2816] [--fully-sharded] [--json out.json]
 
 A random-weight Llama of the given shape; `--batch` requests of 64 random prompt tokens, `--new` greedy
 tokens each, on the base model and on 4 random rank-16 adapters (all 7 projections) mixed. Legs run
@@ -11,7 +11,9 @@ rank 0 waits in all-reduces per decode step (the collective itself plus any imba
 on a loaded machine mostly the other rank not being scheduled), the all-reduces per step (2 per layer
 with or without LoRA: LoRA adds none), the quickest single all-reduce (its own cost when no rank is
 waited for) and that cost times the all-reduces as a share of the step, and whether TP=2's tokens equal
-TP=1's.
+TP=1's. With `--fully-sharded`, one more leg: TP=2 with `fully_sharded_loras` on the mixed adapters
+(column-parallel A split by rank, one all-gather per packed projection: the collectives per step grow
+by 2 per layer).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from bench.common.workload import ModelSpec, bench_env, build_adapter, build_bas
 class Leg:
     tp: int
     lora: bool
+    fully_sharded: bool = False
     decode_step_ms: float = float("inf")  # median decode step of the best run
     collective_ms: float = 0.0  # rank 0's all-reduce time per decode step (TP=2)
     allreduces_per_step: float = 0.0
@@ -85,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--inter", type=int, default=2816)
+    ap.add_argument("--fully-sharded", action="store_true", help="add a TP=2 fully_sharded_loras leg")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     spec = ModelSpec(
@@ -102,30 +106,42 @@ def main(argv: list[str] | None = None) -> None:
         params = SamplingParams(max_tokens=args.new, temperature=0.0, ignore_eos=True)
         common = dict(device="cpu", dtype="float32", max_num_seqs=args.batch, max_lora_rank=16)
         common |= dict(max_loras=4, adaptive_threads=False, num_threads=args.threads)
-        engines = {tp: LLMEngine.from_args(str(base), tensor_parallel_size=tp, **common) for tp in (1, 2)}
-        legs = {(tp, lora): Leg(tp, lora) for tp in (1, 2) for lora in (False, True)}
+        kinds = [(1, False), (2, False)] + ([(2, True)] if args.fully_sharded else [])
+        engines = {
+            (tp, fs): LLMEngine.from_args(
+                str(base), tensor_parallel_size=tp, fully_sharded_loras=fs, **common
+            )
+            for tp, fs in kinds
+        }
+        legs = {
+            (tp, lora, fs): Leg(tp, lora, fs) for tp, fs in kinds for lora in (False, True) if lora or not fs
+        }
         for r in range(args.repeats):
-            for (tp, lora), leg in legs.items():
-                run_leg(engines[tp], prompts, loras if lora else None, params, leg, f"r{r}-{tp}-{lora}")
-        engines[2].shutdown()
+            for (tp, lora, fs), leg in legs.items():
+                tag = f"r{r}-{tp}-{lora}-{fs}"
+                run_leg(engines[(tp, fs)], prompts, loras if lora else None, params, leg, tag)
+        for (tp, _), engine in engines.items():
+            if tp > 1:
+                engine.shutdown()
     rows = [
         "| leg | decode step ms | rank-0 all-reduce wait ms/step | compute ms/step | all-reduces/step "
         "| fastest all-reduce us | all-reduce cost / step |",
         "|---|---|---|---|---|---|---|",
     ]
-    for (tp, lora), leg in legs.items():
+    for (tp, lora, fs), leg in legs.items():
         name = f"TP={tp} ({args.threads // tp} thr/rank), {'4 adapters mixed' if lora else 'base'}"
+        name += ", fully sharded" if fs else ""
         floor = leg.fastest_allreduce_us * leg.allreduces_per_step / 1e3 / leg.decode_step_ms
         rows.append(
             f"| {name} | {leg.decode_step_ms:.1f} | {leg.collective_ms:.2f} | {leg.compute_ms:.1f} "
             f"| {leg.allreduces_per_step:.0f} | {leg.fastest_allreduce_us:.0f} | {floor:.1%} |"
         )
-    same = all(legs[(2, lo)].tokens == legs[(1, lo)].tokens for lo in (False, True))
+    same = all(leg.tokens == legs[(1, lo, False)].tokens for (_, lo, _), leg in legs.items())
     rows.append(f"\nTP=2 tokens equal TP=1: {same}; shape {asdict(spec)}, batch {args.batch}")
     print("\n".join(rows))
     if args.json is not None:
-        out = {f"tp{tp}_{'lora' if lo else 'base'}": asdict(leg) | {"compute_ms": leg.compute_ms}
-               for (tp, lo), leg in legs.items()}  # fmt: skip
+        out = {f"tp{tp}_{'lora' if lo else 'base'}{'_fs' if fs else ''}": asdict(leg)
+               | {"compute_ms": leg.compute_ms} for (tp, lo, fs), leg in legs.items()}  # fmt: skip
         for v in out.values():
             v.pop("tokens")
         args.json.write_text(json.dumps(out | {"tokens_equal": same, "shape": asdict(spec)}, indent=2))

@@ -63,7 +63,9 @@ class ProcessGroup:
         except (RuntimeError, dist.DistStoreError) as exc:
             raise CollectiveError(f"rank {rank} could not join the {world}-rank group: {exc}") from exc
         self._closed = False
-        self.collective_seconds = 0.0  # time spent in all-reduces (benchmarks split a step with it)
+        self.collective_seconds = (
+            0.0  # time spent in all-reduces and all-gathers (benchmarks split a step with it)
+        )
         self.collective_calls = 0
         self.fastest_collective = float("inf")  # seconds of the quickest all-reduce: ~ its pure cost
 
@@ -90,10 +92,16 @@ class ProcessGroup:
         self.fastest_collective = min(self.fastest_collective, took)
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
-        """Every rank's `t` (same shape on all), concatenated along dim 0 in rank order."""
-        out = [torch.empty_like(t) for _ in range(self.world)]
-        self._wait(self._pg.allgather([out], [t]))
-        return torch.cat(out)
+        """Every rank's `t` (same shape on all), concatenated along dim 0 in rank order (gloo moves
+        half precision as float32; the result has `t`'s dtype)."""
+        start = time.perf_counter()
+        wide = t.float() if t.device.type == "cpu" and t.dtype not in (torch.float32, torch.float64) else t
+        out = [torch.empty_like(wide) for _ in range(self.world)]
+        self._wait(self._pg.allgather([out], [wide.contiguous()]))
+        took = time.perf_counter() - start
+        self.collective_seconds += took
+        self.collective_calls += 1
+        return torch.cat(out).to(t.dtype)
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
         """t <- rank `src`'s t, in place."""

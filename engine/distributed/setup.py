@@ -36,4 +36,4 @@ def tensor_parallel(
         threads = max(1, (config.num_threads or available_cpus()) // world)
         torch.set_num_threads(threads)
     group = WorkerGroup(config, world, device, threads, config.distributed_timeout)
-    return TensorParallel(TensorShard(0, world, checkpoint), group)
+    return TensorParallel(TensorShard(0, world, checkpoint, config.fully_sharded_loras), group)

@@ -23,6 +23,14 @@ LoRA follows the layer it adapts, so it adds no communication of its own:
 - row-parallel (o, down): A's columns of this rank's input columns, B whole. Each rank's partial delta
   ``scale * (x_r @ A_r.T) @ B.T`` joins its partial base output before the layer's all-reduce, whose sum
   is ``scale * (x @ A.T) @ B.T``.
+
+With `fully_sharded` (`--fully-sharded-loras`, S-LoRA's scheme) a column-parallel slice's A is split by
+rank too: of every pool page (`page_rank` rank-rows), rank `r` holds rows ``[r*q, (r+1)*q)`` with
+``q = page_rank / world`` (`a_page_rows`; rows beyond the adapter's rank are zero, so odd ranks and
+`rank_pattern` need no special case). Each rank shrinks its ``T x q``-per-page part, one all-gather per
+packed projection builds the whole ``T x r`` shrink output, and the rank expands it with its rows of B
+(`engine/lora/sharded_shrink.py`). A takes 1/world of its pool memory per rank, at the price of that
+all-gather; row-parallel slices stay as in the default mode (A already split, B whole).
 """
 
 from __future__ import annotations
@@ -109,6 +117,7 @@ class TensorShard:
     rank: int
     world: int
     full: ModelConfig
+    fully_sharded: bool = False  # column-parallel LoRA A split by rank as well (module docstring)
 
     @property
     def heads(self) -> range:
@@ -180,3 +189,14 @@ class TensorShard:
         if module in ROW:
             return a[:, self._rows(module)], b
         return a, b[self._rows(module)]
+
+    def splits_a(self, module: str) -> bool:
+        """Whether this rank's pool holds only its share of `module`'s A rank-rows (fully sharded)."""
+        return self.fully_sharded and self.world > 1 and module in COLUMN
+
+    def a_page_rows(self, page: int, page_rank: int) -> range:
+        """The rank-rows of A that this rank holds of pool page `page` (the `page`-th page of an
+        adapter's module) in fully-sharded mode: its `page_rank / world` rows of that page."""
+        q = page_rank // self.world
+        start = page * page_rank + self.rank * q
+        return range(start, start + q)

@@ -92,7 +92,7 @@ class _Worker:
             torch.cuda.set_device(self.device)
         checkpoint = ModelConfig.from_dir(cfg.model)
         dtype = resolve_dtype(cfg.dtype, checkpoint, self.device)
-        self.shard = TensorShard(spec.rank, spec.world, checkpoint)
+        self.shard = TensorShard(spec.rank, spec.world, checkpoint, cfg.fully_sharded_loras)
         self.group: ProcessGroup | None = None
         self.model = load_shard(
             checkpoint, self.shard, dtype, self.device, self._all_reduce, cfg.packed_cpu_gemms
@@ -124,10 +124,16 @@ class _Worker:
                 None,
                 self.shard,
             )
+            if self.shard.fully_sharded:
+                self.pool.all_gather = self._all_gather
 
     def _all_reduce(self, t: torch.Tensor) -> None:
         assert self.group is not None, "the group is joined before the first forward"
         self.group.all_reduce(t)
+
+    def _all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        assert self.group is not None, "the group is joined before the first forward"
+        return self.group.all_gather(t)
 
     def join(self) -> None:
         from engine.distributed.group import ProcessGroup

@@ -221,6 +221,15 @@ class WorkerGroup:
         except CollectiveError as exc:
             raise WorkerGroupError(f"a tensor-parallel collective failed: {exc}") from None
 
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's `t` concatenated in rank order (fully-sharded LoRA's shrink outputs)."""
+        if self._group is None:
+            raise WorkerGroupError("the tensor-parallel group is not running")
+        try:
+            return self._group.all_gather(t)
+        except CollectiveError as exc:
+            raise WorkerGroupError(f"a tensor-parallel collective failed: {exc}") from None
+
     def flush_pool(self) -> None:
         """Send the pool's uploads and evictions since the last step, in order."""
         for op in self._take_journal():

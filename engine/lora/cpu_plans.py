@@ -139,7 +139,7 @@ def native_plan(
     calls: list[PreparedBGMV | None] = []
     for m in range(len(pool.a)):
         mp = _module_pairs(pool, adapters, m)
-        if mp is None:
+        if mp is None or pool.a[m].shape[2] != pr:  # rank-split A (fully sharded): `sharded_shrink.py`
             calls.append(None)
             continue
         idx = mp.entry_index

@@ -36,6 +36,7 @@ replays on the other ranks with `place` at the same slot and pages.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -101,6 +102,8 @@ class AdapterPool:
         self.dtype, self.device = dtype, device
         self.base = base  # the base model's weights (DoRA norms, base biases); None: DoRA refused
         self.shard = shard  # tensor parallel: this rank's part of each adapter (None: all of it)
+        # fully-sharded tensor parallel: the group's all-gather (`engine/lora/sharded_shrink.py`)
+        self.all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
         # rank 0 under tensor parallel: ("upload", ckpt, slot, pages) / ("evict", digest) in order
         self.journal: list[tuple] | None = None
         layers = cfg.num_layers
@@ -108,7 +111,9 @@ class AdapterPool:
         self.b: list[torch.Tensor] = []
         for m in PROJECTIONS:
             fin, fout = module_features(cfg, m)
-            self.a.append(torch.zeros(num_pages, layers, page_rank, fin, dtype=dtype, device=device))
+            # fully-sharded tensor parallel: this rank's share of each page's A rows (`shard.a_page_rows`)
+            a_rows = page_rank // shard.world if shard is not None and shard.splits_a(m) else page_rank
+            self.a.append(torch.zeros(num_pages, layers, a_rows, fin, dtype=dtype, device=device))
             self.b.append(torch.zeros(num_pages, layers, fout, page_rank, dtype=dtype, device=device))
         self.max_slots = num_pages
         n_mod = len(PROJECTIONS)
@@ -206,12 +211,20 @@ class AdapterPool:
                 if self.shard is not None:
                     a, b = self.shard.lora(w.module, a, b)
                 a, b = a.to(self.device, self.dtype), b.to(self.device, self.dtype)
+                split = self.shard is not None and self.shard.splits_a(w.module)
                 for j, page in enumerate(pages[m]):
                     lo, hi = j * pr, min((j + 1) * pr, w.rank)
                     if lo >= hi:
                         break
-                    self.a[m][page, w.layer, : hi - lo] = a[lo:hi]
                     self.b[m][page, w.layer, :, : hi - lo] = b[:, lo:hi]
+                    if split:  # this rank's rows of the page (zero beyond the rank)
+                        assert self.shard is not None
+                        rows = self.shard.a_page_rows(j, pr)
+                        alo, ahi = rows.start, min(rows.stop, w.rank)
+                        if alo < ahi:
+                            self.a[m][page, w.layer, : ahi - alo] = a[alo:ahi]
+                    else:
+                        self.a[m][page, w.layer, : hi - lo] = a[lo:hi]
                 self.ranks[w.layer, m, slot] = w.rank
                 self.scalings[w.layer, m, slot] = w.scaling
                 layer_ranks[w.layer][m] = w.rank

@@ -39,6 +39,7 @@ from engine.lora.cpu_plans import GatherPlan, NativePlan, Segment, cached_plan, 
 from engine.lora.epilogue import RowEpilogue
 from engine.lora.expert_step import expert_step
 from engine.lora.pool import MODULE_INDEX, AdapterPool, ResidentAdapter
+from engine.lora.sharded_shrink import apply_fully_sharded
 from engine.lora.vocab_step import VocabLoRAStep, adapter_runs
 from kernels.lora_meta import LoRABatchMeta, build_lora_batch_meta
 
@@ -78,6 +79,7 @@ class CpuLoRAContext:
         `engine/lora/mix.py`, so the passes do not evict each other's plans)."""
         self.pool = pool
         self.tag = tag
+        self.runs = segments  # every run, for fully-sharded slices (`sharded_shrink.py`)
         self.native: NativePlan | None = None
         self.gather: GatherPlan | None = None
         self.segments: list[Segment] = []  # long runs for `_apply_segments`
@@ -99,7 +101,10 @@ class CpuLoRAContext:
         """y[t, slice s] += scaling * (x[t] @ A.T) @ B.T for every row t with an adapter (in place)."""
         first = MODULE_INDEX[slice_names[0]]
         mods = range(first, first + len(slice_names))
-        if self._native_segments is not None:
+        shard = self.pool.shard
+        if shard is not None and shard.splits_a(slice_names[0]):
+            apply_fully_sharded(self.pool, self.runs, layer_index, mods, x, y)
+        elif self._native_segments is not None:
             self._apply_native(layer_index, mods, x, y)
         else:
             if self.segments:

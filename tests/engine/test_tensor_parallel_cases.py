@@ -131,7 +131,6 @@ def test_unsharded_adapter_kind_is_refused_alone(setup, tmp_path):
         (dict(tensor_parallel_size=3), "does not divide the model's 4 attention heads"),
         (dict(tensor_parallel_size=2, num_threads=1), "more ranks than the 1 CPUs"),
         (dict(tensor_parallel_size=0), "tensor_parallel_size must be"),
-        (dict(tensor_parallel_size=2, fully_sharded_loras=True), "fully_sharded_loras"),
     ],
 )
 def test_bad_tensor_parallel_size_is_one_line_error(setup, kwargs, message):
