@@ -253,15 +253,7 @@ class LLMEngine:
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
-        max_len = self.model_config.max_model_len
-        if len(ids) >= max_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {max_len} tokens")
-        max_total = min(len(ids) + params.max_tokens, max_len)
-        if not self.kv.can_fit(self.kv.blocks_needed(max_total)):
-            raise ValueError(
-                f"request needs {self.kv.blocks_needed(max_total)} KV blocks for {max_total} tokens but the "
-                f"cache has {self.num_kv_blocks}; lower max_tokens or raise num_kv_blocks"
-            )
+        max_total = self._max_total(len(ids), params)
         if prefill_only and len(params.choices()) != 1:
             raise ValueError("a prefill-only request has one sequence (n = 1, no best_of)")
         if prefill_only and self.tp is not None:
@@ -289,6 +281,20 @@ class LLMEngine:
         if prefill_only:
             self._prefill_only.add(request_id)
 
+    def _max_total(self, prompt_len: int, params: SamplingParams) -> int:
+        """The most tokens (prompt + output) a request may reach: `prompt_len + max_tokens`, capped by the
+        model's context; ValueError when the prompt fills the context or the KV cache could never hold it."""
+        max_len = self.model_config.max_model_len
+        if prompt_len >= max_len:
+            raise ValueError(f"prompt has {prompt_len} tokens; the model's context is {max_len} tokens")
+        max_total = min(prompt_len + params.max_tokens, max_len)
+        if not self.kv.can_fit(self.kv.blocks_needed(max_total)):
+            raise ValueError(
+                f"request needs {self.kv.blocks_needed(max_total)} KV blocks for {max_total} tokens but the "
+                f"cache has {self.num_kv_blocks}; lower max_tokens or raise num_kv_blocks"
+            )
+        return max_total
+
     def import_request(self, export: KVExport) -> bool:
         """Continue another engine's prefill-only request (`add_request(..., prefill_only=True)`): its
         state and prompt K/V (engine/kv_transfer/export_import.py). Its outputs then come from `step` as
@@ -306,14 +312,7 @@ class LLMEngine:
             raise ValueError("a KV import continues one sequence that has sampled its first token")
         _, ids = self.tokenize(st.prompt_token_ids)
         self.tokenize(st.output_token_ids)  # token ids in the vocabulary
-        max_len = self.model_config.max_model_len
-        if len(ids) >= max_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {max_len} tokens")
-        max_total = min(len(ids) + params.max_tokens, max_len)
-        if not self.kv.can_fit(self.kv.blocks_needed(max_total)):
-            raise ValueError(
-                f"request needs {self.kv.blocks_needed(max_total)} KV blocks; the cache has fewer"
-            )
+        max_total = self._max_total(len(ids), params)
         seq = imported_sequence(self, msgspec.structs.replace(st, params=params), max_total)
         placed = place_blocks(self, seq, export, self.kv_connector)
         text = self._sequence_text(params)
