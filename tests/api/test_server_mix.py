@@ -100,8 +100,41 @@ def test_chat_and_per_adapter_url_with_a_mix(served, text_model, tok):
     assert by_url.choices[0].message.content == tok.decode(oracle.greedy(list(ids), 6, cat))
 
 
+def test_responses_with_a_mix_equals_peft_cat(served, text_model, tok):
+    """`/v1/responses` takes `adapters` as chat does (the official client's `extra_body`)."""
+    server, keys, cat = served
+    _, _, oracle = text_model
+    r = client(server, keys["all"]).responses.create(
+        model=A, input="abc", max_output_tokens=6, temperature=0, extra_body={"adapters": MIX}
+    )
+    assert r.model == A
+    msgs = [{"role": "user", "content": "abc"}]
+    ids = tok.encode(render_chat(tok, msgs, None), add_special_tokens=False)
+    want = oracle.greedy(list(ids), 6, cat)
+    if tok.eos_token_id in want:
+        want = want[: want.index(tok.eos_token_id)]
+    assert r.output_text == tok.decode(want, skip_special_tokens=True)
+    base = client(server, keys["all"]).responses.create(
+        model=A, input="abc", max_output_tokens=6, temperature=0
+    )
+    assert base.output_text != r.output_text  # the mix, not A alone, answered
+
+
+def test_responses_refuse_a_bad_mix_naming_the_field(served):
+    server, keys, _ = served
+    for mix, words in (
+        ([{"name": A, "weight": 0.5}, {"name": A, "weight": 0.5}], "appears twice"),
+        ([{"name": "nope", "weight": 1.0}], "'nope' does not exist"),
+    ):
+        body = {"input": "hi", "max_output_tokens": 2, "adapters": mix}
+        r = _post(server, keys["all"], body, path="/v1/responses")
+        assert r.status_code in (400, 404), r.text
+        assert words in r.json()["error"]["message"] and r.json()["error"]["param"].startswith("adapters")
+
+
 def _post(server, key: str, body: dict, path: str = "/v1/completions") -> httpx.Response:
-    body = {"prompt": "hi", "max_tokens": 2} | body
+    if path.endswith("/completions"):
+        body = {"prompt": "hi", "max_tokens": 2} | body
     return httpx.post(
         f"{server.url}{path}", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60
     )
