@@ -27,8 +27,9 @@ MIX = [{"name": A, "weight": 0.7}, {"name": B, "weight": 0.3}]
 
 @pytest.fixture(scope="module")
 def served(text_model, tmp_path_factory):
-    """A server (API keys required, max_loras=2, a small adapter pool) with the three served adapters, a DoRA adapter and an
-    inactive one; a rate limit of 1 request/minute on C. Yields (server, keys, PEFT cat dir of MIX)."""
+    """A server (API keys required, max_loras=2, a small adapter pool) with the three served adapters,
+    a DoRA adapter, an inactive one and a copy of C; a rate limit of 1 request/minute on C.
+    Yields (server, keys, PEFT cat dir of MIX)."""
     base, adapters, _ = text_model
     root = tmp_path_factory.mktemp("mix")
     data = root / "data"
