@@ -125,7 +125,8 @@ async def _start(settings: ServerSettings, client_factory: Callable[[Any], Any])
     follower = RegistryFollower(registry.adapters, registry.bus, on_change)
     admission = ClientAdmission(
         settings.client_seq_limit(),
-        capacity=settings.engine.max_num_seqs,
+        # behind `--replicas N` the ingress admits for every engine replica, not for one
+        capacity=settings.engine.max_num_seqs * getattr(client, "engine_replicas", 1),
         wait_seconds=settings.client_wait_seconds,
     )
     lookups = RegistryLane("lookup", threads=8, timeout=reg_settings.db_connect_timeout + 1.0)
@@ -134,6 +135,8 @@ async def _start(settings: ServerSettings, client_factory: Callable[[Any], Any])
         settings, client, tokenizer, registry, follower, admin_auth, admission, key_cache, lookups,
         metrics=Metrics(per_replica=bool(getattr(client, "per_replica_metrics", False))),
     )  # fmt: skip
+    for collector in getattr(client, "metric_collectors", ()):  # e.g. the cluster router's counters
+        state.metrics.registry.register(collector)
     await asyncio.to_thread(follower.start)
     await asyncio.to_thread(key_cache.start)
     registry.start_outbox_relay()  # events written while the bus was down are delivered when it is back

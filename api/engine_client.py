@@ -20,7 +20,7 @@ import multiprocessing as mp
 import os
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from api.engine_protocol import (
     CallResult,
     EngineStatsMsg,
     ImportRequest,
+    KVEventsMsg,
     Ready,
     RequestDelta,
     Shutdown,
@@ -96,6 +97,9 @@ class EngineClient:
         self.startup_timeout = startup_timeout
         self.info: Ready | None = None
         self.stats: EngineStatsMsg | None = None
+        # called with each `KVEventsMsg` (an engine made with `kv_events=True`; a restarted engine's
+        # first message is a snapshot)
+        self.on_kv_events: Callable[[KVEventsMsg], None] | None = None
         self.healthy = False
         self.restarts = 0
         self.last_start_seconds: float | None = None  # engine process start to `Ready`, last (re)start
@@ -174,6 +178,8 @@ class EngineClient:
                     fut.set_result(msg)
             elif isinstance(msg, EngineStatsMsg):
                 self.stats = msg
+            elif isinstance(msg, KVEventsMsg) and self.on_kv_events is not None:
+                self.on_kv_events(msg)
 
     async def _monitor(self) -> None:
         while not self._closing:

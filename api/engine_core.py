@@ -29,6 +29,7 @@ from api.engine_protocol import (
     EngineStatsMsg,
     ImportRequest,
     InvalidMessage,
+    KVEventsMsg,
     Ready,
     RequestDelta,
     Shutdown,
@@ -334,6 +335,9 @@ class _EngineLoop:
 
     def _send_stats(self) -> None:
         eng = self.engine
+        events = eng.take_kv_events()
+        if events is not None:
+            self.push.send(encode(KVEventsMsg(events.reset, events.stored, events.removed)))
         lora = dataclasses.asdict(eng.get_lora_stats()) if eng.lora is not None else None
         adapters = [dataclasses.asdict(a) for a in eng.list_loras()] if eng.lora is not None else []
         self.push.send(encode(EngineStatsMsg(dataclasses.asdict(eng.get_stats()), lora, adapters)))

@@ -103,8 +103,18 @@ class EngineStatsMsg(msgspec.Struct, tag="stats"):
     adapters: list[dict[str, Any]]
 
 
+class KVEventsMsg(msgspec.Struct, tag="kv_events"):
+    """The block hashes the engine's prefix cache stored and evicted since its previous message
+    (`engine.kv_cache.cache_events`); `reset`: `stored` is everything cached now. Sent before each stats
+    message by an engine made with `kv_events=True`."""
+
+    reset: bool
+    stored: list[bytes]
+    removed: list[bytes]
+
+
 ToEngine = AddRequest | ImportRequest | AbortRequests | AdapterCall | Shutdown
-FromEngine = Ready | RequestDelta | CallResult | EngineStatsMsg
+FromEngine = Ready | RequestDelta | CallResult | EngineStatsMsg | KVEventsMsg
 
 _encoder = msgspec.msgpack.Encoder()
 _to_engine = msgspec.msgpack.Decoder(ToEngine)

@@ -56,6 +56,9 @@ class EngineConfig:
     packed_cpu_gemms: bool = True  # CPU float32, native bfloat16: oneDNN-prepacked weights (cpu_gemm.py)
     kv_connector: str = "host-layers"  # disaggregation: KV blocks per layer ("host": one piece); kv_transfer/
     cuda_graphs: bool = True  # CUDA: plain decode steps replay captured graphs (engine/decode_graphs.py)
+    # record the block hashes the prefix cache stores and evicts, for `LLMEngine.take_kv_events` (a
+    # cluster replica reports them to the router); off, nothing is recorded
+    kv_events: bool = False
     # Tensor parallel (engine/distributed/): the model sharded over this many ranks (this process is
     # rank 0); on CPU each rank gets num_threads / N threads. `distributed_timeout`: seconds a step's
     # collective may wait for a rank before the group is declared failed (and restarted).

@@ -26,6 +26,7 @@ from engine.distributed.worker_group import WorkerGroup, WorkerGroupError
 from engine.engine_adapters import EngineAdapters, SequenceError
 from engine.engine_config import EngineConfig
 from engine.kv_cache import KVCacheManager
+from engine.kv_cache.cache_events import CacheEvents
 from engine.kv_transfer import KV_TRANSFER_FINISH, KVExport, make_connector
 from engine.kv_transfer.export_import import (
     check_layout,
@@ -106,6 +107,8 @@ class LLMEngine:
         self.num_kv_blocks = self._num_blocks()
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.kv.long_prompt_from = self.model.rope.long_from
+        if config.kv_events:
+            self.kv.pool.enable_events()
         self.lora: LoRAManager | None = None
         if config.enable_lora:
             self.lora = LoRAManager.create(
@@ -546,6 +549,11 @@ class LLMEngine:
         if group is not None:
             for s in group.seqs:
                 self._seq_to_group.pop(s.seq_id, None)
+
+    def take_kv_events(self) -> CacheEvents | None:
+        """The block hashes the prefix cache stored and evicted since the last call (a snapshot the first
+        time, or after many changes), or None unless the engine was made with `kv_events=True`."""
+        return self.kv.pool.take_events()
 
     def get_stats(self) -> EngineStats:
         kv = self.kv.stats()

@@ -13,7 +13,16 @@ from typing import Annotated
 import typer
 
 from api.cli.output import fail, stderr
-from api.cluster.options import W_ADAPTER, W_LOAD, W_PREFIX, RouterWeights
+from api.cluster.options import (
+    CONTRACT_AFTER_S,
+    MAX_SPREAD,
+    SPREAD_LOAD,
+    W_ADAPTER,
+    W_LOAD,
+    W_PREFIX,
+    RouterWeights,
+    SpreadPolicy,
+)
 from lora_registry.errors import RegistryError
 
 MIN_ADMIN_TOKEN_CHARS = 16
@@ -238,6 +247,25 @@ def serve(
     router_w_load: Annotated[
         float, typer.Option(help="--router affinity: weight of the replica's load.", min=0)
     ] = W_LOAD,
+    router_spread_load: Annotated[
+        float,
+        typer.Option(
+            help="--router affinity: a hot adapter spreads to one more replica once its own load (share "
+            "of a replica's KV budget or max-num-seqs) reaches this on every replica it is on.",
+            min=0.01,
+        ),
+    ] = SPREAD_LOAD,
+    router_max_spread: Annotated[
+        int, typer.Option(help="--router affinity: the most replicas one adapter spreads to.", min=1)
+    ] = MAX_SPREAD,
+    router_contract_after: Annotated[
+        float,
+        typer.Option(
+            help="--router affinity: seconds a spread adapter's load must stay low before it leaves a "
+            "replica.",
+            min=0,
+        ),
+    ] = CONTRACT_AFTER_S,
 ) -> None:
     """Start the server: one resident base model, every active adapter of the registry.
 
@@ -377,6 +405,7 @@ def serve(
             target_ongoing_requests=target_ongoing_requests,
             prefill_replicas=prefill_replicas or 0,
             decode_replicas=decode_replicas or 0,
+            spread=SpreadPolicy(router_spread_load, router_max_spread, router_contract_after),
         )
         _serve_replicas(settings, layout, on_serving)
     else:

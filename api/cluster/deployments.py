@@ -50,7 +50,7 @@ def engine_deployment(
     class EngineDeployment:
         async def __init__(self) -> None:  # type: ignore[misc]  # Ray Serve awaits an async constructor
             ray_api.log_to_stderr()
-            self.replica = EngineReplica(settings, ray_api.replica_id())
+            self.replica = EngineReplica(settings, ray_api.replica_id(), pool_capacity(settings.engine))
             await self.replica.start()
 
         @ray_api.multiplexed(pool_capacity(settings.engine))
@@ -59,7 +59,7 @@ def engine_deployment(
             self.replica.multiplexed_loads += 1
             return loaded
 
-        async def generate(self, payload: bytes):
+        async def generate(self, payload: bytes, hot: dict[str, list[str]] | None = None):
             digest = ray_api.multiplexed_model_id()
             adapter = None
             if digest:
@@ -67,13 +67,13 @@ def engine_deployment(
                     adapter = await self.adapter(digest)
                 except LookupError:
                     adapter = None  # refused by `EngineReplica.generate` with its reason
-            async for item in self.replica.generate(payload, adapter):
+            async for item in self.replica.generate(payload, adapter, hot):
                 yield item
 
         def describe(self) -> dict[str, Any]:
             return self.replica.describe()
 
-        def record_routing_stats(self) -> dict[str, Any]:
+        async def record_routing_stats(self) -> dict[str, Any]:  # on the replica's loop (not a thread)
             return self.replica.routing_stats(pool_capacity(settings.engine))
 
         def check_health(self) -> None:
@@ -84,9 +84,11 @@ def engine_deployment(
 
     extra: dict[str, Any] = {}
     if options.router == "affinity":
-        w = options.router_weights
+        w, spread = options.router_weights, options.spread
         kwargs = {"block_size": settings.engine.block_size, "w_prefix": w.prefix, "w_adapter": w.adapter}
-        extra["request_router_config"] = ray_api.affinity_router_config({**kwargs, "w_load": w.load})
+        kwargs |= {"w_load": w.load, "spread_load": spread.load, "max_spread": spread.max_replicas}
+        kwargs["contract_after_s"] = spread.contract_after_s
+        extra["request_router_config"] = ray_api.affinity_router_config(kwargs)
     return ray_api.deployment(
         EngineDeployment,
         name=ENGINE_DEPLOYMENT,
@@ -119,7 +121,9 @@ def ingress_deployment(
         from api.cluster.routes import router
 
         def make_client(cfg: EngineConfig) -> RemoteEngineClient:
-            return RemoteEngineClient(cfg, ENGINE_DEPLOYMENT, affinity=options.router == "multiplex")
+            client = RemoteEngineClient(cfg, ENGINE_DEPLOYMENT, affinity=options.router == "multiplex")
+            client.engine_replicas = options.replicas  # the ingress admits for all of them
+            return client
 
         ray_api.log_to_stderr()
         app = create_app(settings, client_factory=client_factory or make_client)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 ROUTERS = ("affinity", "multiplex")
-W_PREFIX, W_ADAPTER, W_LOAD = 1.0, 1.0, 2.0  # the router weights' defaults
+# the router weights' defaults, measured by `bench/cluster/router_sweep.py` (docs/benchmarks.md)
+W_PREFIX, W_ADAPTER, W_LOAD = 1.0, 1.0, 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +21,33 @@ class RouterWeights:
         """Raise ValueError for a negative weight."""
         if min(self.prefix, self.adapter, self.load) < 0:
             raise ValueError("router weights cannot be negative")
+
+
+# hot-adapter spreading (`SpreadPolicy`): the defaults measured by `bench/cluster/affinity.py`
+SPREAD_LOAD, MAX_SPREAD, CONTRACT_AFTER_S = 0.5, 4, 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class SpreadPolicy:
+    """How far the affinity router spreads a hot adapter (settings `router_spread_load`,
+    `router_max_spread`, `router_contract_after`): an adapter stays on one replica until its own load
+    there (its in-flight tokens over the replica's KV budget, or its in-flight requests over the replica's
+    `max_num_seqs`, whichever is higher) reaches `load` on every replica it is on; then it spreads to one
+    more, up to `max_replicas`. It contracts by one when, for `contract_after_s` seconds, its load would
+    stay under half of `load` on one replica fewer."""
+
+    load: float = SPREAD_LOAD
+    max_replicas: int = MAX_SPREAD
+    contract_after_s: float = CONTRACT_AFTER_S
+
+    def validate(self) -> None:
+        """Raise ValueError for a policy that cannot work."""
+        if self.load <= 0:
+            raise ValueError("--router-spread-load must be positive")
+        if self.max_replicas < 1:
+            raise ValueError("--router-max-spread must be at least 1")
+        if self.contract_after_s < 0:
+            raise ValueError("--router-contract-after cannot be negative")
 
 
 @dataclass(slots=True)
@@ -42,6 +70,7 @@ class ClusterOptions:
     # prefill/decode disaggregation (`--prefill-replicas P --decode-replicas D`, instead of `replicas`)
     prefill_replicas: int = 0
     decode_replicas: int = 0
+    spread: SpreadPolicy = field(default_factory=SpreadPolicy)
 
     def autoscaling_config(self, default_target: float) -> dict[str, float | int] | None:
         """Serve's `autoscaling_config` for the engine deployment (None: a fixed `replicas`); the target
@@ -79,6 +108,7 @@ class ClusterOptions:
         if self.router not in ROUTERS:
             raise ValueError(f"--router must be one of {', '.join(ROUTERS)}, not {self.router!r}")
         self.router_weights.validate()
+        self.spread.validate()
 
     def _validate_autoscaling(self) -> None:
         """Raise ValueError unless min ≤ replicas ≤ max, min ≥ 1 and the target is positive; the bounds

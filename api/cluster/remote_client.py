@@ -26,7 +26,7 @@ import logging
 from collections.abc import AsyncIterator, Iterable
 from typing import Any, cast
 
-from api.cluster import ray_api
+from api.cluster import ray_api, router_stats
 from api.cluster.replica import decode_item
 from api.cluster.replica_header import note_replica
 from api.engine_client import EngineDeadError, EngineUnavailableError, ServerShuttingDownError
@@ -57,6 +57,9 @@ class RemoteEngineClient:
         self.retries = retries
         self.retry_window_s = retry_window_s
         self.per_replica_metrics = True  # `/metrics` labels each replica's gauges with its id
+        self.engine_replicas = 1  # engine replicas the ingress admits requests for (set by the deployment)
+        # the affinity router's counters on `/metrics` (its spreads, contractions, predicted hits)
+        self.metric_collectors = [] if affinity else [router_stats.RouterCollector()]
         self.info: Ready | None = None
         self.stats: EngineStatsMsg | None = None
         self.healthy = False
@@ -182,7 +185,8 @@ class RemoteEngineClient:
     ) -> AsyncIterator[RequestDelta]:
         """One try on the replica Ray picks: its deltas; `_ReplicaFailed` when the replica or its engine
         failed; `ServerShuttingDownError` when the drain's grace ends first."""
-        call = ray_api.stream(self._handle, "generate", model_id, payload)
+        # the router's hot adapters per replica: each replica keeps those placed on it pinned
+        call = ray_api.stream(self._handle, "generate", model_id, payload, router_stats.protected() or None)
         async with contextlib.aclosing(ray_api.iterate(call)) as items:
             while True:
                 try:

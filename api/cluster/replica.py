@@ -11,6 +11,10 @@ reads the driver's, the ingress's or another replica's files, so the database is
 weights reach it. A replica whose engine process is down reports unhealthy at once (`check_health`), so
 that Serve stops routing to it and replaces it; requests that reach it meanwhile are answered with a
 `failed` item before any token, which the ingress retries on another replica.
+
+For the affinity router it reports (`routing_stats`) its adapters by tier, its KV budget, and a summary of
+the blocks its engine's prefix cache holds (`prefix_report`: the engine's own stored/evicted events, so
+evicted blocks leave it); and it keeps the hot adapters the router spread onto it pinned (`hot_pins`).
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ from typing import Any
 
 import msgspec
 
+from api.cluster.hot_pins import HotPins
+from api.cluster.prefix_report import HeldBlocks
 from api.engine_client import EngineClient, EngineDeadError, EngineUnavailableError
-from api.engine_protocol import AddRequest, decode_to_engine, encode
+from api.engine_protocol import AddRequest, KVEventsMsg, decode_to_engine, encode
 from api.settings import ServerSettings
 from engine.lora_request import LoRARequest
 from lora_registry import open_registry
@@ -78,10 +84,16 @@ def replica_data_dir(settings: ServerSettings, replica_id: str) -> Path | None:
 
 
 class EngineReplica:
-    def __init__(self, settings: ServerSettings, replica_id: str) -> None:
+    def __init__(self, settings: ServerSettings, replica_id: str, pool_capacity: int = 1) -> None:
         self.settings = settings
         self.replica_id = replica_id
-        self.client = EngineClient(settings.engine)
+        self.pool_capacity = pool_capacity  # adapters of the largest rank its device pool holds
+        self.client = EngineClient(dataclasses.replace(settings.engine, kv_events=True))
+        self.client.on_kv_events = self._on_kv_events
+        self.held: HeldBlocks | None = None  # the engine's prefix-cache blocks (from its first events)
+        self.hot = HotPins(replica_id, self._pin, max_pinned=pool_capacity - 1)
+        self._pins: asyncio.Task | None = None
+        self._restarts_seen = 0
         self.registry: Registry | None = None
         self.follower: RegistryFollower | None = None
         self.multiplexed_loads = 0  # adapters loaded by Ray's multiplexed loader (its LRU misses)
@@ -143,8 +155,9 @@ class EngineReplica:
             log.info("could not drop adapter %r now: %s", name, exc)
 
     async def stop(self) -> None:
-        if self._resync is not None:
-            self._resync.cancel()
+        for task in (self._resync, self._pins):
+            if task is not None:
+                task.cancel()
         if self.follower is not None:
             self.follower.close()
         await self.client.shutdown()
@@ -184,12 +197,39 @@ class EngineReplica:
         adapter = await self.load(lr.digest, lr.name)
         return LoRARequest(adapter.name, adapter.path, adapter.digest)
 
+    # ---- what the router knows -------------------------------------------------------------------
+    def _on_kv_events(self, msg: KVEventsMsg) -> None:
+        if self.held is None:
+            info = self.client.info
+            self.held = HeldBlocks(info.num_kv_blocks if info is not None else 1 << 16)
+        self.held.apply(msg)
+
+    async def _pin(self, digest: str, pinned: bool) -> None:
+        await self.client.adapter_call("pin" if pinned else "unpin", digest, timeout=30.0)
+
+    def _sync_pins(self) -> None:
+        """Bring the engine's pins in line with the hot-adapter leases (in the background, one at a time)."""
+        if self._pins is not None and not self._pins.done():
+            return
+        if self.client.restarts != self._restarts_seen:
+            self._restarts_seen = self.client.restarts
+            self.hot.engine_restarted()
+        stats = self.client.stats
+        device = [a["digest"] for a in (stats.adapters if stats else []) if a.get("tier") == "device"]
+        if self.client.healthy and (self.hot.leases or self.hot.pinned):
+            self._pins = asyncio.ensure_future(self.hot.sync(device))
+
     # ---- requests --------------------------------------------------------------------------------
-    async def generate(self, payload: bytes, adapter: LoadedAdapter | None) -> AsyncIterator[bytes]:
-        """Run one engine request; yields encoded `StreamItem`s, the replica's id first."""
+    async def generate(
+        self, payload: bytes, adapter: LoadedAdapter | None, hot: dict[str, list[str]] | None = None
+    ) -> AsyncIterator[bytes]:
+        """Run one engine request; yields encoded `StreamItem`s, the replica's id first. `hot`: the
+        router's hot adapters per replica (this replica's entry renews their pins' leases)."""
         req = decode_to_engine(payload)
         assert isinstance(req, AddRequest)
         yield _item(self.replica_id)
+        self.hot.renew(hot)
+        self._sync_pins()
         if not self.client.healthy:  # the engine died and is restarting: let the ingress go elsewhere
             yield _item(self.replica_id, failed="the engine process of this replica is down")
             return
@@ -231,8 +271,10 @@ class EngineReplica:
 
     def routing_stats(self, pool_capacity: int) -> dict[str, Any]:
         """What the affinity router scores this replica by: adapter digests in the device pool and in host
-        memory, whether the device pool has a free slot (fewer than `pool_capacity` resident), and the
-        KV cache's size in blocks and in tokens (the prefix index's bound, the load term's budget)."""
+        memory, whether the device pool has a free slot (fewer than `pool_capacity` resident), the KV
+        cache's size in blocks and in tokens (the prefix index's bound, the load term's budget),
+        `max_num_seqs`, and the summary of the blocks its prefix cache holds (`prefix_report`)."""
+        self._sync_pins()  # leases end even without requests
         stats = self.client.stats
         adapters = stats.adapters if stats is not None else []
         device = sorted({a["digest"] for a in adapters if a.get("tier") == "device" and a.get("digest")})
@@ -244,6 +286,8 @@ class EngineReplica:
             "free_slot": len(device) < pool_capacity,
             "budget_tokens": max(1, blocks * self.settings.engine.block_size),
             "kv_blocks": blocks or None,  # None until the engine's first stats
+            "max_num_seqs": self.settings.engine.max_num_seqs,
+            "prefix": self.held.summary().as_stats() if self.held is not None else None,
         }
 
     def describe(self) -> dict[str, Any]:
@@ -265,6 +309,8 @@ class EngineReplica:
             "data_dir": str(self.data_dir) if self.data_dir is not None else None,
             "loaded_paths": dict(self.loaded_paths),
             "startup_seconds": dict(self.startup_seconds),
+            "prefix_blocks_held": len(self.held) if self.held is not None else 0,
+            "pinned_hot": sorted(self.hot.pinned),
         }
 
 

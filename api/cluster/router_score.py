@@ -5,28 +5,41 @@
           − w_load · load
 
 * The prefix term predicts what the replica's engine will find in its prefix cache. The prompt's full
-  blocks are hashed with the engine's own chained block hash (`engine.kv_cache.block_pool.hash_block`)
-  keyed by the adapter's *content digest* (the key the engine itself uses), so a predicted hit is a hit
-  the engine has, and a name re-registered with other weights (a new digest) predicts no hit on the old
-  blocks. Which blocks a replica holds is remembered by `PrefixIndex`: a bounded LRU, per replica, of the
-  block hashes of the requests routed there, no larger than the replica's KV cache (as its engine evicts).
+  blocks are hashed with the engine's own chained block hash (`engine.kv_cache.block_pool.hash_block`,
+  keyed by `block_key`: the adapter's *content digest*, the key the engine itself uses), so a predicted
+  hit is a hit the engine has, and a name re-registered with other weights (a new digest) predicts no hit
+  on the old blocks. What a replica holds comes from the replica itself: a Bloom filter of the blocks its
+  engine has cached (`api.cluster.prefix_report`, evicted blocks removed), reported every second; the
+  blocks of requests routed to it since (`PrefixIndex`, forgotten after `ttl_s`, when the replica's
+  reports cover them) fill the gap until its next report.
 * Residency of the request's adapter on the replica: device-resident > host-cached > a free device slot
   > must evict another adapter (0 for base-model requests: every replica holds the base model).
-* Load: the prompt + maximum new tokens of the requests routed to the replica and not yet finished,
-  relative to the replica's token budget (its KV cache, in tokens).
+* Load: of the requests routed to the replica and not yet finished, their prompt + maximum new tokens
+  over the replica's token budget (its KV cache), or their number over its `max_num_seqs`, the higher.
 """
 
 from __future__ import annotations
 
 import enum
+import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass, field
 
 from api.cluster.options import RouterWeights
-from engine.kv_cache.block_pool import hash_block
+from api.cluster.prefix_report import BlockSummary
+from engine.kv_cache.block_pool import block_key, hash_block
 
-__all__ = ["PrefixIndex", "ReplicaView", "Residency", "RouterWeights", "prompt_block_hashes", "rank", "score"]
+__all__ = [
+    "PrefixIndex",
+    "ReplicaView",
+    "Residency",
+    "RouterWeights",
+    "prompt_block_hashes",
+    "rank",
+    "score",
+    "share",
+]
 
 
 class Residency(float, enum.Enum):
@@ -40,9 +53,10 @@ class Residency(float, enum.Enum):
 
 @dataclass(slots=True)
 class ReplicaView:
-    """What the router knows of one replica: its adapters by tier (content digests, from the replica's
-    routing stats), whether its device pool has a free slot, its token budget, and the tokens of the
-    requests routed to it that have not finished (kept by the router)."""
+    """What the router knows of one replica: from its routing stats, its adapters by tier (content
+    digests), whether its device pool has a free slot, its token budget and `max_num_seqs`, and the
+    summary of the blocks its prefix cache holds; kept by the router, the tokens and the number of the
+    requests routed to it that have not finished."""
 
     replica_id: str
     device: frozenset[str] = frozenset()
@@ -50,6 +64,9 @@ class ReplicaView:
     free_slot: bool = True
     budget_tokens: int = 1
     in_flight_tokens: int = 0
+    max_seqs: int = 1 << 30
+    in_flight_requests: int = 0
+    held: BlockSummary | None = None
 
     def residency(self, digest: str) -> Residency:
         """The residency of adapter `digest` on this replica."""
@@ -60,50 +77,69 @@ class ReplicaView:
         return Residency.FREE_SLOT if self.free_slot else Residency.MUST_EVICT
 
     def load(self) -> float:
-        """In-flight tokens over the replica's budget (1.0: a full KV cache's worth)."""
-        return self.in_flight_tokens / max(1, self.budget_tokens)
+        """How full the replica is with what was routed to it (1.0: a full KV cache's worth of tokens, or
+        `max_num_seqs` requests)."""
+        return share(self, self.in_flight_tokens, self.in_flight_requests)
 
 
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int, digest: str | None) -> list[bytes]:
-    """The engine's hashes of the prompt's full blocks (chained, keyed by the adapter's content digest,
-    or none for the base model): the keys its prefix cache stores those blocks under."""
+def share(view: ReplicaView, tokens: int, requests: int) -> float:
+    """`tokens` over the replica's budget or `requests` over its `max_num_seqs`, the higher."""
+    return max(tokens / max(1, view.budget_tokens), requests / max(1, view.max_seqs))
+
+
+def prompt_block_hashes(
+    token_ids: Sequence[int], block_size: int, digest: str | None, long_prompt_from: int | None = None
+) -> list[bytes]:
+    """The engine's hashes of the prompt's full blocks (chained, keyed as the engine keys them: by the
+    adapter's content digest, none for the base model): the keys its prefix cache stores them under."""
+    key = block_key(digest, len(token_ids), long_prompt_from)
     hashes: list[bytes] = []
     parent: bytes | None = None
     for i in range(len(token_ids) // block_size):
-        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], digest)
+        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], key)
         hashes.append(parent)
     return hashes
 
 
 @dataclass(slots=True)
 class PrefixIndex:
-    """Per replica, the block hashes of the requests routed to it, most recent last, at most
-    `max_blocks_per_replica` each (the oldest are forgotten first, as an LRU prefix cache evicts)."""
+    """Per replica, the block hashes of the requests routed to it in the last `ttl_s` seconds, most recent
+    last, at most `max_blocks_per_replica` each: what the replica caches before its next report says so.
+    `cached_blocks` counts a block as held if the replica's report (`held`) or this index has it."""
 
     max_blocks_per_replica: int = 65536
-    _blocks: dict[str, OrderedDict[bytes, None]] = field(default_factory=dict)
+    ttl_s: float = 5.0
+    _blocks: dict[str, OrderedDict[bytes, float]] = field(default_factory=dict)
 
-    def record(self, replica_id: str, hashes: Iterable[bytes], kv_blocks: int | None = None) -> None:
-        """Remember that `replica_id` now holds these blocks (refreshing them if it did already). With
-        `kv_blocks`, the replica's KV cache size, at most that many are kept for it: its engine cannot hold
-        more, and evicts its least recently used cached blocks first, as this index forgets them."""
+    def record(
+        self, replica_id: str, hashes: Iterable[bytes], kv_blocks: int | None = None, now: float | None = None
+    ) -> None:
+        """Remember that `replica_id` is computing these blocks now. With `kv_blocks`, the replica's KV
+        cache size, at most that many are kept for it (it cannot hold more; LRU, as its engine evicts)."""
+        t = time.monotonic() if now is None else now
         held = self._blocks.setdefault(replica_id, OrderedDict())
         for h in hashes:
-            held[h] = None
+            held[h] = t
             held.move_to_end(h)
         bound = min(self.max_blocks_per_replica, kv_blocks or self.max_blocks_per_replica)
-        while len(held) > max(1, bound):
+        while len(held) > max(1, bound) or (held and next(iter(held.values())) < t - self.ttl_s):
             held.popitem(last=False)
 
-    def cached_blocks(self, replica_id: str, hashes: Sequence[bytes]) -> int:
-        """How many of the prompt's leading blocks `replica_id` is predicted to hold (a chained hash hits
-        only if every block before it does, so counting stops at the first miss)."""
-        held = self._blocks.get(replica_id)
-        if not held:
-            return 0
+    def cached_blocks(
+        self,
+        replica_id: str,
+        hashes: Sequence[bytes],
+        held: BlockSummary | None = None,
+        now: float | None = None,
+    ) -> int:
+        """How many of the prompt's leading blocks `replica_id` is predicted to hold, by its report `held`
+        or by recent routing (a chained hash hits only if every block before it does, so counting stops at
+        the first miss)."""
+        recent: dict[bytes, float] = self._blocks.get(replica_id) or {}
+        oldest = (time.monotonic() if now is None else now) - self.ttl_s
         n = 0
         for h in hashes:
-            if h not in held:
+            if not ((held is not None and held.contains(h)) or recent.get(h, -1.0) >= oldest):
                 break
             n += 1
         return n
@@ -138,14 +174,17 @@ def rank(
     block_size: int,
     prompt_tokens: int,
     digest: str | None,
-) -> list[ReplicaView]:
-    """`views` best first by `score`. Ties (an idle cluster) go to fewer in-flight tokens, then fewer
-    adapters held (so new adapters spread over idle replicas instead of piling onto one), then replica id
-    (stable)."""
+    preferred: Set[str] = frozenset(),
+) -> list[tuple[ReplicaView, int]]:
+    """(view, predicted cached tokens) best first: the `preferred` replicas (where the adapter is placed)
+    before the others, each group by `score`. Ties (an idle cluster) go to fewer in-flight tokens, then
+    fewer adapters held (so new adapters spread over idle replicas instead of piling onto one), then
+    replica id (stable)."""
+    cached = {v.replica_id: index.cached_blocks(v.replica_id, hashes, v.held) * block_size for v in views}
 
-    def key(v: ReplicaView) -> tuple[float, int, int, str]:
-        cached = index.cached_blocks(v.replica_id, hashes) * block_size
+    def key(v: ReplicaView) -> tuple[bool, float, int, int, str]:
         held = len(v.device | v.host)
-        return (-score(v, weights, cached, prompt_tokens, digest), v.in_flight_tokens, held, v.replica_id)
+        s = score(v, weights, cached[v.replica_id], prompt_tokens, digest)
+        return (v.replica_id not in preferred, -s, v.in_flight_tokens, held, v.replica_id)
 
-    return sorted(views, key=key)
+    return [(v, cached[v.replica_id]) for v in sorted(views, key=key)]

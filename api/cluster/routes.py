@@ -25,9 +25,10 @@ async def cluster_status(state: StateDep, _: AdminActor) -> dict:
     it last saw each name change (unix time), adapters made resident by its multiplexed loader, and its
     adapter pool (loads, residency by tier), its prefix cache's counters (prompt tokens looked up, hit); its
     engine's process id, its own cache dir (database blob
-    store; null with local blobs), the directory each adapter was loaded from, and its start-up phases.
-    Beside them, `deployment`: the engine replicas Serve aims at now and its autoscaling config (null
-    with a fixed `--replicas`), as Serve's controller holds them (null when it did not answer)."""
+    store; null with local blobs), the directory each adapter was loaded from, its start-up phases, the
+    prefix-cache blocks it reports to the router, and the hot adapters it pins for the router. Beside
+    them, `deployment`: the engine replicas Serve aims at now and its autoscaling config (null with a
+    fixed `--replicas`), as Serve's controller holds them (null when it did not answer)."""
     client = cast("RemoteEngineClient", state.client)  # the ingress's client (this router is cluster-only)
     await client.poll()
     out = []
@@ -51,6 +52,8 @@ async def cluster_status(state: StateDep, _: AdminActor) -> dict:
                 "data_dir": r.get("data_dir"),
                 "loaded_paths": r.get("loaded_paths", {}),
                 "startup_seconds": r.get("startup_seconds", {}),
+                "prefix_blocks_held": r.get("prefix_blocks_held", 0),
+                "pinned_hot": r.get("pinned_hot", []),
             }
         )
     return {"replicas": sorted(out, key=lambda r: r["replica"]), "deployment": await _deployment_scale()}

@@ -19,6 +19,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from engine.kv_cache.cache_events import CacheEvents, CacheJournal
+
 
 @dataclass(slots=True, eq=False)
 class KVBlock:
@@ -40,6 +42,15 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], adapter_key: str 
     return h.digest()
 
 
+def block_key(adapter_digest: str | None, num_prompt_tokens: int, long_prompt_from: int | None) -> str | None:
+    """The adapter key a request's blocks are hashed with: its adapter's content digest (None: the base
+    model), set apart for prompts longer than `long_prompt_from` (LongRoPE rotates their K/V with the long
+    factors). The engine and a router predicting its cache both use this."""
+    if long_prompt_from is not None and num_prompt_tokens > long_prompt_from:
+        return f"{adapter_digest or ''}#long-rope"
+    return adapter_digest
+
+
 class BlockPool:
     """Owns `num_blocks` KV blocks: allocation, ref counts, and the hash -> block prefix cache."""
 
@@ -51,6 +62,17 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[bytes, int] = {}
         self.num_evictions = 0
+        self.journal: CacheJournal | None = None  # set by `enable_events`
+
+    def enable_events(self) -> None:
+        """Record what enters and leaves the prefix cache, for `take_events` (at most twice the pool's
+        blocks are kept between takes)."""
+        if self.journal is None:
+            self.journal = CacheJournal(bound=2 * self.num_blocks)
+
+    def take_events(self) -> CacheEvents | None:
+        """The prefix cache's changes since the last take (None unless `enable_events` was called)."""
+        return self.journal.take(self._cached.keys) if self.journal is not None else None
 
     @property
     def num_blocks(self) -> int:
@@ -87,6 +109,8 @@ class BlockPool:
             if block.block_hash is not None:
                 if self._cached.get(block.block_hash) == idx:
                     del self._cached[block.block_hash]
+                    if self.journal is not None:
+                        self.journal.removed(block.block_hash)
                 block.block_hash = None
                 self.num_evictions += 1
             block.ref_cnt = 1
@@ -113,7 +137,10 @@ class BlockPool:
         if not self.enable_caching or block.block_hash is not None:
             return
         block.block_hash = block_hash
-        self._cached.setdefault(block_hash, block.block_id)
+        if block_hash not in self._cached:
+            self._cached[block_hash] = block.block_id
+            if self.journal is not None:
+                self.journal.stored(block_hash)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; only possible when no block is in use."""
@@ -122,4 +149,6 @@ class BlockPool:
         for b in self.blocks:
             b.block_hash = None
         self._cached.clear()
+        if self.journal is not None:
+            self.journal.cleared()
         return True

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.kv_cache.block_pool import BlockPool, KVBlock, hash_block
+from engine.kv_cache.block_pool import BlockPool, KVBlock, block_key, hash_block
 from engine.sequence import Sequence
 from kernels.intmath import cdiv
 
@@ -57,9 +57,7 @@ class KVCacheManager:
         hashes = self._hashes.setdefault(req.seq_id, [])
         bs = self.block_size
         tokens = req.all_token_ids
-        key = req.lora_key
-        if self.long_prompt_from is not None and req.num_prompt_tokens > self.long_prompt_from:
-            key = f"{key or ''}#long-rope"
+        key = block_key(req.lora_key, req.num_prompt_tokens, self.long_prompt_from)
         while (len(hashes) + 1) * bs <= upto_tokens:
             i = len(hashes)
             parent = hashes[-1] if hashes else None

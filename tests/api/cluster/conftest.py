@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from api.settings import ServerSettings
 from lora_registry import open_registry
@@ -61,6 +62,23 @@ class Cluster:
             assert r.status_code == 200, r.text
             return r.json()["replicas"]
 
+    def complete(self, adapter: str | None, text: str, max_tokens: int = 32) -> httpx.Response:
+        """A greedy completion of `text=` (the demo models' prompt form), for `adapter` or the base."""
+        path = f"/v1/adapters/{adapter}/completions" if adapter else "/v1/completions"
+        body = {"prompt": f"{text}=", "max_tokens": max_tokens, "temperature": 0, "stop": ["\n"]}
+        return httpx.post(self.url + path, json=body, timeout=90)
+
+    def router_metrics(self) -> dict[tuple[str, str], float]:
+        """The affinity router's samples on the ingress's `/metrics`: (sample name, its label value) ->
+        value, e.g. ("loraplex_router_adapter_spreads_total", "upper")."""
+        text = httpx.get(self.url + "/metrics", timeout=30).text
+        out: dict[tuple[str, str], float] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name.startswith("loraplex_router_"):
+                    out[(s.name, next(iter(s.labels.values()), ""))] = s.value
+        return out
+
 
 @contextmanager
 def stale_ray_environment() -> Iterator[Path]:
@@ -79,8 +97,16 @@ def stale_ray_environment() -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory):
-    with running_cluster(tmp_path_factory, replicas=2) as c:
+def cluster_overrides() -> dict:
+    """What a test module changes in its cluster: {"engine": engine kwargs, "options": ClusterOptions
+    kwargs} (override this fixture in the module)."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, cluster_overrides: dict):
+    options = {"replicas": 2, **cluster_overrides.get("options", {})}
+    with running_cluster(tmp_path_factory, cluster_overrides.get("engine"), **options) as c:
         yield c
 
 

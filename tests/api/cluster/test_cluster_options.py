@@ -48,11 +48,13 @@ def test_cli_refuses_impossible_layouts(tmp_path, flag: str, value: str) -> None
 
 def test_the_affinity_router_is_the_default_and_multiplex_an_option(tmp_path) -> None:
     from api.cluster.deployments import engine_deployment
-    from api.cluster.options import RouterWeights
+    from api.cluster.options import RouterWeights, SpreadPolicy
 
     settings = _settings(tmp_path)
     weights = RouterWeights(prefix=3.0, adapter=0.5, load=1.5)
-    config = engine_deployment(settings, ClusterOptions(2, router_weights=weights))._deployment_config
+    spread = SpreadPolicy(load=0.25, max_replicas=3, contract_after_s=4.0)
+    options = ClusterOptions(2, router_weights=weights, spread=spread)
+    config = engine_deployment(settings, options)._deployment_config
     router = config.request_router_config
     assert router.request_router_class == "api.cluster.affinity_router.AffinityRouter"
     assert router.request_router_kwargs == {
@@ -60,6 +62,9 @@ def test_the_affinity_router_is_the_default_and_multiplex_an_option(tmp_path) ->
         "w_prefix": 3.0,
         "w_adapter": 0.5,
         "w_load": 1.5,
+        "spread_load": 0.25,
+        "max_spread": 3,
+        "contract_after_s": 4.0,
     }
     assert router.request_routing_stats_period_s <= 1.0  # residency reaches the router within a second
     plain = engine_deployment(settings, ClusterOptions(2, router="multiplex"))._deployment_config
@@ -68,7 +73,13 @@ def test_the_affinity_router_is_the_default_and_multiplex_an_option(tmp_path) ->
 
 @pytest.mark.parametrize(
     ("args", "message"),
-    [(["--router", "random"], "--router must be one of"), (["--router-w-load", "-1"], "--router-w-load")],
+    [
+        (["--router", "random"], "--router must be one of"),
+        (["--router-w-load", "-1"], "--router-w-load"),
+        (["--router-max-spread", "0"], "--router-max-spread"),
+        (["--router-spread-load", "0"], "--router-spread-load"),
+        (["--router-contract-after", "-1"], "--router-contract-after"),
+    ],
 )
 def test_cli_refuses_unknown_routers_and_negative_weights(tmp_path, args: list[str], message: str) -> None:
     env = {"LORAPLEX_DATA_DIR": str(tmp_path), "LORAPLEX_MODEL": str(DEMO / "base")}

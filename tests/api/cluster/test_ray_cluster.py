@@ -290,6 +290,12 @@ def _prefix_hits(cluster: Cluster) -> dict[str, int]:
     return {r["replica"]: r["prefix_cache"]["hits"] for r in cluster.replicas()}
 
 
+def _predicted(cluster: Cluster) -> float:
+    """Prompt tokens the router predicted cached on the replicas it chose, so far."""
+    m = cluster.router_metrics()
+    return sum(v for (name, _), v in m.items() if name == "loraplex_router_predicted_cached_tokens_total")
+
+
 def test_shared_prefix_requests_go_to_the_replica_holding_the_prefix(cluster: Cluster) -> None:
     """The default router (`--router affinity`): requests that share a prefix (base model, and an adapter
     with another prefix) all reach the replica that served the first of them, and that replica's prefix
@@ -303,12 +309,17 @@ def test_shared_prefix_requests_go_to_the_replica_holding_the_prefix(cluster: Cl
         first = _complete(cluster.url, adapter, prefix + "first", max_tokens=4)
         assert first.status_code == 200, first.text
         holder = first.headers["x-loraplex-replica"]
+        # the holder reports the prefix's blocks itself (its engine's cache), beyond the router's guess
+        held = {r["replica"]: r["prefix_blocks_held"] for r in cluster.replicas()}
+        assert held[holder] >= len(prefix) // block, held
+        predicted = _predicted(cluster)
         placed = []
         for i in range(6):
             r = _complete(cluster.url, adapter, f"{prefix}q{i} ask", max_tokens=4)
             assert r.status_code == 200, r.text
             placed.append(r.headers["x-loraplex-replica"])
         assert placed == [holder] * 6, (adapter, holder, placed)
+        assert _predicted(cluster) >= predicted + 6 * block  # each predicted its shared blocks
         want = before[holder] + 6 * block
         grew = wait_until(lambda h=holder, w=want: _prefix_hits(cluster)[h] >= w, timeout=10)
         assert grew, (adapter, before, _prefix_hits(cluster))
@@ -343,8 +354,10 @@ def test_a_re_registered_name_gets_no_hit_on_its_old_blocks(cluster: Cluster) ->
         _follow(cluster, "swap", True, time.time())
     time.sleep(1.0)  # the replicas' stats of the requests above
     queries, hits = _prefix_totals(cluster)
+    predicted = _predicted(cluster)
     r = _complete(cluster.url, "swap", text)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == EXPECTED["reverse"](text)
+    assert _predicted(cluster) == predicted, "the router predicted a hit on the old weights' blocks"
     assert wait_until(lambda: _prefix_totals(cluster)[0] > queries, timeout=10)  # its lookup is counted
     assert _prefix_totals(cluster)[1] == hits, "a hit on blocks the old weights computed"
     again = _complete(cluster.url, "swap", text)  # the new weights' own blocks do hit
@@ -413,12 +426,24 @@ def test_failover_when_a_replica_dies(cluster: Cluster) -> None:
             assert got == EXPECTED[adapter](text)
         else:
             assert status == 503 or error, (adapter, status, got)
-    # Serve restarts the replica; then every adapter answers correctly again
+    # Serve restarts the replica; then every adapter answers correctly again, and the adapters that
+    # moved to the survivor rebalance onto the new replica (both serve again, none stranded)
     assert wait_until(lambda: len(_healthy_replicas(cluster)) == 2, timeout=90, interval=0.5)
     assert names[0] not in ray_api.replica_actor_names(ENGINE_DEPLOYMENT)
-    for adapter in ADAPTERS:
-        r = _complete(cluster.url, adapter, "hello world")
-        assert r.status_code == 200 and r.json()["choices"][0]["text"] == EXPECTED[adapter]("hello world")
+    rebalances = _rebalances(cluster)
+    served: dict[str, set[str]] = {}
+    for _ in range(3):
+        for adapter in ADAPTERS:
+            r = _complete(cluster.url, adapter, "hello world")
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == EXPECTED[adapter]("hello world")
+            served.setdefault(r.headers["x-loraplex-replica"], set()).add(adapter)
+    assert len(served) == 2, served
+    assert _rebalances(cluster) > rebalances
+
+
+def _rebalances(cluster: Cluster) -> float:
+    m = cluster.router_metrics()
+    return sum(v for (name, _), v in m.items() if name == "loraplex_router_adapter_rebalances_total")
 
 
 def _healthy_replicas(cluster: Cluster) -> list[dict]:

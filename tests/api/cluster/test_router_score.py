@@ -27,7 +27,7 @@ def _views(**kw) -> list[ReplicaView]:
 
 def _best(views, index, tokens, digest=None, weights=W) -> str:
     hashes = prompt_block_hashes(tokens, BS, digest)
-    return rank(views, index, weights, hashes, BS, len(tokens), digest)[0].replica_id
+    return rank(views, index, weights, hashes, BS, len(tokens), digest)[0][0].replica_id
 
 
 def test_predicted_hashes_are_the_engines_cache_keys() -> None:
@@ -57,7 +57,7 @@ def test_adapter_residency_is_preferred() -> None:
         ReplicaView("c", device=frozenset({"d"}), budget_tokens=1000),
         ReplicaView("e", free_slot=True, budget_tokens=1000),
     ]
-    order = [v.replica_id for v in rank(views, PrefixIndex(), W, [], BS, 8, "d")]
+    order = [v.replica_id for v, _ in rank(views, PrefixIndex(), W, [], BS, 8, "d")]
     assert order == ["c", "b", "e", "a"]
     assert [views[i].residency("d") for i in range(4)] == [
         Residency.MUST_EVICT,
