@@ -363,13 +363,15 @@ class LLMEngine:
     def get_lora_stats(self) -> LoRAPoolStats:
         return self.adapters.stats()
 
-    def _end_all(self, errors: list[SequenceError]) -> list[RequestOutput]:
-        """End the request of each sequence named, once, with its error."""
+    def _end_all(self, errors: list[SequenceError], refused: bool = False) -> list[RequestOutput]:
+        """End the request of each sequence named, once, with its error (`refused`: the request's own
+        fault, `RequestOutput.refused`)."""
         ended: dict[str, RequestOutput] = {}
         for seq, error in errors:
             gid = self._seq_to_group.get(seq.seq_id)
             if gid is not None and gid in self._groups and gid not in ended:
                 ended[gid] = self._end_with_error(gid, error)
+                ended[gid].refused = refused
         return list(ended.values())
 
     def _sequence_text(self, params: SamplingParams) -> SequenceText | None:
@@ -411,6 +413,7 @@ class LLMEngine:
         t_start = time.perf_counter()
         outputs = self._end_all(self.adapters.failed_loads())
         outputs += self._end_all(self.adapters.prepare())
+        outputs += self._end_all(self.adapters.refused_mixes(), refused=True)
         plan = self.scheduler.schedule()
         self._steps += 1
         self._last_step_tokens = plan.num_batched_tokens
