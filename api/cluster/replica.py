@@ -195,9 +195,17 @@ class EngineReplica:
         return LoadedAdapter(active.name, digest, path)
 
     async def load(self, digest: str, name: str | None = None) -> LoadedAdapter:
-        """The multiplexed loader's work: resolve the adapter `digest` and have the engine start reading
-        it into host memory in the background (`prefetch`, which never stalls the engine loop on weights);
-        its requests then find it loaded or loading."""
+        """Make the adapter `digest` resident in this engine now (validated and in host memory when this
+        returns; the engine loop does it, so its batch waits): for callers that need it there before
+        their request (the disaggregated decode replica's KV import). Requests need no such call."""
+        adapter = await self.resolve(digest, name)
+        await self.client.adapter_call("add", adapter.name, adapter.path, digest)
+        return adapter
+
+    async def prefetch(self, digest: str, name: str | None = None) -> LoadedAdapter:
+        """The multiplexed loader's work: resolve the adapter `digest` and have the engine start reading it
+        into host memory in the background (never stalling its loop on the weights); its requests then
+        find it loaded or loading."""
         adapter = await self.resolve(digest, name)
         await self.client.adapter_call("prefetch", adapter.name, adapter.path, digest)
         return adapter
