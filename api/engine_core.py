@@ -296,7 +296,16 @@ class _EngineLoop:
         kv = encode_export(out.kv_export) if out.kv_export is not None else None
         self.push.send(
             encode(
-                RequestDelta(out.request_id, new, lps, finish, out.num_cached_tokens, out.error, kv_export=kv)
+                RequestDelta(
+                    out.request_id,
+                    new,
+                    lps,
+                    finish,
+                    out.num_cached_tokens,
+                    out.error,
+                    error_status=400 if out.refused else 500,
+                    kv_export=kv,
+                )
             )
         )
         if out.kv_export is not None:  # the bytes are on their way: the sending side holds nothing more

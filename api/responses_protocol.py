@@ -13,13 +13,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from api.errors import APIError
 from api.openai_protocol import (
     MAX_MESSAGES,
     MAX_TOOLS,
     OPENAI_MAX_TEMPERATURE,
+    AdapterMix,
+    AdapterWeight,
     ChatCompletionRequest,
     Name,
     RequestBody,
@@ -134,6 +136,8 @@ class ResponsesRequest(Strict):
     user: Name | None = None
     text: TextConfig | None = None
     truncation: Literal["disabled"] | None = None  # "auto" (dropping context) is not implemented
+    # loraplex extension: a weighted mix of active adapters, as on chat (api/mix.py; docs/endpoints.md)
+    adapters: AdapterMix | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -145,6 +149,15 @@ class ResponsesRequest(Strict):
             for k, v in data.items()
             if not (k in UNUSED_DEFAULTS and any(v == d and type(v) is type(d) for d in UNUSED_DEFAULTS[k]))
         }
+
+    @field_validator("adapters")
+    @classmethod
+    def _distinct_adapters(cls, v: list[AdapterWeight] | None) -> list[AdapterWeight] | None:
+        names = [a.name for a in v or []]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise ValueError(f"adapter {dup!r} appears twice; list each adapter once with its weight")
+        return v
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """This request's `input` as chat messages (the part stored for the next turn)."""
@@ -169,6 +182,8 @@ class ResponsesRequest(Strict):
             "max_completion_tokens": self.max_output_tokens,
             "user": self.user,
         }
+        if self.adapters is not None:
+            body["adapters"] = [a.model_dump() for a in self.adapters]
         if self.temperature is not None:
             body["temperature"] = self.temperature
         if self.top_p is not None:

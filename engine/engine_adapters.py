@@ -12,11 +12,12 @@ and the rest is the engine's public adapter API (add, prefetch, remove, pin, lis
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from collections.abc import Set
 
 from engine.lora.loader import path_key
 from engine.lora.manager import LoRAInfo, LoRAManager, LoRAPoolStats
-from engine.lora.mix import checkpoint_problem, member_problem, mix_key
+from engine.lora.mix import capacity_problem, checkpoint_problem, member_need, member_problem, mix_key
 from engine.lora_request import LoRARequest
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -45,7 +46,7 @@ class EngineAdapters:
 
     def _check_members(self, lr: LoRARequest, digests: list[str | None]) -> None:
         """ValueError for a mix member already in memory that a mix cannot combine (those not loaded
-        yet are checked once resident, `_refused_mixes`)."""
+        yet are checked once resident, `refused_mixes`)."""
         assert self.lora is not None
         for (member, _), digest in zip(lr.mix, digests, strict=True):
             if digest is None:
@@ -56,6 +57,25 @@ class EngineAdapters:
             why = why or (member_problem(res, member.name) if res is not None else None)
             if why:
                 raise ValueError(why)
+        why = self._capacity_problem(lr, digests)
+        if why:
+            raise ValueError(why)
+
+    def _capacity_problem(self, lr: LoRARequest, digests: Seq[str | None]) -> str | None:
+        """`mix.capacity_problem` of the mix `lr` once every member's size is known (resident or in host
+        memory), else None (checked again each step while it waits, `refused_mixes`)."""
+        assert self.lora is not None
+        pool, needs = self.lora.pool, []
+        for (member, _), digest in zip(lr.mix, digests, strict=True):
+            if digest is None:
+                return None
+            need = member_need(
+                pool, member.name, self.lora.residency.host_copy(digest), pool.resident.get(digest)
+            )
+            if need is None:
+                return None
+            needs.append(need)
+        return capacity_problem(pool, needs)
 
     def check_mix_size(self, lr: LoRARequest) -> None:
         """ValueError when the mix `lr` has more members than `max_loras` (it could never be scheduled), or
@@ -125,17 +145,19 @@ class EngineAdapters:
                     lost.append((seq, f"adapter {lr.name!r} was removed or changed while the request waited"))
                     break
         lora.prepare(self.scheduler.adapters_wanted(), in_use)
-        return lost + self._refused_mixes(lost)
+        return lost
 
-    def _refused_mixes(self, lost: list[SequenceError]) -> list[SequenceError]:
-        """Waiting mix requests with a resident member a mix cannot combine (`mix.member_problem`)."""
-        assert self.lora is not None
-        ended = {id(s) for s, _ in lost}
+    def refused_mixes(self) -> list[SequenceError]:
+        """After `prepare` (and once its lost requests ended): the waiting mix requests that can never run,
+        with a member a mix cannot combine (`mix.member_problem`) or members that cannot all be resident
+        at once (`mix.capacity_problem`); their requests end as refused (the request's own fault)."""
+        if self.lora is None:
+            return []
         out: list[SequenceError] = []
         resident = self.lora.pool.resident
         for seq in self.scheduler.waiting:
             req = seq.lora_request
-            if req is None or not req.mix or id(seq) in ended:
+            if req is None or not req.mix:
                 continue
             for (lr, _), key in zip(req.mix, seq.lora_keys, strict=False):
                 res = resident.get(key)
@@ -143,6 +165,10 @@ class EngineAdapters:
                 if why is not None:
                     out.append((seq, why))
                     break
+            else:
+                why = self._capacity_problem(req, seq.lora_keys) if seq.lora_keys else None
+                if why is not None:
+                    out.append((seq, why))
         return out
 
     def _resolve_or_none(self, lr: LoRARequest) -> str | None:

@@ -253,15 +253,7 @@ class LLMEngine:
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
-        max_len = self.model_config.max_model_len
-        if len(ids) >= max_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {max_len} tokens")
-        max_total = min(len(ids) + params.max_tokens, max_len)
-        if not self.kv.can_fit(self.kv.blocks_needed(max_total)):
-            raise ValueError(
-                f"request needs {self.kv.blocks_needed(max_total)} KV blocks for {max_total} tokens but the "
-                f"cache has {self.num_kv_blocks}; lower max_tokens or raise num_kv_blocks"
-            )
+        max_total = self._max_total(len(ids), params)
         if prefill_only and len(params.choices()) != 1:
             raise ValueError("a prefill-only request has one sequence (n = 1, no best_of)")
         if prefill_only and self.tp is not None:
@@ -289,6 +281,20 @@ class LLMEngine:
         if prefill_only:
             self._prefill_only.add(request_id)
 
+    def _max_total(self, prompt_len: int, params: SamplingParams) -> int:
+        """The most tokens (prompt + output) a request may reach: `prompt_len + max_tokens`, capped by the
+        model's context; ValueError when the prompt fills the context or the KV cache could never hold it."""
+        max_len = self.model_config.max_model_len
+        if prompt_len >= max_len:
+            raise ValueError(f"prompt has {prompt_len} tokens; the model's context is {max_len} tokens")
+        max_total = min(prompt_len + params.max_tokens, max_len)
+        if not self.kv.can_fit(self.kv.blocks_needed(max_total)):
+            raise ValueError(
+                f"request needs {self.kv.blocks_needed(max_total)} KV blocks for {max_total} tokens but the "
+                f"cache has {self.num_kv_blocks}; lower max_tokens or raise num_kv_blocks"
+            )
+        return max_total
+
     def import_request(self, export: KVExport) -> bool:
         """Continue another engine's prefill-only request (`add_request(..., prefill_only=True)`): its
         state and prompt K/V (engine/kv_transfer/export_import.py). Its outputs then come from `step` as
@@ -306,14 +312,7 @@ class LLMEngine:
             raise ValueError("a KV import continues one sequence that has sampled its first token")
         _, ids = self.tokenize(st.prompt_token_ids)
         self.tokenize(st.output_token_ids)  # token ids in the vocabulary
-        max_len = self.model_config.max_model_len
-        if len(ids) >= max_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {max_len} tokens")
-        max_total = min(len(ids) + params.max_tokens, max_len)
-        if not self.kv.can_fit(self.kv.blocks_needed(max_total)):
-            raise ValueError(
-                f"request needs {self.kv.blocks_needed(max_total)} KV blocks; the cache has fewer"
-            )
+        max_total = self._max_total(len(ids), params)
         seq = imported_sequence(self, msgspec.structs.replace(st, params=params), max_total)
         placed = place_blocks(self, seq, export, self.kv_connector)
         text = self._sequence_text(params)
@@ -364,13 +363,15 @@ class LLMEngine:
     def get_lora_stats(self) -> LoRAPoolStats:
         return self.adapters.stats()
 
-    def _end_all(self, errors: list[SequenceError]) -> list[RequestOutput]:
-        """End the request of each sequence named, once, with its error."""
+    def _end_all(self, errors: list[SequenceError], refused: bool = False) -> list[RequestOutput]:
+        """End the request of each sequence named, once, with its error (`refused`: the request's own
+        fault, `RequestOutput.refused`)."""
         ended: dict[str, RequestOutput] = {}
         for seq, error in errors:
             gid = self._seq_to_group.get(seq.seq_id)
             if gid is not None and gid in self._groups and gid not in ended:
                 ended[gid] = self._end_with_error(gid, error)
+                ended[gid].refused = refused
         return list(ended.values())
 
     def _sequence_text(self, params: SamplingParams) -> SequenceText | None:
@@ -412,6 +413,7 @@ class LLMEngine:
         t_start = time.perf_counter()
         outputs = self._end_all(self.adapters.failed_loads())
         outputs += self._end_all(self.adapters.prepare())
+        outputs += self._end_all(self.adapters.refused_mixes(), refused=True)
         plan = self.scheduler.schedule()
         self._steps += 1
         self._last_step_tokens = plan.num_batched_tokens

@@ -44,5 +44,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     error: str | None = None  # set when the request was ended by an error (e.g. its adapter failed to load)
+    refused: bool = False  # with `error`: the request itself can never be served (a client error, HTTP 400)
     metrics: dict[str, float] = field(default_factory=dict)
     kv_export: Any = None  # a prefill-only request's `engine.kv_transfer.KVExport` (finish "kv_transfer")

@@ -9,11 +9,19 @@ from typing import Annotated
 import typer
 from rich.table import Column, Table
 
-from api.cli.output import RichProgress, handle_errors, print_json, stderr, stdout
+from api.cli.output import CliError, RichProgress, handle_errors, print_json, stderr, stdout
 from api.cli.state import state_of
 from lora_registry.schemas import AdapterInfo, VersionInfo
 
 app = typer.Typer(help="Register and manage LoRA adapters.", no_args_is_help=True)
+
+
+def _element_bytes(dtype: str) -> int:
+    """Bytes per element of the pool dtype `dtype` (CliError for another name)."""
+    sizes = {"float32": 4, "bfloat16": 2, "float16": 2}
+    if dtype not in sizes:
+        raise CliError(f"--lora-dtype: expected one of {', '.join(sizes)}, got {dtype!r}")
+    return sizes[dtype]
 
 
 def _size(n: int) -> str:
@@ -41,9 +49,32 @@ def register(
     path: Annotated[Path, typer.Argument(help="PEFT adapter directory, or a zip of one.")],
     description: Annotated[str | None, typer.Option(help="What this adapter is for.")] = None,
     activate: Annotated[bool, typer.Option("--activate", help="Serve it right away.")] = False,
+    lora_side_memory_bytes: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="The serving engine's lora_side_memory_bytes (as given to `loraplex serve`): refuse an "
+            "adapter whose side stores (modules_to_save copies, token rows, embedding/LM-head LoRA, DoRA "
+            "vectors) exceed it, as the server's registration does. Local registry only.",
+        ),
+    ] = None,
+    lora_dtype: Annotated[
+        str,
+        typer.Option(help="The serving engine's adapter pool dtype, for --lora-side-memory-bytes."),
+    ] = "float32",
 ) -> None:
-    """Validate an adapter against the base model (LORAPLEX_MODEL) and store it as a new version."""
-    backend = state_of(ctx).backend()
+    """Validate an adapter against the base model (LORAPLEX_MODEL) and store it as a new version.
+
+    A server checks an adapter's side stores against its engine's budget at registration; a local
+    registration cannot know that budget (it comes from the flags of whichever `loraplex serve` uses the
+    registry, not from settings), so it checks it only when given --lora-side-memory-bytes; otherwise the
+    engine refuses an oversized adapter when it loads it, with both numbers."""
+    state = state_of(ctx)
+    if lora_side_memory_bytes is not None:
+        if state.server:
+            raise CliError("--lora-side-memory-bytes is for a local registry; a server checks its own budget")
+        state.side_budget = (lora_side_memory_bytes, _element_bytes(lora_dtype))
+    backend = state.backend()
     with RichProgress(enabled=sys.stderr.isatty()) as progress:
         result = backend.register(name, path, description, activate, progress)
     out = stdout()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,13 +20,19 @@ class CliState:
     data_dir: Path | None
     server: str | None
     token: str | None
+    # (bytes, bytes per element) of the serving engine's side budget, checked at local registration
+    # (`adapters register --lora-side-memory-bytes`); None: not checked here (the engine checks at load)
+    side_budget: tuple[int, int] | None = None
     _backend: Backend | None = None
 
     def settings(self) -> RegistrySettings:
         env = dict(os.environ)
         if self.data_dir is not None:
             env["LORAPLEX_DATA_DIR"] = str(self.data_dir)
-        return RegistrySettings.from_env(env)
+        settings = RegistrySettings.from_env(env)
+        if self.side_budget is not None:
+            settings = dataclasses.replace(settings, lora_side_budget=self.side_budget)
+        return settings
 
     def backend(self) -> Backend:
         if self._backend is None:

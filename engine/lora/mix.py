@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.lora.adapter_checkpoint import AdapterCheckpoint
-from engine.lora.pool import ResidentAdapter
+from engine.lora.adapter_checkpoint import PROJECTIONS, AdapterCheckpoint
+from engine.lora.pool import AdapterPool, ResidentAdapter
 from engine.lora.vocab_step import VocabLoRAStep
 from engine.model.linear import LoRAStepContext
 
@@ -77,6 +77,50 @@ def checkpoint_problem(ckpt: AdapterCheckpoint, name: str) -> str | None:
         return _refusal(name, "trainable tokens")
     if ckpt.saved:
         return _refusal(name, "modules_to_save")
+    return None
+
+
+def capacity_problem(pool: AdapterPool, members: Sequence[MemberNeed]) -> str | None:
+    """Why the mix of `members` can never be scheduled on `pool` (all of them must be resident at once:
+    their pages on each projection, their slots and their side bytes, together), or None if it fits an
+    empty pool."""
+    for m, name in enumerate(PROJECTIONS):
+        total = sum(need.pages[m] for need in members)
+        if total > pool.num_pages:
+            parts = ", ".join(f"{need.name!r} {need.pages[m]}" for need in members if need.pages[m])
+            return (
+                f"the weighted mix needs {total} adapter pool pages of {name} at once ({parts}) but the pool "
+                f"has {pool.num_pages} per projection (raise lora_pool_pages, or mix fewer or lower-rank "
+                "adapters)"
+            )
+    if len(members) > pool.max_slots:
+        return f"the weighted mix has {len(members)} adapters but the pool has {pool.max_slots} slots"
+    side = sum(need.side_bytes for need in members)
+    if side > pool.side_budget:
+        return (
+            f"the weighted mix keeps {side} bytes beside its pages at once but the pool's side budget is "
+            f"{pool.side_budget} (lora_side_memory_bytes)"
+        )
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class MemberNeed:
+    """What one mix member takes in the pool while resident: pages per projection, side bytes."""
+
+    name: str
+    pages: list[int]
+    side_bytes: int
+
+
+def member_need(
+    pool: AdapterPool, name: str, ckpt: AdapterCheckpoint | None, res: ResidentAdapter | None
+) -> MemberNeed | None:
+    """`MemberNeed` of the member `name` from its resident entry or its host copy (None: neither known)."""
+    if res is not None:
+        return MemberNeed(name, [len(p) for p in res.pages], res.side_bytes)
+    if ckpt is not None:
+        return MemberNeed(name, pool.pages_needed(ckpt), pool.side_need(ckpt))
     return None
 
 

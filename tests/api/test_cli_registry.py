@@ -25,6 +25,7 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("cli-assets")
     make_adapter(root / "a", seed=1)
     make_adapter(root / "b", seed=2, r=8, target_modules=["q_proj", "k_proj", "down_proj"])
+    make_adapter(root / "dora", seed=4, use_dora=True)
     state = make_adapter(root / "pickled", seed=3)
     (root / "pickled" / "adapter_model.safetensors").unlink()
     import torch
@@ -117,6 +118,32 @@ def test_errors_are_one_line_and_exit_1(env, assets, args: list[str], message: s
     result = invoke(env, *[a.format(**{k: str(v) for k, v in assets.items()}) for a in args], code=1)
     assert message in result.stderr
     assert json.loads(invoke(env, "adapters", "list", "--json").stdout) == []
+
+
+def test_local_registration_checks_a_given_side_budget(env, assets) -> None:
+    """With --lora-side-memory-bytes the local registration refuses what the engine could never hold,
+    with the server's message; without it (the budget is the serving engine's, unknown here) it stores."""
+    dora = str(assets["dora"])
+    budget = ["--lora-side-memory-bytes", "64", "--lora-dtype", "bfloat16"]
+    result = invoke(env, "adapters", "register", "dora-bot", dora, *budget, code=1)
+    assert "side budget of 64 bytes" in result.stderr
+    assert json.loads(invoke(env, "adapters", "list", "--json").stdout) == []
+    bad = invoke(
+        env,
+        "adapters",
+        "register",
+        "dora-bot",
+        dora,
+        "--lora-side-memory-bytes",
+        "64",
+        "--lora-dtype",
+        "int8",
+        code=1,
+    )
+    assert "--lora-dtype: expected one of" in bad.stderr
+    invoke(env, "adapters", "register", "dora-bot", dora, "--lora-side-memory-bytes", str(1 << 30))
+    invoke(env, "adapters", "register", "dora-bot-2", dora)
+    assert len(json.loads(invoke(env, "adapters", "list", "--json").stdout)) == 2
 
 
 def test_keys(env: dict[str, str]) -> None:

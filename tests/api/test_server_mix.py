@@ -27,8 +27,9 @@ MIX = [{"name": A, "weight": 0.7}, {"name": B, "weight": 0.3}]
 
 @pytest.fixture(scope="module")
 def served(text_model, tmp_path_factory):
-    """A server (API keys required, max_loras=2) with the three served adapters, a DoRA adapter and an
-    inactive one; a rate limit of 1 request/minute on C. Yields (server, keys, PEFT cat dir of MIX)."""
+    """A server (API keys required, max_loras=2, a small adapter pool) with the three served adapters,
+    a DoRA adapter, an inactive one and a copy of C; a rate limit of 1 request/minute on C.
+    Yields (server, keys, PEFT cat dir of MIX)."""
     base, adapters, _ = text_model
     root = tmp_path_factory.mktemp("mix")
     data = root / "data"
@@ -39,6 +40,7 @@ def served(text_model, tmp_path_factory):
     )
     register(data, base, "dora-bot", dora)
     register(data, base, "sleeping", adapters[C], activate=False)
+    register(data, base, "gud-copy", adapters[C])  # C without its rate limit
     env = {"LORAPLEX_DATA_DIR": str(data), "LORAPLEX_MODEL": str(base)}
     reg = open_registry(RegistrySettings.from_env(env), bus=InProcessBus())
     try:
@@ -50,7 +52,17 @@ def served(text_model, tmp_path_factory):
     finally:
         reg.close()
     cat = build_weighted_cat(base, adapters, [(A, 0.7), (B, 0.3)], root / "cat")
-    server = start_server(base, data, settings_overrides={"require_api_key": True}, max_loras=2)
+    # a small adapter pool (3 pages per projection of rank 4): A+B and B+C fit at once, A+C (gate_proj:
+    # 1 + 3 pages) never does
+    server = start_server(
+        base,
+        data,
+        settings_overrides={"require_api_key": True},
+        max_loras=2,
+        max_lora_rank=12,
+        lora_page_rank=4,
+        lora_pool_pages=3,
+    )
     yield server, keys, cat
     server.stop()
 
@@ -100,8 +112,41 @@ def test_chat_and_per_adapter_url_with_a_mix(served, text_model, tok):
     assert by_url.choices[0].message.content == tok.decode(oracle.greedy(list(ids), 6, cat))
 
 
+def test_responses_with_a_mix_equals_peft_cat(served, text_model, tok):
+    """`/v1/responses` takes `adapters` as chat does (the official client's `extra_body`)."""
+    server, keys, cat = served
+    _, _, oracle = text_model
+    r = client(server, keys["all"]).responses.create(
+        model=A, input="abc", max_output_tokens=6, temperature=0, extra_body={"adapters": MIX}
+    )
+    assert r.model == A
+    msgs = [{"role": "user", "content": "abc"}]
+    ids = tok.encode(render_chat(tok, msgs, None), add_special_tokens=False)
+    want = oracle.greedy(list(ids), 6, cat)
+    if tok.eos_token_id in want:
+        want = want[: want.index(tok.eos_token_id)]
+    assert r.output_text == tok.decode(want, skip_special_tokens=True)
+    base = client(server, keys["all"]).responses.create(
+        model=A, input="abc", max_output_tokens=6, temperature=0
+    )
+    assert base.output_text != r.output_text  # the mix, not A alone, answered
+
+
+def test_responses_refuse_a_bad_mix_naming_the_field(served):
+    server, keys, _ = served
+    for mix, words in (
+        ([{"name": A, "weight": 0.5}, {"name": A, "weight": 0.5}], "appears twice"),
+        ([{"name": "nope", "weight": 1.0}], "'nope' does not exist"),
+    ):
+        body = {"input": "hi", "max_output_tokens": 2, "adapters": mix}
+        r = _post(server, keys["all"], body, path="/v1/responses")
+        assert r.status_code in (400, 404), r.text
+        assert words in r.json()["error"]["message"] and r.json()["error"]["param"].startswith("adapters")
+
+
 def _post(server, key: str, body: dict, path: str = "/v1/completions") -> httpx.Response:
-    body = {"prompt": "hi", "max_tokens": 2} | body
+    if path.endswith("/completions") and "chat" not in path:
+        body = {"prompt": "hi", "max_tokens": 2} | body
     return httpx.post(
         f"{server.url}{path}", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60
     )
@@ -151,7 +196,7 @@ def test_a_scoped_key_must_be_allowed_every_member(served):
 
 def test_every_member_rate_limit_applies_and_usage_names_the_mix(served):
     server, keys, _ = served
-    mix = [{"name": A, "weight": 0.5}, {"name": C, "weight": 0.5}]
+    mix = [{"name": B, "weight": 0.5}, {"name": C, "weight": 0.5}]
     assert _post(server, keys["all"], {"adapters": mix}).status_code == 200
     r = _post(server, keys["all"], {"adapters": mix})
     assert r.status_code == 429 and f"adapter '{C}'" in r.json()["error"]["message"]
@@ -160,4 +205,19 @@ def test_every_member_rate_limit_applies_and_usage_names_the_mix(served):
     with server.admin() as admin:
         rows = admin.get("/admin/api/usage", params={"by": "adapter"}).json()["rows"]
     names = {row["name"] for row in rows}
-    assert {f"{A}*0.5+{C}*0.5", f"{A}*0.7+{B}*0.3"} <= names
+    assert {f"{B}*0.5+{C}*0.5", f"{A}*0.7+{B}*0.3"} <= names
+
+
+def test_a_mix_the_pool_cannot_hold_at_once_is_a_400(served):
+    """A+C (here C's copy without a rate limit) needs 4 pages of gate_proj at once, the pool has 3:
+    refused (whether the members are loaded yet or not), never left waiting; the server goes on serving."""
+    server, keys, _ = served
+    mix = [{"name": A, "weight": 0.5}, {"name": "gud-copy", "weight": 0.5}]
+    for _ in range(2):  # first with C not loaded yet (refused once it is), then with both known
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "adapters": mix}
+        r = _post(server, keys["all"], body, path="/v1/chat/completions")
+        assert r.status_code == 400, r.text
+        assert (
+            "the weighted mix needs 4 adapter pool pages of gate_proj at once" in r.json()["error"]["message"]
+        )
+    assert _post(server, keys["all"], {"adapters": MIX}).status_code == 200
