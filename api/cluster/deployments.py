@@ -55,7 +55,7 @@ def engine_deployment(
 
         @ray_api.multiplexed(pool_capacity(settings.engine))
         async def adapter(self, digest: str) -> LoadedAdapter:
-            loaded = await self.replica.load(digest)
+            loaded = await self.replica.prefetch(digest)
             self.replica.multiplexed_loads += 1
             return loaded
 

@@ -98,7 +98,7 @@ class EngineReplica:
         self.follower: RegistryFollower | None = None
         self.multiplexed_loads = 0  # adapters loaded by Ray's multiplexed loader (its LRU misses)
         self.data_dir: Path | None = None  # this replica's own cache dir (database blob store)
-        self.loaded_paths: dict[str, str] = {}  # digest -> the directory the engine loaded it from
+        self.loaded_paths: dict[str, str] = {}  # digest -> its directory in this replica's blob cache
         self.startup_seconds: dict[str, float] = {}
         self._engine_up_once = False
         self._resync: asyncio.Task | None = None
@@ -179,22 +179,42 @@ class EngineReplica:
                 return fresh
         return None
 
-    async def load(self, digest: str, name: str | None = None) -> LoadedAdapter:
-        """Make the adapter `digest` resident in this engine (the multiplexed loader's work)."""
+    async def resolve(self, digest: str, name: str | None = None) -> LoadedAdapter:
+        """The active adapter `digest` as this replica's engine reads it: its name and its directory in
+        this replica's blob cache (materialized from the database once, then remembered, digest -> path).
+        Tells the engine nothing: a request carrying `LoRARequest(name, path, digest)` makes the engine
+        load it in the background while its running batch goes on. `AdapterRefused` if not active."""
         active = await self.active(digest, name)
         if active is None:
             raise AdapterRefused(f"the adapter {name or digest!r} is not active")
-        assert self.registry is not None
-        path = await asyncio.to_thread(self.registry.adapters.adapter_path, digest)
-        await self.client.adapter_call("add", active.name, str(path), digest)
-        self.loaded_paths[digest] = str(path)
-        return LoadedAdapter(active.name, digest, str(path))
+        path = self.loaded_paths.get(digest)
+        if path is None or not os.path.isdir(path):
+            assert self.registry is not None
+            path = str(await asyncio.to_thread(self.registry.adapters.adapter_path, digest))
+            self.loaded_paths[digest] = path
+        return LoadedAdapter(active.name, digest, path)
+
+    async def load(self, digest: str, name: str | None = None) -> LoadedAdapter:
+        """Make the adapter `digest` resident in this engine now (validated and in host memory when this
+        returns; the engine loop does it, so its batch waits): for callers that need it there before
+        their request (the disaggregated decode replica's KV import). Requests need no such call."""
+        adapter = await self.resolve(digest, name)
+        await self.client.adapter_call("add", adapter.name, adapter.path, digest)
+        return adapter
+
+    async def prefetch(self, digest: str, name: str | None = None) -> LoadedAdapter:
+        """The multiplexed loader's work: resolve the adapter `digest` and have the engine start reading it
+        into host memory in the background (never stalling its loop on the weights); its requests then
+        find it loaded or loading."""
+        adapter = await self.resolve(digest, name)
+        await self.client.adapter_call("prefetch", adapter.name, adapter.path, digest)
+        return adapter
 
     async def _local(self, lr: LoRARequest) -> LoRARequest:
-        """A mix member as this replica's engine reads it (its files here; loaded if need be)."""
+        """A mix member as this replica's engine reads it (its files here; the engine loads it)."""
         if lr.digest is None:
             raise AdapterRefused(f"the adapter {lr.name!r} has no content digest")
-        adapter = await self.load(lr.digest, lr.name)
+        adapter = await self.resolve(lr.digest, lr.name)
         return LoRARequest(adapter.name, adapter.path, adapter.digest)
 
     # ---- what the router knows -------------------------------------------------------------------
@@ -246,7 +266,7 @@ class EngineReplica:
         elif req.lora is not None and req.lora.digest is not None:
             try:
                 if adapter is None or adapter.digest != req.lora.digest:
-                    adapter = await self.load(req.lora.digest, req.lora.name)
+                    adapter = await self.resolve(req.lora.digest, req.lora.name)
                 elif await self.active(adapter.digest, adapter.name) is None:
                     raise AdapterRefused(f"the adapter {adapter.name!r} is not active")
             except AdapterRefused as exc:
