@@ -51,6 +51,15 @@ def check_shape(op: str, name: str, t: Tensor, expected: Sequence[int | None]) -
         raise ValueError(f"{op}: {name} has shape {tuple(t.shape)}, expected {want}")
 
 
+def check_segment_meta(op: str, meta, rows: Tensor, rows_name: str, device: torch.device) -> None:
+    """ValueError unless the SGMV metadata `meta` (`kernels.lora_meta`) covers `rows`' first dimension and
+    its four index tensors are 1-D int32 on `device`."""
+    if meta.num_tokens != rows.shape[0]:
+        raise ValueError(f"{op}: meta has {meta.num_tokens} tokens but {rows_name} has {rows.shape[0]}")
+    for name in ("token_indices_sorted", "slot_ids", "slot_token_counts", "slot_token_starts"):
+        check_tensor(op, f"meta.{name}", getattr(meta, name), ndim=1, dtypes=(torch.int32,), device=device)
+
+
 def check_runnable(op: str, device: torch.device, interpreted: bool) -> None:
     """Triton kernels run on CUDA, or on CPU only under ``TRITON_INTERPRET=1`` (set before import)."""
     if device.type == "cuda" or (device.type == "cpu" and interpreted):

@@ -22,6 +22,7 @@ from torch import Tensor
 from kernels._common import (
     FLOAT_DTYPES,
     check_runnable,
+    check_segment_meta,
     check_shape,
     check_tensor,
     is_interpreted,
@@ -287,10 +288,7 @@ def lora_bgmv(
     for name, t, dtype in (("ranks", ranks, torch.int32), ("scalings", scalings, torch.float32)):
         check_tensor(_OP, name, t, ndim=2, dtypes=(dtype,), device=dev)
         check_shape(_OP, name, t, (num_slices, page_table.shape[1]))
-    if meta.num_tokens != x.shape[0]:
-        raise ValueError(f"{_OP}: meta has {meta.num_tokens} tokens but x has {x.shape[0]}")
-    for name in ("token_indices_sorted", "slot_ids", "slot_token_counts", "slot_token_starts"):
-        check_tensor(_OP, f"meta.{name}", getattr(meta, name), ndim=1, dtypes=(torch.int32,), device=dev)
+    check_segment_meta(_OP, meta, x, "x", dev)
     check_runnable(_OP, dev, is_interpreted(_lora_bgmv_kernel))
     launch(_lora_bgmv_op, _launch_bgmv)(
         x,

@@ -12,6 +12,7 @@ from torch import Tensor
 from kernels._common import (
     FLOAT_DTYPES,
     check_runnable,
+    check_segment_meta,
     check_shape,
     check_tensor,
     dot_precision,
@@ -222,10 +223,7 @@ def lora_shrink(
     check_shape(_OP, "ranks", ranks, (num_slices, page_table.shape[1]))
     check_tensor(_OP, "out", out, ndim=3, dtypes=(torch.float32,), device=dev)
     check_shape(_OP, "out", out, (num_slices, x.shape[0], None))
-    if meta.num_tokens != x.shape[0]:
-        raise ValueError(f"{_OP}: meta has {meta.num_tokens} tokens but x has {x.shape[0]}")
-    for name in ("token_indices_sorted", "slot_ids", "slot_token_counts", "slot_token_starts"):
-        check_tensor(_OP, f"meta.{name}", getattr(meta, name), ndim=1, dtypes=(torch.int32,), device=dev)
+    check_segment_meta(_OP, meta, x, "x", dev)
     check_runnable(_OP, dev, is_interpreted(_lora_shrink_kernel))
     launch(_lora_shrink_op, _launch_shrink)(
         x,
