@@ -51,7 +51,7 @@ from engine.lora.adapter_weights import (
     target_features,
 )
 from engine.lora.expert_checkpoint import ExpertTensors
-from engine.lora.projection_lora import projection_weights, vocab_weights
+from engine.lora.projection_lora import TensorSource, projection_weights, vocab_weights
 from engine.lora.safetensors_file import WEIGHTS_FILE, load_tensors, parse_safetensors_header
 from engine.lora.tensor_names import engine_module, parse_tensor_name
 from engine.lora.vocab_checkpoint import (
@@ -142,8 +142,9 @@ def inspect_adapter(
         raise AdapterError(f"{WEIGHTS_FILE}: contains no LoRA tensors")
 
     tensors = load_tensors(data) if load_weights else {}
+    src = TensorSource(header, tensors, rules, model, max_lora_rank, load_weights)
     vocab = tuple(
-        vocab_weights(module, vocab_pairs[module], header, tensors, rules, model, max_lora_rank, load_weights)
+        vocab_weights(module, vocab_pairs[module], src)
         for module in ("embed_tokens", "lm_head")
         if module in vocab_pairs and set(vocab_pairs[module]) - {"base"}
     )
@@ -163,9 +164,7 @@ def inspect_adapter(
     modules: list[LoRAModuleWeights] = []
     order = list(targets)
     for (layer, module), slot in sorted(pairs.items(), key=lambda kv: (kv[0][0], order.index(kv[0][1]))):
-        modules += projection_weights(
-            layer, module, targets[module], slot, header, tensors, rules, model, max_lora_rank, load_weights
-        )
+        modules += projection_weights(layer, module, targets[module], slot, src)
 
     expert_weights = experts.weights(header, tensors, max_lora_rank, load_weights)
     present = {module for _, module in pairs}

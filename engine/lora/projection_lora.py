@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -22,6 +23,20 @@ from engine.model.family import LoRATarget
 from engine.model_config import ModelConfig
 
 Header = dict[str, tuple[str, tuple[int, ...]]]
+
+
+@dataclass(slots=True, frozen=True)
+class TensorSource:
+    """What every module's LoRA is read from and checked against: the file's `header`, its `tensors`
+    (empty when `load_weights` is off: then only names and shapes are checked), the config's `rules`,
+    the base `model` and the engine's `max_lora_rank`."""
+
+    header: Header
+    tensors: dict[str, torch.Tensor]
+    rules: AdapterRules
+    model: ModelConfig
+    max_lora_rank: int
+    load_weights: bool
 
 
 def lora_scaling(alpha: float, rank: int, use_rslora: bool) -> float:
@@ -47,19 +62,11 @@ def check_finite(names: Iterable[str], tensors: dict[str, torch.Tensor]) -> None
 
 
 def projection_weights(
-    layer: int,
-    module: str,
-    target: LoRATarget,
-    slot: dict[str, str],
-    header: Header,
-    tensors: dict[str, torch.Tensor],
-    rules: AdapterRules,
-    model: ModelConfig,
-    max_lora_rank: int,
-    load_weights: bool,
+    layer: int, module: str, target: LoRATarget, slot: dict[str, str], src: TensorSource
 ) -> list[LoRAModuleWeights]:
     """The validated LoRA of the family's target `module` in `layer`, one entry per engine slice of the
     target: a fused target's B rows (and magnitude, bias) are one block per slice, in order."""
+    header, tensors, rules, model = src.header, src.tensors, src.rules, src.model
     for ab in "AB" + ("M" if rules.use_dora else "") + ("b" if rules.lora_bias else ""):
         if ab not in slot:
             other = next(iter(slot.values()))
@@ -68,9 +75,9 @@ def projection_weights(
     key = f"model.layers.{layer}.{target.parent}.{module}"
     rank, r_field = rules.rank_for(key)
     alpha = rules.alpha_for(key)
-    if rank > max_lora_rank:
+    if rank > src.max_lora_rank:
         raise AdapterError(
-            f"{r_field}: rank {rank} of layer {layer} {module} exceeds max_lora_rank {max_lora_rank}"
+            f"{r_field}: rank {rank} of layer {layer} {module} exceeds max_lora_rank {src.max_lora_rank}"
         )
     in_f, out_f = target_features(model, target)
     check_shape(slot["A"], header[slot["A"]], (rank, in_f), module)
@@ -79,7 +86,7 @@ def projection_weights(
         if vec in slot:
             check_shape(slot[vec], header[slot[vec]], (out_f,), module)
     a = b = mag = bias_b = None
-    if load_weights:
+    if src.load_weights:
         a, b = tensors[slot["A"]], tensors[slot["B"]]
         mag, bias_b = tensors.get(slot.get("M", "")), tensors.get(slot.get("b", ""))
         check_finite(slot.values(), tensors)
@@ -96,17 +103,9 @@ def projection_weights(
     return out
 
 
-def vocab_weights(
-    module: str,
-    slot: dict[str, str],
-    header: Header,
-    tensors: dict[str, torch.Tensor],
-    rules: AdapterRules,
-    model: ModelConfig,
-    max_lora_rank: int,
-    load_weights: bool,
-) -> VocabLoRAWeights:
+def vocab_weights(module: str, slot: dict[str, str], src: TensorSource) -> VocabLoRAWeights:
     """The validated LoRA of `module` (embed_tokens / lm_head) from its tensors `slot` (kind -> name)."""
+    header, tensors, rules, model = src.header, src.tensors, src.rules, src.model
     for ab in "AB":
         if ab not in slot:
             raise AdapterError(
@@ -114,12 +113,12 @@ def vocab_weights(
             )
     key = "model.embed_tokens" if module == "embed_tokens" else "lm_head"
     rank, r_field = rules.rank_for(key)
-    if rank > max_lora_rank:
-        raise AdapterError(f"{r_field}: rank {rank} of {module} exceeds max_lora_rank {max_lora_rank}")
+    if rank > src.max_lora_rank:
+        raise AdapterError(f"{r_field}: rank {rank} of {module} exceeds max_lora_rank {src.max_lora_rank}")
     for kind, name in slot.items():
         check_shape(name, header[name], vocab_shape(model, module, kind, rank), module)
     a = b = None
-    if load_weights:
+    if src.load_weights:
         a, b = tensors[slot["A"]], tensors[slot["B"]]
         check_finite((slot["A"], slot["B"]), tensors)
     alpha = rules.alpha_for(key)
