@@ -1,7 +1,7 @@
-"""The setup and checks the adapter-kind engine tests share (DoRA / lora_bias, LoRA on embed_tokens and
-lm_head, modules_to_save, trainable tokens): per model family a tiny random checkpoint, PEFT adapters
-built on it and the HF + PEFT greedy oracle; greedy batches checked against the oracle (with
-`tests.helpers.peft_batch.check_requests`), the Triton path with decode graphs on."""
+"""The setup and checks the adapter engine tests share (plain LoRA per family, DoRA / lora_bias, LoRA on
+embed_tokens and lm_head, modules_to_save, trainable tokens): per model family a tiny random checkpoint,
+PEFT adapters built on it and the HF + PEFT greedy oracle; greedy batches checked against the oracle
+(with `tests.helpers.peft_batch.check_requests`), the Triton path with decode graphs on."""
 
 from __future__ import annotations
 
