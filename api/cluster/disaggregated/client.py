@@ -26,7 +26,12 @@ from api.cluster.disaggregated.metrics import KVTransferMetrics
 from api.cluster.remote_client import RemoteEngineClient, _Attempt, _ReplicaFailed, merge_stats
 from api.cluster.replica import decode_item
 from api.cluster.replica_header import note_replica
-from api.engine_client import EngineDeadError, EngineUnavailableError, ServerShuttingDownError
+from api.engine_client import (
+    EngineDeadError,
+    EngineStalledError,
+    EngineUnavailableError,
+    ServerShuttingDownError,
+)
 from api.engine_protocol import AddRequest, EngineStatsMsg, Ready, RequestDelta, decode_from_engine, encode
 from api.errors import APIError
 from engine.engine_config import EngineConfig
@@ -168,7 +173,15 @@ class DisaggregatedClient(RemoteEngineClient):
         call = ray_api.stream(self._handle, "generate", None, payload)
         async with contextlib.aclosing(ray_api.iterate(call)) as items:
             while True:
-                raw = await self._next(items, None, _ReplicaFailed)
+                # once the first token is out, the handoff must follow within the transfer timeout
+                timeout = self.transfer_timeout_s if attempt.started else None
+                try:
+                    raw = await self._next(items, timeout, _ReplicaFailed)
+                except TimeoutError:
+                    self.kv_metrics.transfers.labels("timeout").inc()
+                    raise EngineStalledError(
+                        f"the prefill replica did not hand the KV over within {timeout:g} s; it was cancelled"
+                    ) from None
                 if raw is None:
                     return
                 if isinstance(raw, Handoff):
@@ -203,14 +216,20 @@ class DisaggregatedClient(RemoteEngineClient):
                     raw = await self._next(items, timeout, EngineDeadError)
                 except TimeoutError:
                     self.kv_metrics.transfers.labels("timeout").inc()
-                    raise EngineDeadError("the KV transfer to the decode replica timed out") from None
+                    raise EngineStalledError(
+                        f"the KV transfer to the decode replica did not complete within {timeout:g} s; "
+                        "it was cancelled"
+                    ) from None
                 except EngineDeadError:
                     if not transferred:
                         self.kv_metrics.transfers.labels("failed").inc()
                     raise
                 if raw is None:
                     raise EngineDeadError("the decode replica ended the request early")
-                if isinstance(raw, dict):  # the decode replica holds the blocks
+                if isinstance(raw, dict) and "timeout" in raw:  # the decode replica gave up: stalled
+                    self.kv_metrics.transfers.labels("timeout").inc()
+                    raise EngineStalledError(str(raw["timeout"]))
+                if isinstance(raw, dict):  # the decode replica's engine holds the request and its blocks
                     transferred = True
                     self.kv_metrics.transfers.labels("ok").inc()
                     self.kv_metrics.bytes.inc(int(raw.get("bytes", 0)))
