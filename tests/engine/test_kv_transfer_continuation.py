@@ -44,18 +44,21 @@ def test_speculative_decoding_on_the_decode_side(setup, speculative):
     params = {rid: SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True) for rid in reqs}
     want = _one(base, reqs, params)
     spec = "ngram" if speculative == "ngram" else f"draft:{base}"
-    dec = _engine(base, speculative=spec, num_speculative_tokens=3)
-    assert dec.spec is not None
-    dec.spec.cost.fixed_theta = 0.05  # speculate whatever this machine's timings
-    pre = _engine(base)
+    # `serve --speculative` configures both deployments; only the decode side has decode steps
+    pre, dec = (_engine(base, speculative=spec, num_speculative_tokens=3) for _ in range(2))
+    for eng in (pre, dec):
+        assert eng.spec is not None
+        eng.spec.cost.fixed_theta = 0.05  # speculate whatever this machine's timings
     got, _ = _disaggregated(pre, dec, reqs, params)
     assert {rid: o.outputs[0].token_ids for rid, o in got.items()} == want
     total = dec.spec.stats.total()
     assert total.proposed > 0 and total.accepted > 0  # it did speculate, and proposals landed
+    assert pre.spec.stats.total().proposed == 0  # prefill-only requests end before any proposal
     _assert_idle(pre, dec)
     if speculative == "draft":
-        draft = dec.spec.proposer
-        assert not draft.shadows and draft.kv.pool.num_free == draft.kv.pool.num_blocks
+        for eng in (pre, dec):
+            draft = eng.spec.proposer
+            assert not draft.shadows and draft.kv.pool.num_free == draft.kv.pool.num_blocks
 
 
 def test_n_choices_fanned_out_like_the_server(setup):
