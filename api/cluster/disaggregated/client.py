@@ -37,6 +37,9 @@ from api.errors import APIError
 from engine.engine_config import EngineConfig
 
 log = logging.getLogger("loraplex.disaggregated")
+# how long the ingress waits for a decode replica to make an adapter resident (`prepare`, or the decode
+# call itself): the engine client's bound on one adapter call
+ADAPTER_LOAD_TIMEOUT_S = 120.0
 
 
 class DisaggregatedClient(RemoteEngineClient):
@@ -134,7 +137,7 @@ class DisaggregatedClient(RemoteEngineClient):
         """The decode replica prepared for the request ("" when preparing failed: any replica, which then
         loads the adapter itself)."""
         try:
-            out = await asyncio.wait_for(asyncio.shield(prepared), self.transfer_timeout_s)
+            out = await asyncio.wait_for(asyncio.shield(prepared), ADAPTER_LOAD_TIMEOUT_S)
         except Exception as exc:
             log.warning("preparing a decode replica failed (%s); the decode router picks one", exc)
             return ""
@@ -207,18 +210,22 @@ class DisaggregatedClient(RemoteEngineClient):
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         attempt = _Attempt()
-        transferred = False
+        transferred = fetching = False
         call = ray_api.stream(self._decode_handle, "decode", None, target, handoff, digest)
         async with contextlib.aclosing(ray_api.iterate(call)) as items:
             while True:
+                # the decode replica times its own transfer; this bounds a replica that stops answering
+                # (an adapter it still has to load gets the adapter-load bound first)
                 timeout = None if transferred else self.transfer_timeout_s + 5.0
+                if not fetching:
+                    timeout = ADAPTER_LOAD_TIMEOUT_S
                 try:
                     raw = await self._next(items, timeout, EngineDeadError)
                 except TimeoutError:
                     self.kv_metrics.transfers.labels("timeout").inc()
+                    what = "the KV transfer to" if fetching else "loading the adapter on"
                     raise EngineStalledError(
-                        f"the KV transfer to the decode replica did not complete within {timeout:g} s; "
-                        "it was cancelled"
+                        f"{what} the decode replica did not complete within {timeout:g} s; it was cancelled"
                     ) from None
                 except EngineDeadError:
                     if not transferred:
@@ -226,6 +233,9 @@ class DisaggregatedClient(RemoteEngineClient):
                     raise
                 if raw is None:
                     raise EngineDeadError("the decode replica ended the request early")
+                if isinstance(raw, dict) and "fetching" in raw:  # its adapter is resident; the fetch begins
+                    fetching = True
+                    continue
                 if isinstance(raw, dict) and "timeout" in raw:  # the decode replica gave up: stalled
                     self.kv_metrics.transfers.labels("timeout").inc()
                     raise EngineStalledError(str(raw["timeout"]))

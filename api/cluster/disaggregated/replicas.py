@@ -6,9 +6,10 @@ sent at once, then a `Handoff` whose blocks this replica has put in the object s
 
 DecodeReplica.prepare(digest, name): make the adapter resident here (while the prefill runs); returns
 this replica's id. DecodeReplica.decode(target, handoff, digest): fetch the blocks, continue the request
-in this engine; yields this replica's id, a transfer record (`{"transfer_s", "bytes"}`) once its engine
-holds the request (it acknowledges the import), then deltas; or `{"timeout": why}` when the fetch and the
-import together take longer than the transfer timeout (the request is then aborted in the engine).
+in this engine; yields this replica's id, `FETCHING` once the adapter is resident, a transfer record
+(`{"transfer_s", "bytes"}`) once its engine holds the request (it acknowledges the import), then deltas;
+or `{"timeout": why}` when the fetch and the import together take longer than the transfer timeout (the
+request is then aborted in the engine).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from engine.lora_request import LoRARequest
 from lora_registry.errors import NotFound
 
 log = logging.getLogger("loraplex.disaggregated")
+FETCHING = {"fetching": True}  # a decode call's item once its adapter is resident, before the fetch
 
 
 class PrefillWorker:
@@ -89,8 +91,9 @@ class DecodeWorker:
         return out
 
     async def decode(self, handoff: Handoff) -> AsyncIterator[Any]:
-        """Continue `handoff` in this engine: this replica's id, a transfer record (`{"transfer_s",
-        "bytes"}`) once the engine holds the request and its blocks, then the engine's deltas. The fetch
+        """Continue `handoff` in this engine: this replica's id, `FETCHING` (its adapter resident), a
+        transfer record (`{"transfer_s", "bytes"}`) once the engine holds the request and its blocks,
+        then the engine's deltas. The fetch
         and the engine's import together get `transfer_timeout_s`; past it, `{"timeout": why}` ends the
         stream, and leaving the import's stream aborts the request in the engine (its blocks and its
         adapter hold freed as soon as the engine reads the abort, however late)."""
@@ -108,6 +111,7 @@ class DecodeWorker:
         except (EngineDeadError, EngineUnavailableError, ValueError) as exc:
             yield _item(rid, failed=f"the engine could not load the adapter: {exc}")
             return
+        yield FETCHING  # the adapter is here: the transfer's own clock starts (the ingress's too)
         t0 = time.monotonic()
         timeout = self.transfer_timeout_s
         stalled = {"timeout": f"the KV transfer did not complete within {timeout:g} s; it was cancelled"}

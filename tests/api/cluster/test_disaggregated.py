@@ -30,7 +30,7 @@ from tests.helpers.live_server import wait_until
 pytestmark = pytest.mark.slow
 TEXTS = ("a", "hello world", "prefill and decode")  # 3, 13 and 20 prompt tokens: 1, 4 and 5 blocks
 BODY = {"max_tokens": 32, "temperature": 0, "stop": ["\n"]}
-TIMEOUT = 6.0  # the cluster's --kv-transfer-timeout: long enough for a transfer on a busy 2-core machine
+TIMEOUT = 10.0  # the cluster's --kv-transfer-timeout: long enough for a transfer on a busy 2-core machine
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +135,11 @@ def test_kv_transfer_metrics(cluster: Cluster) -> None:
     assert samples[("loraplex_kv_transfer_seconds_count", ())] >= 1
     assert ("loraplex_disaggregated_requests", (("phase", "decode"),)) in samples
     assert ("loraplex_phase_requests_waiting", (("phase", "prefill"),)) in samples
+    # the admin API lists both deployments' replicas with their roles and transfer counters
+    by_role = {r["role"]: r for r in cluster.replicas()}
+    assert set(by_role) == {"prefill", "decode"}
+    assert by_role["prefill"]["kv_exports"] >= 1 and by_role["decode"]["kv_imports"] >= 1
+    assert by_role["decode"]["late_loads"] == 0 and "kv_timeouts" in by_role["decode"]
 
 
 def test_stalled_transfer_is_cancelled_and_releases_everything(cluster: Cluster) -> None:
