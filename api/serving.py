@@ -15,7 +15,12 @@ from starlette.concurrency import run_in_threadpool
 
 from api.admission import ARRIVED, client_id
 from api.auth import authenticate, authorize, may_use
-from api.engine_client import EngineDeadError, EngineUnavailableError, ServerShuttingDownError
+from api.engine_client import (
+    EngineDeadError,
+    EngineStalledError,
+    EngineUnavailableError,
+    ServerShuttingDownError,
+)
 from api.errors import APIError
 from api.generation import ChoiceUpdate, Generation
 from api.limits.limiter import Grant
@@ -286,6 +291,8 @@ class RequestRun:
                         self._note_tokens(up.choice.index)
                     yield up
             status = "ok"
+        except EngineStalledError as exc:
+            raise APIError(503, f"{exc}; retry shortly") from exc
         except EngineDeadError as exc:
             raise APIError(503, "the engine process died while serving this request; retry shortly") from exc
         except EngineUnavailableError as exc:
