@@ -12,7 +12,12 @@ from collections.abc import AsyncIterator, Awaitable
 from fastapi import Request
 
 from api.admission import ARRIVED, client_id
-from api.engine_client import EngineDeadError, EngineUnavailableError, ServerShuttingDownError
+from api.engine_client import (
+    EngineDeadError,
+    EngineStalledError,
+    EngineUnavailableError,
+    ServerShuttingDownError,
+)
 from api.errors import APIError
 from api.generation import ChoiceUpdate, Generation
 from api.limits.limiter import Grant
@@ -72,6 +77,8 @@ class RequestRun:
                         self._note_tokens(up.choice.index)
                     yield up
             status = "ok"
+        except EngineStalledError as exc:
+            raise APIError(503, f"{exc}; retry shortly") from exc
         except EngineDeadError as exc:
             raise APIError(503, "the engine process died while serving this request; retry shortly") from exc
         except EngineUnavailableError as exc:
