@@ -7,7 +7,9 @@ A frame is ``[kind, n, (dtype code, ndim, shape...) * n]`` as int64, then each a
   runs [S, 3] = (first row, end row, pool slot) of the rows that use an adapter (S = 0: none).
 - `UPLOAD`: write an adapter into the pool. Arrays: digest (uint8, ASCII), [slot], pages per module
   [7] then the page ids, per adapted (layer, module) its [layer, module index, rank] (int64 [W, 3]) and
-  scaling (float64 [W]), then A and B of each, float32.
+  scaling (float64 [W]); per adapted (layer, expert projection) of a MoE adapter its [layer, projection
+  index, rank] (int64 [X, 3]) and scaling (float64 [X]); then A and B of each module, then A [E, r, in]
+  and B [E, out, r] of each expert projection, float32 (whole: every rank cuts its part).
 - `EVICT`: digest. `STOP`: no arrays.
 """
 
@@ -19,6 +21,8 @@ import numpy as np
 import torch
 
 from engine.lora.adapter_checkpoint import PROJECTIONS, AdapterCheckpoint, LoRAModuleWeights
+from engine.lora.expert_checkpoint import ExpertLoRAWeights
+from engine.lora.expert_pages import EXPERT_PROJS
 from engine.step_inputs import StepInputs
 
 STEP, UPLOAD, EVICT, STOP = 1, 2, 3, 4
@@ -104,6 +108,7 @@ def encode_upload(ckpt: AdapterCheckpoint, slot: int, pages: list[list[int]]) ->
     for w in mods:
         assert w.lora_a is not None and w.lora_b is not None, "filtered above"
         weights += [w.lora_a.float().numpy(), w.lora_b.float().numpy()]
+    expert_meta, expert_scalings, expert_weights = _expert_arrays(ckpt)
     return encode(
         UPLOAD,
         [
@@ -113,14 +118,30 @@ def encode_upload(ckpt: AdapterCheckpoint, slot: int, pages: list[list[int]]) ->
             np.asarray([p for plist in pages for p in plist], dtype=np.int64),
             meta,
             np.asarray([w.scaling for w in mods], dtype=np.float64),
+            expert_meta,
+            expert_scalings,
             *weights,
+            *expert_weights,
         ],
     )
 
 
+def _expert_arrays(ckpt: AdapterCheckpoint) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    """An adapter's expert LoRA (`engine/lora/expert_checkpoint.py`) as `UPLOAD` arrays: [X, 3] of (layer,
+    projection index, rank), [X] scalings, and each one's A and B (float32)."""
+    ws = [w for w in ckpt.experts if w.lora_a is not None and w.lora_b is not None]
+    meta = [[w.layer, EXPERT_PROJS.index(w.proj), w.rank] for w in ws]
+    arrays: list[np.ndarray] = []
+    for w in ws:
+        assert w.lora_a is not None and w.lora_b is not None, "filtered above"
+        arrays += [w.lora_a.float().numpy(), w.lora_b.float().numpy()]
+    scalings = np.asarray([w.scaling for w in ws], dtype=np.float64)
+    return np.asarray(meta, dtype=np.int64).reshape(-1, 3), scalings, arrays
+
+
 def decode_upload(arrays: list[np.ndarray]) -> tuple[AdapterCheckpoint, int, list[list[int]]]:
     """(the adapter, with the weights it had on rank 0, as float32; its slot; its pages per module)."""
-    digest, slot, counts, flat, meta, scalings, *weights = arrays
+    digest, slot, counts, flat, meta, scalings, expert_meta, expert_scalings, *weights = arrays
     pages, at = [], 0
     for n in counts.tolist():
         pages.append(flat[at : at + n].tolist())
@@ -129,6 +150,11 @@ def decode_upload(arrays: list[np.ndarray]) -> tuple[AdapterCheckpoint, int, lis
     for i, (layer, m, rank) in enumerate(meta.tolist()):
         a, b = torch.from_numpy(weights[2 * i]), torch.from_numpy(weights[2 * i + 1])
         modules.append(LoRAModuleWeights(layer, PROJECTIONS[m], rank, 0.0, float(scalings[i]), a, b))
+    experts = []
+    rest = weights[2 * len(modules) :]
+    for i, (layer, p, rank) in enumerate(expert_meta.tolist()):
+        a, b = torch.from_numpy(rest[2 * i]), torch.from_numpy(rest[2 * i + 1])
+        experts.append(ExpertLoRAWeights(layer, EXPERT_PROJS[p], rank, float(expert_scalings[i]), a, b))
     ckpt = AdapterCheckpoint(
         digest=bytes(digest).decode("ascii"),
         rank=max((w.rank for w in modules), default=0),
@@ -138,6 +164,7 @@ def decode_upload(arrays: list[np.ndarray]) -> tuple[AdapterCheckpoint, int, lis
         size_bytes=0,
         base_model_name=None,
         modules=tuple(modules),
+        experts=tuple(experts),
     )
     return ckpt, int(slot[0]), pages
 
