@@ -2,7 +2,7 @@
 split) and expert parallel (`enable_expert_parallel`, each rank its experts whole, `linear` and
 `round_robin` placement). Greedy tokens equal TP=1's and HF transformers + PEFT's (float32) for
 Qwen3-MoE (fused expert checkpoint), Qwen2-MoE (gated shared expert, a dense layer), Mixtral and OLMoE
-(q/k norms over whole rows), with base rows and attention, fused-expert (`target_parameters`) and
+(q/k norms over whole rows, its one KV head replicated on both ranks), with base rows and attention, fused-expert (`target_parameters`) and
 per-expert (`target_modules`) adapters in one batch under chunked prefill; four adapters cycled through
 a pool of three and a host cache of two give the same tokens after each eviction and reload; each rank
 holds its share of the expert weights and adapter expert pages; bad sizes are one-line errors at start.
@@ -62,7 +62,9 @@ class Family:
     """A tiny checkpoint of one family, its adapters, the PEFT oracle and TP=1's tokens (memoized)."""
 
     def __init__(self, arch: str, root) -> None:
-        self.base = build_checkpoint(root / "base", arch, fused_experts=arch == "qwen3_moe")
+        # OLMoE with one KV head: its whole-row k norm over a KV head replicated on both ranks
+        extra = dict(num_key_value_heads=1) if arch == "olmoe" else {}
+        self.base = build_checkpoint(root / "base", arch, fused_experts=arch == "qwen3_moe", **extra)
         self.dirs = {
             n: build_adapter(self.base, root / n, seed=i, **s) for i, (n, s) in enumerate(SPECS.items())
         }
