@@ -2,11 +2,12 @@
 split) and expert parallel (`enable_expert_parallel`, each rank its experts whole, `linear` and
 `round_robin` placement). Greedy tokens equal TP=1's and HF transformers + PEFT's (float32) for
 Qwen3-MoE (fused expert checkpoint), Qwen2-MoE (gated shared expert, a dense layer), Mixtral and OLMoE
-(q/k norms over whole rows, its one KV head replicated on both ranks), with base rows and attention, fused-expert (`target_parameters`) and
-per-expert (`target_modules`) adapters in one batch under chunked prefill; four adapters cycled through
-a pool of three and a host cache of two give the same tokens after each eviction and reload; each rank
-holds its share of the expert weights and adapter expert pages; bad sizes are one-line errors at start.
-One two-rank engine per (family, mode), shared by the module's tests."""
+(q/k norms over whole rows, its one KV head replicated on both ranks), with base rows and attention,
+fused-expert (`target_parameters`) and per-expert (`target_modules`) adapters in one batch under chunked
+prefill; four adapters cycled through a pool of three and a host cache of two give the same tokens after
+each eviction and reload, and after a killed worker's restart; each rank holds its share of the expert
+weights and adapter expert pages; bad sizes are one-line errors at start. One two-rank engine per
+(family, mode), shared by the module's tests."""
 
 from __future__ import annotations
 
@@ -62,6 +63,7 @@ class Family:
     """A tiny checkpoint of one family, its adapters, the PEFT oracle and TP=1's tokens (memoized)."""
 
     def __init__(self, arch: str, root) -> None:
+        self.arch = arch
         # OLMoE with one KV head: its whole-row k norm over a KV head replicated on both ranks
         extra = dict(num_key_value_heads=1) if arch == "olmoe" else {}
         self.base = build_checkpoint(root / "base", arch, fused_experts=arch == "qwen3_moe", **extra)
@@ -228,3 +230,28 @@ def test_upload_frame_carries_expert_lora(families):
     for w, g in zip(ckpt.experts, got.experts, strict=True):
         assert (g.layer, g.proj, g.rank, g.scaling) == (w.layer, w.proj, w.rank, w.scaling)
         assert torch.equal(g.lora_a, w.lora_a.float()) and torch.equal(g.lora_b, w.lora_b.float())
+
+
+def test_worker_killed_group_restarts_with_expert_pages(case):
+    """(Mixtral, expert parallel) A worker killed while expert adapters are resident: the request in
+    flight ends with the retryable error, the restarted worker gets the pool's residents again (their
+    expert pages included: the journal's frames), and the next requests give PEFT's tokens."""
+    import os
+    import signal
+
+    fam, mode, llm = case
+    if (fam.arch, mode) != ("mixtral", "linear"):
+        pytest.skip("one case: group restarts are slow")
+    eng = llm.engine
+    generate(llm, fam, [([5, 6, 7], "experts-r4")])  # resident before the fault
+    restarts = eng.tp.group.restarts
+    os.kill(eng.tp.group.worker_pids()[0], signal.SIGKILL)
+    eng.add_request("x", [3, 4, 5], SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True))
+    ended = []
+    while eng.has_unfinished_requests():
+        ended += [o for o in eng.step() if o.finished]
+    assert [o.request_id for o in ended] == ["x"] and ended[0].error and "retry" in ended[0].error
+    assert eng.tp.group.restarts == restarts + 1
+    reqs = requests(7, ["experts-r4", "per-expert", None], 3)
+    for (prompt, name), toks in zip(reqs, generate(llm, fam, reqs), strict=True):
+        assert toks == fam.greedy(tuple(prompt), name), name
