@@ -135,11 +135,10 @@ class SparseMoE(nn.Module):
         `engine/model/moe_experts.py`), plus Qwen2-MoE's gated shared expert; `fused` is unused. On CUDA a
         step without expert LoRA on this layer runs the Triton fused-MoE kernel (`triton_experts`)."""
         weights, ids = self.route(x)
-        hook = getattr(lora, "experts", None)
-        if self.local_experts is not None:  # expert parallel: only this rank's experts' pairs
+        if self.local_experts is not None:  # expert parallel: other ranks' experts -> E, dropped
             ids = self.expert_map(x.device)[ids]
-            out = experts_forward(self.experts.gate_up, self.experts.down, x, weights, ids, hook, self.layer)
-        elif self.uses_triton(x) and (hook is None or not hook.adapts(self.layer)):
+        hook = getattr(lora, "experts", None)
+        if self.uses_triton(x) and (hook is None or not hook.adapts(self.layer)):
             out = self.triton_experts(x, weights, ids)
         else:
             out = experts_forward(self.experts.gate_up, self.experts.down, x, weights, ids, hook, self.layer)
@@ -162,8 +161,9 @@ class SparseMoE(nn.Module):
         return self._expert_map
 
     def uses_triton(self, x: torch.Tensor) -> bool:
-        """Whether the routed experts of a step over `x` run the Triton kernel: on CUDA tensors."""
-        return x.is_cuda
+        """Whether the routed experts of a step over `x` run the Triton kernel: on CUDA tensors, unless
+        under expert parallel (whose pairs of other ranks' experts only `experts_forward` drops)."""
+        return x.is_cuda and self.local_experts is None
 
     def triton_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum [T, H] by `kernels/fused_moe.py` (pairs sorted by expert on the
