@@ -26,7 +26,8 @@ async def cluster_status(state: StateDep, _: AdminActor) -> dict:
     adapter pool (loads, residency by tier), its prefix cache's counters (prompt tokens looked up, hit); its
     engine's process id, its own cache dir (database blob
     store; null with local blobs), the directory each adapter was loaded from, its start-up phases, the
-    prefix-cache blocks it reports to the router, and the hot adapters it pins for the router. Beside
+    prefix-cache blocks it reports to the router, the hot adapters it pins for the router, the Ray node
+    it runs on and its placement group (tensor parallel: strategy, bundles, each bundle's node). Beside
     them, `deployment`: the engine replicas Serve aims at now and its autoscaling config (null with a
     fixed `--replicas`), as Serve's controller holds them (null when it did not answer)."""
     client = cast("RemoteEngineClient", state.client)  # the ingress's client (this router is cluster-only)
@@ -54,6 +55,8 @@ async def cluster_status(state: StateDep, _: AdminActor) -> dict:
                 "startup_seconds": r.get("startup_seconds", {}),
                 "prefix_blocks_held": r.get("prefix_blocks_held", 0),
                 "pinned_hot": r.get("pinned_hot", []),
+                "node_id": r.get("node_id"),
+                "placement": r.get("placement"),
             }
         )
     return {"replicas": sorted(out, key=lambda r: r["replica"]), "deployment": await _deployment_scale()}
