@@ -5,6 +5,8 @@ replicas loading their model; each replica logs its own phases too). On SIGTERM/
 replicas drain with `settings.shutdown_grace_seconds` (new requests 503, requests still running at the
 end of the grace 503 or an SSE error event, as with the single server), then only loraplex's own Serve
 application is removed; Serve and Ray are stopped only on a local cluster this process started.
+Before deploying, `check_cluster` refuses (one line, nothing deployed) a layout the alive nodes cannot
+hold and a cluster that already runs another driver's loraplex application.
 """
 
 from __future__ import annotations

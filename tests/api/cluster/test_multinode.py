@@ -113,8 +113,8 @@ def _node_env(cache: Path) -> dict[str, str]:
 
 def _ray_start(root: Path, name: str, *args: str) -> tuple[Process, Path]:
     cache = root / f"{name}-cache"
-    cmd = [str(BIN / "ray"), "start", "--block", "--node-ip-address", "127.0.0.1"]
-    cmd += ["--num-cpus", str(NODE_CPUS), "--temp-dir", str(root / name), "--disable-usage-stats"]
+    cmd = [str(BIN / "ray"), "start", "--block", "--num-cpus", str(NODE_CPUS)]
+    cmd += ["--temp-dir", str(root / name), "--disable-usage-stats"]
     cmd += ["--dashboard-agent-listen-port", str(free_port()), *args]
     node = Process.start(cmd, _node_env(cache))
     node.wait_for("Ray runtime started", timeout=180)
