@@ -256,6 +256,13 @@ def serve(
     ingress_replicas: Annotated[
         int, typer.Option(help="With --replicas: HTTP ingress replicas (default 1).", min=1)
     ] = 1,
+    wait_for_nodes: Annotated[
+        bool,
+        typer.Option(
+            help="With --replicas: start even when the Ray cluster's nodes cannot hold the engine replicas "
+            "now (a Ray autoscaler adds nodes on demand); by default such a start is refused."
+        ),
+    ] = False,
     router: Annotated[
         str,
         typer.Option(
@@ -441,6 +448,7 @@ def serve(
                 kv_transfer_timeout if kv_transfer_timeout is not None else KV_TRANSFER_TIMEOUT_S
             ),
             spread=SpreadPolicy(router_spread_load, router_max_spread, router_contract_after),
+            wait_for_nodes=wait_for_nodes,
         )
         _serve_replicas(settings, layout, on_serving)
     else:
@@ -454,16 +462,18 @@ def _serve_replicas(settings, layout, on_serving: Callable[[], None]) -> None:
     import logging
 
     from api.cluster.ray_api import RayMissing, require_ray
-    from api.cluster.run import serve_cluster
+    from api.cluster.replica_resources import replica_resources
+    from api.cluster.run import ClusterRefused, serve_cluster
 
     try:
         require_ray()
         layout.validate()
+        resources = replica_resources(settings.engine, layout.cpus_per_replica, layout.gpus_per_replica)
     except (RayMissing, ValueError) as exc:
         fail(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     where = layout.ray_address or "a new local Ray cluster"
-    per = f"{layout.cpus_per_replica:g} CPU, {layout.gpus_per_replica:g} GPU each"
+    per = resources.describe()
     count = f"{layout.replicas} engine replicas"
     if layout.disaggregated:
         count = f"{layout.prefill_replicas} prefill + {layout.decode_replicas} decode replicas"
@@ -477,7 +487,10 @@ def _serve_replicas(settings, layout, on_serving: Callable[[], None]) -> None:
         f"  Replicas     {count} ({per}) + {layout.ingress_replicas} ingress on "
         f"{where} (Ray Serve, {layout.router} router)"
     )
-    serve_cluster(settings, layout, on_serving)
+    try:
+        serve_cluster(settings, layout, on_serving)
+    except ClusterRefused as exc:
+        fail(str(exc))
 
 
 def _check_tokenizer(model: Path, tokenizer: Path | None, template: str | None) -> None:
