@@ -165,6 +165,22 @@ def serve(
             help="vLLM's flag: LoRA A sharded by rank too (not implemented yet: refused).",
         ),
     ] = None,
+    enable_expert_parallel: Annotated[
+        bool | None,
+        typer.Option(
+            "--enable-expert-parallel",
+            help="vLLM's flag: with --tensor-parallel-size N on a mixture-of-experts model, each rank holds "
+            "only its experts (whole) and their slices of every adapter; attention stays tensor-parallel.",
+        ),
+    ] = None,
+    expert_placement: Annotated[
+        str | None,
+        typer.Option(
+            "--expert-placement",
+            help="With --enable-expert-parallel: linear (rank r holds a contiguous range of experts, "
+            "default) or round_robin (expert e on rank e % N).",
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
     shutdown_grace: Annotated[
         float | None,
@@ -304,7 +320,9 @@ def serve(
         if tensor_parallel_size is not None and tensor_parallel_size > 1:
             from engine.distributed.shard import check_tensor_parallel
 
-            check_tensor_parallel(checkpoint, tensor_parallel_size)
+            check_tensor_parallel(checkpoint, tensor_parallel_size, bool(enable_expert_parallel))
+        if expert_placement is not None and expert_placement not in ("linear", "round_robin"):
+            raise ValueError(f"--expert-placement must be linear or round_robin, got {expert_placement!r}")
         modules = vllm_flags.parse_lora_modules(lora_modules or [])
         template = None if chat_template is None else vllm_flags.read_chat_template(chat_template)
         if tool_call_parser is not None:
@@ -345,6 +363,8 @@ def serve(
                 max_num_batched_tokens=max_num_batched_tokens,
                 tensor_parallel_size=tensor_parallel_size,
                 fully_sharded_loras=fully_sharded_loras,
+                enable_expert_parallel=enable_expert_parallel,
+                expert_placement=expert_placement,
             ),
         )
     except ValueError as exc:

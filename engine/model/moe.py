@@ -13,6 +13,10 @@ For the step's flat token batch `x` [T, H]:
 
 Qwen2-MoE adds a shared expert (a dense gated MLP) scaled by `sigmoid(x @ w_shared_gate.T)`.
 
+Under tensor parallel (`engine/distributed/moe_shard.py`) the router is whole on every rank, the experts'
+intermediate dimension split (or, with expert parallel, each rank holds `local_experts` whole and computes
+only their pairs), and the block ends with one all-reduce of the routed and shared partial outputs.
+
 Expert weights are 3-D: `experts.gate_up` [E, 2I, H] (gate rows first) and `experts.down` [E, H, I],
 transformers 5's fused layout; the loader fills them whole from a fused checkpoint or expert by expert
 from the per-expert layout (`experts.N.gate_proj/up_proj/down_proj`, Mixtral's `w1/w3/w2`,
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -104,7 +108,13 @@ class SparseMoE(nn.Module):
         self.top_k, self.norm_topk_prob = int(moe["top_k"]), bool(moe["norm_topk_prob"])
         self.layer = layer
         self.gate = Router(int(moe["num_experts"]), hidden)
-        self.experts = Experts(int(moe["num_experts"]), hidden, int(moe["intermediate_size"]))
+        # expert parallel (`engine/distributed/moe_shard.py`): the global ids of this rank's experts
+        self.local_experts: list[int] | None = moe.get("local_experts")
+        held = int(moe["num_experts"]) if self.local_experts is None else len(self.local_experts)
+        self.experts = Experts(held, hidden, int(moe["intermediate_size"]))
+        self._expert_map: torch.Tensor | None = None
+        # tensor / expert parallel: the one sum over ranks of the block's partial output
+        self.all_reduce: Callable[[torch.Tensor], None] | None = None
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: Router | None = None
         if moe.get("shared_intermediate_size"):
@@ -125,6 +135,8 @@ class SparseMoE(nn.Module):
         `engine/model/moe_experts.py`), plus Qwen2-MoE's gated shared expert; `fused` is unused. On CUDA a
         step without expert LoRA on this layer runs the Triton fused-MoE kernel (`triton_experts`)."""
         weights, ids = self.route(x)
+        if self.local_experts is not None:  # expert parallel: other ranks' experts -> E, dropped
+            ids = self.expert_map(x.device)[ids]
         hook = getattr(lora, "experts", None)
         if self.uses_triton(x) and (hook is None or not hook.adapts(self.layer)):
             out = self.triton_experts(x, weights, ids)
@@ -133,11 +145,25 @@ class SparseMoE(nn.Module):
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             gate = torch.sigmoid(nn.functional.linear(x, self.shared_expert_gate.weight))
             out.add_(gate * self.shared_expert(x, None))
+        if self.all_reduce is not None:  # the ranks' partial outputs (experts and shared expert) summed
+            self.all_reduce(out)
         return out
 
+    def expert_map(self, device: torch.device) -> torch.Tensor:
+        """int64 [E]: each global expert's index among this rank's experts, or the local count for an
+        expert another rank holds (`experts_forward` drops those pairs)."""
+        if self._expert_map is None or self._expert_map.device != device:
+            assert self.local_experts is not None, "expert parallel only"
+            held = len(self.local_experts)
+            m = torch.full((self.gate.weight.shape[0],), held, dtype=torch.long)
+            m[self.local_experts] = torch.arange(held)
+            self._expert_map = m.to(device)
+        return self._expert_map
+
     def uses_triton(self, x: torch.Tensor) -> bool:
-        """Whether the routed experts of a step over `x` run the Triton kernel: on CUDA tensors."""
-        return x.is_cuda
+        """Whether the routed experts of a step over `x` run the Triton kernel: on CUDA tensors, unless
+        under expert parallel (whose pairs of other ranks' experts only `experts_forward` drops)."""
+        return x.is_cuda and self.local_experts is None
 
     def triton_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum [T, H] by `kernels/fused_moe.py` (pairs sorted by expert on the

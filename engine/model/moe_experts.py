@@ -70,7 +70,9 @@ def experts_forward(
     layer: int = 0,
 ) -> torch.Tensor:
     """The routed experts' weighted output [T, H] (module docstring). `gate_up` [E, 2I, H], `down` [E, H, I],
-    `weights` [T, k] in x's dtype, `ids` [T, k]; `lora` the step's expert LoRA, `layer` its layer index."""
+    `weights` [T, k] in x's dtype, `ids` [T, k] in 0..E, where E marks a pair whose expert is on another
+    rank (expert parallel: dropped, this rank's output is a partial sum); `lora` the step's expert LoRA,
+    `layer` its layer index."""
     num_experts, top_k, inter = gate_up.shape[0], ids.shape[1], down.shape[2]
     groups = 1
     flat = ids.reshape(-1)
@@ -81,11 +83,14 @@ def experts_forward(
     else:
         lora = None
     order = torch.argsort(flat, stable=True)  # pairs sorted by (expert, adapter), once
-    tokens = order // top_k
-    counts = torch.bincount(flat, minlength=num_experts * groups)
+    counts = torch.bincount(flat, minlength=(num_experts + 1) * groups)[: num_experts * groups]
     per_expert = counts.view(num_experts, groups).sum(1)
     runs = counts.tolist()
     sizes = per_expert.tolist()
+    order = order[: sum(sizes)]  # expert parallel: pairs of other ranks' experts (id E) sort last, dropped
+    if not len(order):  # every pair is another rank's
+        return torch.zeros_like(x)
+    tokens = order // top_k
     xs = x[tokens]
     gu = _grouped_linear(xs, gate_up, sizes, per_expert)
     plan = _RunPlan(runs, groups) if lora is not None else None
