@@ -162,7 +162,8 @@ def serve(
         bool | None,
         typer.Option(
             "--fully-sharded-loras",
-            help="vLLM's flag: LoRA A sharded by rank too (not implemented yet: refused).",
+            help="vLLM's flag: with --tensor-parallel-size N, LoRA A is sharded by rank too (one all-gather "
+            "of the shrink output per projection; CPU only).",
         ),
     ] = None,
     enable_expert_parallel: Annotated[
