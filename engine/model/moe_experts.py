@@ -13,9 +13,12 @@ For x [T, H], each token's top-k expert ids and routing weights, and the step's 
     out[t] = sum_j weight[t, j] * y[pair (t, j)]        (`index_add_` in pair order)
 
 Experts without tokens are never read, so a decode step's cost follows the active experts' weights. The
-grouped GEMM is one `torch._grouped_mm` per projection over the sorted rows on the CPU (it measured
-equal to 0.84x the time of a torch loop over the experts at decode and prefill shapes on a 2-core EPYC,
-docs/benchmarks.md, and gives the loop's bits); elsewhere, or where this torch lacks it, that loop.
+grouped GEMM on the CPU: when no expert has more than `NATIVE_MAX_ROWS` rows (decode steps), the native
+kernel `kernels/moe_gemm_cpu.py`, which streams each active expert's weight once for all of its rows (a
+GEMM library re-blocks the weight inside each small call, or on AMD CPUs MKL takes a slow path: 1.6-2.2x
+slower at decode shapes on a 2-core Zen 4, docs/benchmarks.md); otherwise one `torch._grouped_mm` per
+projection over the sorted rows (0.84x the time of a torch loop over the experts); elsewhere, or where
+this torch lacks it, that loop.
 """
 
 from __future__ import annotations

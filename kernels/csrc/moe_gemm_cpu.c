@@ -11,7 +11,8 @@
  * even), as a bfloat16 GEMM rounds. Threads split the (expert, block of output columns) units; each output
  * is one thread's single dot product, so results do not depend on the thread count.
  *
- * Compiled once per ISA level (kernels/native_build.py): generic, avx2 (AVX2 + FMA + F16C), avx512;
+ * Compiled once per ISA level (kernels/native_build.py): generic, avx2 (AVX2 + FMA + F16C), avx512bf16
+ * (AVX-512 F/BW/VL + BF16: bfloat16 products by vdpbf16ps, 32 per instruction);
  * `moe_gemm_isa_supported(level)` in the generic build says which the CPU runs.
  */
 #include "cpu_isa.h"
@@ -75,10 +76,10 @@ static inline void put_f32(float *p, float f) { *p = f; }
             const T *xr = x + r * ldx;                                                                       \
             T *yr = y + r * ldy;                                                                             \
             switch (n - r >= 4 ? 4 : (int)(n - r)) {                                                         \
-            case 4: T##_block(xr, ldx, w, K, o0, o1, yr, ldy, 4); break;                                     \
-            case 3: T##_block(xr, ldx, w, K, o0, o1, yr, ldy, 3); break;                                     \
-            case 2: T##_block(xr, ldx, w, K, o0, o1, yr, ldy, 2); break;                                     \
-            default: T##_block(xr, ldx, w, K, o0, o1, yr, ldy, 1); break;                                    \
+            case 4: T##_BLOCK(xr, ldx, w, K, o0, o1, yr, ldy, 4); break;                                     \
+            case 3: T##_BLOCK(xr, ldx, w, K, o0, o1, yr, ldy, 3); break;                                     \
+            case 2: T##_BLOCK(xr, ldx, w, K, o0, o1, yr, ldy, 2); break;                                     \
+            default: T##_BLOCK(xr, ldx, w, K, o0, o1, yr, ldy, 1); break;                                    \
             }                                                                                                \
         }                                                                                                    \
     }                                                                                                        \
@@ -115,9 +116,43 @@ static inline void put_f32(float *p, float f) { *p = f; }
     }
 
 typedef uint16_t bf16;
+#define float_BLOCK float_block
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+/* The bfloat16 block with AVX-512 BF16: vdpbf16ps multiplies 32 bfloat16 pairs exactly and adds them, two
+ * at a time, into 16 float32 lanes; the tail (K not a multiple of 32) is a masked load of zeros. */
+static inline __m512bh dp_load(const uint16_t *p, __mmask32 m) { return (__m512bh)_mm512_maskz_loadu_epi16(m, p); }
+ALWAYS_INLINE void bf16_dp_block(const bf16 *x, int64_t ldx, const bf16 *w, int64_t K, int64_t o0, int64_t o1,
+                                 bf16 *y, int64_t ldy, const int NR) {
+    const int OB = NR == 1 ? 8 : NR == 2 ? 4 : 2;
+    const __mmask32 all = ~(__mmask32)0, tail = (__mmask32)((1ull << (K & 31)) - 1);
+    int64_t k32 = K & ~(int64_t)31;
+    for (int64_t o = o0; o < o1; o += OB) {
+        const bf16 *wr[8];
+        for (int i = 0; i < OB; i++) wr[i] = w + (o + i < o1 ? o + i : o1 - 1) * K;
+        __m512 s[8];
+        for (int j = 0; j < 8; j++) s[j] = _mm512_setzero_ps();
+        for (int64_t k = 0; k <= K; k += 32) {
+            __mmask32 m = k < k32 ? all : tail;
+            if (!m) break;
+            __m512bh xv[4];
+            for (int r = 0; r < NR; r++) xv[r] = dp_load(x + r * ldx + k, m);
+            for (int i = 0; i < OB; i++) {
+                __m512bh a = dp_load(wr[i] + k, m);
+                for (int r = 0; r < NR; r++) s[i * NR + r] = _mm512_dpbf16_ps(s[i * NR + r], a, xv[r]);
+            }
+        }
+        for (int i = 0; i < OB && o + i < o1; i++)
+            for (int r = 0; r < NR; r++) v1_store_bf16(y + r * ldy + o + i, _mm512_reduce_add_ps(s[i * NR + r]));
+    }
+}
+#define bf16_BLOCK bf16_dp_block
+#else
+#define bf16_BLOCK bf16_block
+#endif
 DEFINE_GEMM(float, v8_load_f32, s_f32, put_f32)
 DEFINE_GEMM(bf16, v8_load_bf16, v1_load_bf16, v1_store_bf16)
 
 #if MOE_ISA_LEVEL == 0
-int moe_gemm_isa_supported(int level) { return loraplex_isa_supported(level, 0); }
+int moe_gemm_isa_supported(int level) { return loraplex_isa_supported(level, 1); }
 #endif
