@@ -15,6 +15,7 @@ import typer
 from api.cli.output import fail, stderr
 from api.cluster.options import (
     CONTRACT_AFTER_S,
+    KV_TRANSFER_TIMEOUT_S,
     MAX_SPREAD,
     SPREAD_LOAD,
     W_ADAPTER,
@@ -214,6 +215,14 @@ def serve(
         int | None,
         typer.Option(help="With --prefill-replicas: D decode replicas that continue each prefill.", min=1),
     ] = None,
+    kv_transfer_timeout: Annotated[
+        float | None,
+        typer.Option(
+            help="With --prefill-replicas: seconds a request's KV handoff (export, fetch, import) may take "
+            "before it is cancelled and the request ends with the retryable 503 (default 30).",
+            min=0,
+        ),
+    ] = None,
     ray_address: Annotated[
         str | None, typer.Option(help="With --replicas: join this Ray cluster (default: start a local one).")
     ] = None,
@@ -231,6 +240,13 @@ def serve(
     ingress_replicas: Annotated[
         int, typer.Option(help="With --replicas: HTTP ingress replicas (default 1).", min=1)
     ] = 1,
+    wait_for_nodes: Annotated[
+        bool,
+        typer.Option(
+            help="With --replicas: start even when the Ray cluster's nodes cannot hold the engine replicas "
+            "now (a Ray autoscaler adds nodes on demand); by default such a start is refused."
+        ),
+    ] = False,
     router: Annotated[
         str,
         typer.Option(
@@ -354,6 +370,9 @@ def serve(
     ):
         sock.close()
         fail("--prefill-replicas and --decode-replicas go together, and replace --replicas and autoscaling")
+    if kv_transfer_timeout is not None and not disaggregated:
+        sock.close()
+        fail("--kv-transfer-timeout applies to --prefill-replicas/--decode-replicas only")
     cluster = replicas is not None or disaggregated or any(v is not None for v in scaling_flags)
     if cluster:  # each scaling flag alone: refused later
         sock.close()  # Ray Serve's proxy listens itself: this was only the check
@@ -405,7 +424,11 @@ def serve(
             target_ongoing_requests=target_ongoing_requests,
             prefill_replicas=prefill_replicas or 0,
             decode_replicas=decode_replicas or 0,
+            kv_transfer_timeout_s=(
+                kv_transfer_timeout if kv_transfer_timeout is not None else KV_TRANSFER_TIMEOUT_S
+            ),
             spread=SpreadPolicy(router_spread_load, router_max_spread, router_contract_after),
+            wait_for_nodes=wait_for_nodes,
         )
         _serve_replicas(settings, layout, on_serving)
     else:
@@ -419,16 +442,18 @@ def _serve_replicas(settings, layout, on_serving: Callable[[], None]) -> None:
     import logging
 
     from api.cluster.ray_api import RayMissing, require_ray
-    from api.cluster.run import serve_cluster
+    from api.cluster.replica_resources import replica_resources
+    from api.cluster.run import ClusterRefused, serve_cluster
 
     try:
         require_ray()
         layout.validate()
+        resources = replica_resources(settings.engine, layout.cpus_per_replica, layout.gpus_per_replica)
     except (RayMissing, ValueError) as exc:
         fail(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     where = layout.ray_address or "a new local Ray cluster"
-    per = f"{layout.cpus_per_replica:g} CPU, {layout.gpus_per_replica:g} GPU each"
+    per = resources.describe()
     count = f"{layout.replicas} engine replicas"
     if layout.disaggregated:
         count = f"{layout.prefill_replicas} prefill + {layout.decode_replicas} decode replicas"
@@ -442,7 +467,10 @@ def _serve_replicas(settings, layout, on_serving: Callable[[], None]) -> None:
         f"  Replicas     {count} ({per}) + {layout.ingress_replicas} ingress on "
         f"{where} (Ray Serve, {layout.router} router)"
     )
-    serve_cluster(settings, layout, on_serving)
+    try:
+        serve_cluster(settings, layout, on_serving)
+    except ClusterRefused as exc:
+        fail(str(exc))
 
 
 def _check_tokenizer(model: Path, tokenizer: Path | None, template: str | None) -> None:

@@ -23,6 +23,8 @@ class RouterWeights:
             raise ValueError("router weights cannot be negative")
 
 
+KV_TRANSFER_TIMEOUT_S = 30.0  # `--kv-transfer-timeout`'s default
+
 # hot-adapter spreading (`SpreadPolicy`): the defaults measured by `bench/cluster/affinity.py`
 SPREAD_LOAD, MAX_SPREAD, CONTRACT_AFTER_S = 0.5, 4, 10.0
 
@@ -70,7 +72,13 @@ class ClusterOptions:
     # prefill/decode disaggregation (`--prefill-replicas P --decode-replicas D`, instead of `replicas`)
     prefill_replicas: int = 0
     decode_replicas: int = 0
+    # disaggregated: how long a request's KV handoff may take (the prefill's export reaching the ingress,
+    # the decode replica fetching the blocks and its engine importing them) before it is cancelled
+    kv_transfer_timeout_s: float = KV_TRANSFER_TIMEOUT_S
     spread: SpreadPolicy = field(default_factory=SpreadPolicy)
+    # start even when the alive nodes cannot hold the replicas now (a Ray autoscaler adds nodes on
+    # demand); False: refuse such a start with the reason (`run.check_cluster`)
+    wait_for_nodes: bool = False
 
     def autoscaling_config(self, default_target: float) -> dict[str, float | int] | None:
         """Serve's `autoscaling_config` for the engine deployment (None: a fixed `replicas`); the target
@@ -98,6 +106,8 @@ class ClusterOptions:
                 raise ValueError("--replicas (colocated) or --prefill-replicas/--decode-replicas, not both")
             if self.max_replicas is not None or self.min_replicas is not None:
                 raise ValueError("autoscaling (--min/--max-replicas) applies to colocated --replicas only")
+            if not 0 < self.kv_transfer_timeout_s <= 3600:
+                raise ValueError("--kv-transfer-timeout must be in (0, 3600] seconds")
         elif self.replicas < 1:
             raise ValueError("--replicas must be at least 1")
         if self.ingress_replicas < 1:
