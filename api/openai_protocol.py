@@ -1,5 +1,9 @@
 """Request and response schemas of the OpenAI-compatible endpoints (the fields loraplex honours).
 
+The shared field types and limits are api/protocol_fields.py, structured output and tools
+api/protocol_tools.py, the response bodies api/protocol_responses.py; every name is importable from
+here as before.
+
 Every field has a declared range. The sampling ranges are not restated here: they are read from
 `engine.sampling_params.BOUNDS`, the engine's own contract, and `to_sampling_params` is the one place an
 OpenAI body becomes `SamplingParams`. Sizes that depend on the server (prompt characters, choices per
@@ -11,16 +15,60 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from fastapi import Path
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from api.protocol_adapters import AdapterMix, AdapterWeight, distinct_adapters
+from api.protocol_fields import (
+    MAX_LOGPROBS,
+    MAX_MESSAGES,
+    MAX_NAME_CHARS,
+    MAX_PROMPTS,
+    MAX_TEXT_CHARS,
+    OPENAI_MAX_TEMPERATURE,
+    Name,
+    RequestBody,
+    StopString,
+    StreamOptions,
+    Text,
+    TokenId,
+    bounded,
+)
+from api.protocol_responses import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionResponse,
+    ChoiceLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    ErrorDetail,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenLogprobEntry,
+    TopLogprob,
+    Usage,
+)
+from api.protocol_tools import (
+    MAX_GUIDED_CHOICES,
+    MAX_TOOLS,
+    FunctionCall,
+    FunctionDef,
+    FunctionName,
+    JsonSchemaFormat,
+    NamedToolChoice,
+    ResponseFormat,
+    StructuredOutputs,
+    ToolCall,
+    ToolDef,
+    ToolName,
+)
 from api.request_fields import check_fields, model_field_names
-from engine.lora_request import MAX_MIX_ADAPTERS, MAX_MIX_WEIGHT
 from engine.sampling_params import (
     BOUNDS,
     MAX_BAD_WORD_CHARS,
     MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
-    MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     MAX_TOKEN_ID,
@@ -28,144 +76,62 @@ from engine.sampling_params import (
     SamplingParams,
 )
 
-_LOGPROBS_HI = BOUNDS["logprobs"].hi
-assert _LOGPROBS_HI is not None
-MAX_LOGPROBS = int(_LOGPROBS_HI)
-MAX_PROMPTS = 64  # entries of a list `prompt` (prompts × n is bounded again by the server's settings)
-MAX_MESSAGES = 1024
-MAX_NAME_CHARS = 256
-# A generous static cap on any one string; the server's `max_prompt_chars` is the real prompt limit.
-MAX_TEXT_CHARS = 16 * 1024 * 1024
-OPENAI_MAX_TEMPERATURE = 2.0
+_bounded = bounded  # the name api/responses_protocol.py imports
+
+__all__ = [
+    "MAX_GUIDED_CHOICES",
+    "MAX_LOGPROBS",
+    "MAX_MESSAGES",
+    "MAX_NAME_CHARS",
+    "MAX_PROMPTS",
+    "MAX_TEXT_CHARS",
+    "MAX_TOOLS",
+    "OPENAI_MAX_TEMPERATURE",
+    "AdapterMix",
+    "AdapterName",
+    "AdapterWeight",
+    "AssistantMessage",
+    "BadWord",
+    "ChatChoice",
+    "ChatCompletionRequest",
+    "ChatCompletionResponse",
+    "ChatMessage",
+    "ChoiceLogprobs",
+    "CompletionChoice",
+    "CompletionLogprobs",
+    "CompletionRequest",
+    "CompletionResponse",
+    "ErrorDetail",
+    "ErrorResponse",
+    "FunctionCall",
+    "FunctionDef",
+    "FunctionName",
+    "JsonSchemaFormat",
+    "LoadLoRARequest",
+    "ModelCard",
+    "ModelList",
+    "Name",
+    "NamedToolChoice",
+    "RequestBody",
+    "ResponseFormat",
+    "SamplingFields",
+    "StopString",
+    "StreamOptions",
+    "StructuredOutputs",
+    "Text",
+    "TokenId",
+    "TokenLogprobEntry",
+    "ToolCall",
+    "ToolDef",
+    "ToolName",
+    "TopLogprob",
+    "UnloadLoRARequest",
+    "Usage",
+    "distinct_adapters",
+]
 
 
-def _bounded(name: str, default: Any, **extra: Any) -> Any:
-    """A pydantic Field with the range `BOUNDS[name]` declares."""
-    b = BOUNDS[name]
-    lo: dict[str, Any] = {"gt": b.lo} if b.lo_open else {"ge": b.lo}
-    return Field(default=default, le=b.hi, **lo, **extra)
-
-
-TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
-StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
-Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
-Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
-
-
-class RequestBody(BaseModel):
-    """Base of every request body: JSON types are taken strictly, so `true` is not 1, `"10"` is not 10,
-    `1` is not `true` and `2.0` is not the integer 2 (400 naming the field). An integer where a float is
-    expected stays valid (`"temperature": 1` is how JSON writes 1.0)."""
-
-    model_config = ConfigDict(strict=True)
-
-
-class StreamOptions(RequestBody):
-    include_usage: bool = False
-
-
-# ---- structured output and tools (api/structured.py and api/tool_calls.py give them meaning) -------------
-
-MAX_TOOLS = 128
-ToolName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")]
-
-
-class JsonSchemaFormat(RequestBody):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
-
-    name: ToolName
-    description: Text | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None  # accepted; the schema is always enforced
-
-
-class ResponseFormat(RequestBody):
-    """`text` (no constraint), `json_object` (any JSON object) or `json_schema` (matching `json_schema`)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-
-class FunctionDef(RequestBody):
-    model_config = ConfigDict(extra="ignore")
-
-    name: ToolName
-    description: Text | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
-    strict: bool | None = None
-
-
-class ToolDef(RequestBody):
-    model_config = ConfigDict(extra="ignore")
-
-    type: Literal["function"]
-    function: FunctionDef
-
-
-class FunctionName(RequestBody):
-    name: ToolName
-
-
-class NamedToolChoice(RequestBody):
-    type: Literal["function"]
-    function: FunctionName
-
-
-class FunctionCall(RequestBody):
-    name: ToolName
-    arguments: Text  # JSON text
-
-
-class ToolCall(RequestBody):
-    id: Name
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-MAX_GUIDED_CHOICES = 256
 BadWord = Annotated[str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]
-
-
-class StructuredOutputs(RequestBody):
-    """vLLM's `structured_outputs` (exactly one of these); `json` is a JSON schema (object or its text)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    json_: dict[str, Any] | Text | None = Field(default=None, alias="json")
-    regex: Text | None = None
-    choice: Annotated[list[Text], Field(min_length=1, max_length=MAX_GUIDED_CHOICES)] | None = None
-    grammar: Text | None = None  # GBNF (converted) or Lark (api/guided.py)
-    json_object: bool | None = None
-
-
-class AdapterWeight(RequestBody):
-    """One member of a weighted adapter mix (the loraplex `adapters` extension)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]
-    weight: float = Field(ge=-MAX_MIX_WEIGHT, le=MAX_MIX_WEIGHT, allow_inf_nan=False)
-
-    @field_validator("weight")
-    @classmethod
-    def _nonzero(cls, v: float) -> float:
-        if v == 0.0:
-            raise ValueError("must be non-zero (leave the adapter out instead)")
-        return v
-
-
-AdapterMix = Annotated[list[AdapterWeight], Field(min_length=1, max_length=MAX_MIX_ADAPTERS)]
-
-
-def distinct_adapters(v: list[AdapterWeight] | None) -> list[AdapterWeight] | None:
-    """The `adapters` field unchanged, or `ValueError` naming the first adapter that is listed twice."""
-    names = [a.name for a in v or []]
-    dup = next((n for n in names if names.count(n) > 1), None)
-    if dup is not None:
-        raise ValueError(f"adapter {dup!r} appears twice; list each adapter once with its weight")
-    return v
 
 
 class SamplingFields(RequestBody):
@@ -175,29 +141,29 @@ class SamplingFields(RequestBody):
     model_config = ConfigDict(extra="ignore")
 
     model: Name | None = None
-    max_tokens: int | None = _bounded("max_tokens", None)
+    max_tokens: int | None = bounded("max_tokens", None)
     temperature: float = Field(default=1.0, ge=0.0, le=OPENAI_MAX_TEMPERATURE)
-    top_p: float = _bounded("top_p", 1.0)
-    top_k: int = _bounded("top_k", -1, description="extension: -1 disables, else keep the k most likely")
-    n: int = _bounded("n", 1)
+    top_p: float = bounded("top_p", 1.0)
+    top_k: int = bounded("top_k", -1, description="extension: -1 disables, else keep the k most likely")
+    n: int = bounded("n", 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: StopString | list[StopString] | None = Field(default=None)
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
-    seed: int | None = _bounded("seed", None)
+    seed: int | None = bounded("seed", None)
     ignore_eos: bool = False  # extension
     priority: int = Field(default=0, ge=PRIORITY_BOUND.lo, le=PRIORITY_BOUND.hi)  # extension
     user: Name | None = None
     response_format: ResponseFormat | None = None
     # OpenAI penalties and vLLM sampling extras (ranges: engine.sampling_params.BOUNDS)
-    presence_penalty: float = _bounded("presence_penalty", 0.0)
-    frequency_penalty: float = _bounded("frequency_penalty", 0.0)
-    repetition_penalty: float = _bounded("repetition_penalty", 1.0)
-    min_p: float = _bounded("min_p", 0.0)
-    min_tokens: int = _bounded("min_tokens", 0)
+    presence_penalty: float = bounded("presence_penalty", 0.0)
+    frequency_penalty: float = bounded("frequency_penalty", 0.0)
+    repetition_penalty: float = bounded("repetition_penalty", 1.0)
+    min_p: float = bounded("min_p", 0.0)
+    min_tokens: int = bounded("min_tokens", 0)
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     bad_words: Annotated[list[BadWord], Field(max_length=MAX_BAD_WORDS)] | None = None
-    best_of: int | None = _bounded("best_of", None)
+    best_of: int | None = bounded("best_of", None)
     return_token_ids: bool = False  # vLLM: choices carry `token_ids`, and `prompt_token_ids` is returned
     # vLLM's structured-output fields (api/guided.py maps them onto the llguidance path)
     guided_json: dict[str, Any] | Text | None = None
@@ -284,8 +250,8 @@ class CompletionRequest(SamplingFields):
             list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)
         ]
     )
-    max_tokens: int | None = _bounded("max_tokens", 16)
-    logprobs: int | None = _bounded("logprobs", None)
+    max_tokens: int | None = bounded("max_tokens", 16)
+    logprobs: int | None = bounded("logprobs", None)
     echo: bool = False
     suffix: Text | None = None  # refused when set: no model here has a fill-in-the-middle template
 
@@ -319,9 +285,9 @@ class ChatMessage(RequestBody):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_completion_tokens: int | None = _bounded("max_tokens", None)
+    max_completion_tokens: int | None = bounded("max_tokens", None)
     logprobs: bool = False
-    top_logprobs: int | None = _bounded("logprobs", None)
+    top_logprobs: int | None = bounded("logprobs", None)
     tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # accepted; at most one call per choice is made
@@ -337,102 +303,6 @@ class LoadLoRARequest(RequestBody):
 
 class UnloadLoRARequest(RequestBody):
     lora_name: Name
-
-
-# ---- responses (declared so the OpenAPI schema says what the routes return) -----------------------------
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    """The OpenAI error body every 4xx/5xx carries."""
-
-    error: ErrorDetail
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
-    text_offset: list[int]
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    token_ids: list[int] = Field(default_factory=list)
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class TokenLogprobEntry(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChoiceLogprobs(BaseModel):
-    content: list[TokenLogprobEntry] | None = None
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-    tool_calls: list[ToolCall] | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: ChoiceLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str
-    root: str
-    parent: str | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
 
 
 AdapterName = Annotated[str, Path(max_length=MAX_NAME_CHARS, description="an active adapter's name")]

@@ -9,21 +9,20 @@ while its status is "active".
 from __future__ import annotations
 
 import builtins  # `list` is also a method name in this module's classes
-import shutil
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, selectinload, sessionmaker
 
 from lora_registry import events as ev
 from lora_registry.blobstore import BlobStore
 from lora_registry.converters import adapter_info, audit, audit_record, version_info
 from lora_registry.dbsession import transaction
-from lora_registry.errors import Conflict, NotFound, RegistryError
+from lora_registry.errors import NotFound
 from lora_registry.events import EventBus, RegistryEvent
+from lora_registry.materialize import drop_unreferenced, materialize, materialized_path
 from lora_registry.models import (
     STATUS_ACTIVE,
     STATUS_INACTIVE,
@@ -31,7 +30,6 @@ from lora_registry.models import (
     AdapterVersion,
     AuditEntry,
     RateLimit,
-    RegistryMeta,
 )
 from lora_registry.names import validate_name
 from lora_registry.outbox import Outbox
@@ -42,14 +40,13 @@ from lora_registry.schemas import (
     AdapterInfo,
     AuditRecord,
     RegisterResult,
-    VersionInfo,
 )
 from lora_registry.settings import RegistrySettings
+from lora_registry.version_rows import META_BASE_MODEL as META_BASE_MODEL  # importable here as before
+from lora_registry.version_rows import add_version, base_model_path, existing_version
 
 if TYPE_CHECKING:
     from lora_registry.registration import PreparedUpload
-
-META_BASE_MODEL = "base_model_path"
 
 
 def _active_query():
@@ -103,8 +100,7 @@ class RegistryService:
 
     def materialized_path(self, digest: str) -> Path | None:
         """The PEFT directory of `digest` if `adapter_path` already wrote it, else None (no database)."""
-        target = self.settings.data_dir / "adapters" / digest
-        return target if (target / "adapter_model.safetensors").is_file() else None
+        return materialized_path(self.settings.data_dir, digest)
 
     def blob_digests(self, digests: Iterable[str]) -> dict[str, tuple[str, str]]:
         """digest -> (config blob, weights blob) of the versions with those content digests."""
@@ -127,30 +123,9 @@ class RegistryService:
         """A PEFT directory holding the adapter with content `digest`, materialized from verified blobs.
 
         This is the `path` of the engine's `LoRARequest`; the directory is written to a temp dir and renamed
-        into `<data dir>/adapters/<digest>`, so it is complete or absent.
+        into `<data dir>/adapters/<digest>`, so it is complete or absent (lora_registry/materialize.py).
         """
-        ready = self.materialized_path(digest)
-        if ready is not None:
-            return ready
-        target = self.settings.data_dir / "adapters" / digest
-        with transaction(self.sessions) as s:
-            v = s.scalars(select(AdapterVersion).where(AdapterVersion.digest == digest).limit(1)).first()
-            if v is None:
-                raise NotFound(f"no adapter version with digest {digest}")
-            config_blob, weights_blob = v.config_blob, v.weights_blob
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{digest[:12]}-", dir=target.parent))
-        try:
-            self.blobs.fetch(config_blob, tmp / "adapter_config.json")
-            self.blobs.fetch(weights_blob, tmp / "adapter_model.safetensors")
-            try:
-                tmp.rename(target)
-            except OSError:
-                if not target.is_dir():  # a concurrent materialization won the race otherwise
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        return target
+        return materialize(self.sessions, self.blobs, self.settings.data_dir, digest)
 
     # ---- changes ----------------------------------------------------------------------------------
 
@@ -172,9 +147,9 @@ class RegistryService:
         validate_name(name)
         from lora_registry.registration import prepare  # lazy: imports torch; reads stay light
 
-        model_path = self._base_model_path()
+        model_path = base_model_path(self.sessions, self.settings.model_path)
         with prepare(source, model_path, self.settings, progress) as up:
-            existing = self._existing_version(name, up.checkpoint.digest)
+            existing = existing_version(self.sessions, name, up.checkpoint.digest)
             if existing is not None:
                 info = self.activate(name, actor=actor) if activate else self.show(name).adapter
                 return RegisterResult(info, existing, created=False)
@@ -187,48 +162,15 @@ class RegistryService:
         self.outbox.flush()
         return result
 
-    def _existing_version(self, name: str, digest: str) -> VersionInfo | None:
-        with transaction(self.sessions) as s:
-            q = (
-                select(AdapterVersion)
-                .join(Adapter)
-                .where(Adapter.name == name, AdapterVersion.digest == digest)
-            )
-            v = s.scalars(q).first()
-            return version_info(v) if v is not None else None
-
     def _insert_version(
         self, name: str, up: PreparedUpload, description: str | None, activate: bool, actor: str
     ) -> RegisterResult:
+        """Add `up` as the next version of `name` (lora_registry/version_rows.py), audited, with its
+        events queued in the same transaction."""
         ck = up.checkpoint
         with transaction(self.sessions) as s:
-            a = s.scalars(select(Adapter).where(Adapter.name == name).with_for_update()).first()
-            if a is None:
-                a = Adapter(name=name, description=description or "", status=STATUS_INACTIVE, tags=[])
-                s.add(a)
-                s.flush()
-            elif description is not None:
-                a.description = description
-            if any(v.digest == ck.digest for v in a.versions):
-                raise Conflict(f"adapter {name!r}: the same content was registered concurrently")
-            last = s.scalar(select(func.max(AdapterVersion.version)).where(AdapterVersion.adapter_id == a.id))
-            number = (last or 0) + 1
-            v = AdapterVersion(
-                version=number,
-                digest=ck.digest,
-                config_blob=up.config_digest,
-                weights_blob=up.weights_digest,
-                rank=ck.rank,
-                alpha=ck.alpha,
-                target_modules=list(ck.target_modules),
-                use_rslora=ck.use_rslora,
-                size_bytes=ck.size_bytes,
-                base_model_name=ck.base_model_name,
-                base_model_fingerprint=up.model_fingerprint,
-                source=up.source[:512],
-            )
-            a.versions.append(v)
-            a.current_version = number
+            a, v = add_version(s, name, up, description)
+            number = v.version
             if activate:
                 a.status = STATUS_ACTIVE
             audit(s, actor, ev.ADAPTER_REGISTERED, name, version=number, digest=ck.digest, activate=activate)
@@ -306,33 +248,9 @@ class RegistryService:
             raise NotFound(f"no adapter named {name!r}")
         return a
 
-    def _base_model_path(self) -> Path:
-        """The base model to validate against: `LORAPLEX_MODEL` (and record it), else the recorded one."""
-        configured = self.settings.model_path
-        with transaction(self.sessions) as s:
-            row = s.get(RegistryMeta, META_BASE_MODEL)
-            if configured is not None:
-                if row is None:
-                    s.add(RegistryMeta(key=META_BASE_MODEL, value=str(configured)))
-                else:
-                    row.value = str(configured)
-                return configured
-            if row is not None:
-                return Path(row.value)
-        raise RegistryError(
-            "no base model to validate adapters against: set LORAPLEX_MODEL to the model's directory"
-        )
-
     def _drop_unreferenced(self, blobs: Iterable[str], digests: Iterable[str] = ()) -> None:
         """Delete the given blobs (and materialized dirs) that no remaining version references."""
-        with transaction(self.sessions) as s:
-            used = set(s.scalars(select(AdapterVersion.config_blob)))
-            used |= set(s.scalars(select(AdapterVersion.weights_blob)))
-            live = set(s.scalars(select(AdapterVersion.digest)))
-        for b in set(blobs) - used:
-            self.blobs.delete(b)
-        for d in set(digests) - live:
-            shutil.rmtree(self.settings.data_dir / "adapters" / d, ignore_errors=True)
+        drop_unreferenced(self.sessions, self.blobs, self.settings.data_dir, blobs, digests)
 
     def _event(self, s: Session, kind: str, info: AdapterInfo | None, name: str | None = None) -> None:
         """Queue the event of a change in the change's own transaction (the outbox publishes it)."""

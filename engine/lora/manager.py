@@ -3,6 +3,7 @@
 - The loader knows which adapter a `LoRARequest` names (its content digest) and reads adapters from disk,
   in a background thread when the engine must not wait.
 - The residency part owns the tiers (device pages <- host cache), eviction and the per-step context.
+- What `list_loras` and `stats` report (`LoRAInfo`, `LoRAPoolStats`) is engine/lora/manager_report.py.
 
 The engine drives it; nothing here calls back into the scheduler. Whoever holds the running batch passes
 `in_use` (digests used by running sequences), which are never evicted. Once per step, before scheduling,
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence, Set
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,7 +32,8 @@ from engine.lora.cpu_cache import CpuAdapterCache
 from engine.lora.dora import BaseWeights
 from engine.lora.held_files import AdapterFilesGone
 from engine.lora.loader import AdapterLoader
-from engine.lora.pool import AdapterPool, ResidentAdapter
+from engine.lora.manager_report import LoRAInfo, LoRAPoolStats, adapter_infos, pool_stats
+from engine.lora.pool import AdapterPool
 from engine.lora.residency import AdapterResidency
 from engine.lora_request import LoRARequest
 from engine.model.linear import LoRAStepContext
@@ -41,44 +42,6 @@ from engine.scheduler.output import ScheduledSequence
 
 if TYPE_CHECKING:
     from engine.distributed.shard import TensorShard
-
-
-@dataclass(slots=True)
-class LoRAInfo:
-    """One known adapter as `list_loras` reports it."""
-
-    digest: str
-    names: list[str]
-    tier: str  # "device" | "cpu" | "loading" | "disk"
-    rank: int | None
-    pinned: bool
-    pages: int
-    memory_bytes: int = 0  # device bytes of its pages (projections and MoE experts); 0 when not resident
-
-
-@dataclass(slots=True)
-class LoRAPoolStats:
-    pages_total: int
-    pages_used: int
-    pages_free: int
-    resident: int
-    cpu_cached: int
-    loads: int
-    device_uploads: int
-    evictions: int
-    load_failures: int
-    load_seconds_total: float
-    last_load_seconds: float
-    side_bytes_used: int = 0  # device bytes resident adapters keep beside their pages
-    side_bytes_budget: int = 0
-
-
-def _device_rank(dev: ResidentAdapter) -> int:
-    """The largest rank of a resident adapter, over its projections and its experts."""
-    ranks = [r for layer in dev.layer_ranks for r in layer]
-    if dev.experts is not None:
-        ranks += [r for layer in dev.experts.ranks for r in layer.values()]
-    return max(ranks, default=0)
 
 
 REMOVED_MEMORY = 4096  # removed digests remembered, so late requests for them retire them again
@@ -260,25 +223,8 @@ class LoRAManager:
         return True
 
     def list_loras(self) -> list[LoRAInfo]:
-        out = []
-        res = self.residency
-        for digest in self.loader.known_digests():
-            dev = res.pool.resident.get(digest)
-            ckpt = res.host_copy(digest) if dev is None else None
-            if dev is not None:
-                tier = "device"
-            elif ckpt is not None:
-                tier = "cpu"
-            elif self.loader.is_loading(digest):
-                tier = "loading"
-            else:
-                tier = "disk"
-            rank = _device_rank(dev) if dev else (ckpt.rank if ckpt else None)
-            pinned = digest in res.pinned
-            names = self.loader.names_of(digest)
-            pages, memory = (dev.num_pages, dev.memory_bytes) if dev else (0, 0)
-            out.append(LoRAInfo(digest, names, tier, rank, pinned, pages, memory))
-        return out
+        """Every adapter the loader knows, with its tier, rank, pin and device footprint."""
+        return adapter_infos(self.loader, self.residency)
 
     # ---- per step ---------------------------------------------------------------------------------
     def prepare(self, wanted: Sequence[str], in_use: set[str]) -> None:
@@ -320,23 +266,8 @@ class LoRAManager:
         return res.upload(ckpt, protected)
 
     def stats(self) -> LoRAPoolStats:
-        pool, load, res = self.residency.pool, self.loader.stats, self.residency.stats
-        used, total = pool.pages_used(), pool.pages_total()
-        return LoRAPoolStats(
-            pages_total=total,
-            pages_used=used,
-            pages_free=total - used,
-            resident=len(pool.resident),
-            cpu_cached=len(self.residency.cpu),
-            loads=load.loads,
-            device_uploads=res.device_uploads,
-            evictions=res.evictions,
-            load_failures=load.failures,
-            load_seconds_total=load.seconds_total,
-            last_load_seconds=load.last_seconds,
-            side_bytes_used=pool.side_used,
-            side_bytes_budget=pool.side_budget,
-        )
+        """The pool's occupancy and the load / upload / eviction counters so far."""
+        return pool_stats(self.loader, self.residency)
 
     def shutdown(self) -> None:
         self.loader.shutdown()
