@@ -15,11 +15,13 @@ import typer
 from api.cli.output import fail, stderr
 from api.cluster.options import (
     CONTRACT_AFTER_S,
+    HOLD_MARGIN,
     MAX_SPREAD,
     SPREAD_LOAD,
     W_ADAPTER,
     W_LOAD,
     W_PREFIX,
+    RouterQueue,
     RouterWeights,
     SpreadPolicy,
 )
@@ -266,6 +268,23 @@ def serve(
             min=0,
         ),
     ] = CONTRACT_AFTER_S,
+    router_max_ongoing: Annotated[
+        int | None,
+        typer.Option(
+            help="--router affinity: requests one engine replica takes before Ray Serve queues the rest "
+            "(default 8 x --max-num-seqs: the engines' waiting queues hold the backlog, which the router's "
+            "load term sees).",
+            min=1,
+        ),
+    ] = None,
+    router_hold_margin: Annotated[
+        float,
+        typer.Option(
+            help="--router affinity: a request is offered only to replicas scored at most this below the "
+            "best one; Serve holds it for them while they are full.",
+            min=0,
+        ),
+    ] = HOLD_MARGIN,
 ) -> None:
     """Start the server: one resident base model, every active adapter of the registry.
 
@@ -406,6 +425,7 @@ def serve(
             prefill_replicas=prefill_replicas or 0,
             decode_replicas=decode_replicas or 0,
             spread=SpreadPolicy(router_spread_load, router_max_spread, router_contract_after),
+            queue=RouterQueue(router_max_ongoing, router_hold_margin),
         )
         _serve_replicas(settings, layout, on_serving)
     else:

@@ -23,6 +23,36 @@ class RouterWeights:
             raise ValueError("router weights cannot be negative")
 
 
+# Serve's queue in front of the engine replicas under `--router affinity`: `max_ongoing_requests` of the
+# engine deployment is QUEUE_FACTOR × max_num_seqs (the replicas' own waiting queues hold the backlog,
+# which the router's load term sees), and a request is offered only to the replicas whose score is within
+# HOLD_MARGIN of the best one (Serve holds it for them while they are full); measured by
+# `bench/cluster/router_sweep.py --serve` and `loraplex bench cluster` (docs/benchmarks.md)
+QUEUE_FACTOR, HOLD_MARGIN = 8, 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class RouterQueue:
+    """Where the backlog waits under `--router affinity` (settings `router_max_ongoing`,
+    `router_hold_margin`): `max_ongoing` requests per engine replica before Serve keeps the rest in its
+    own queue (None: `QUEUE_FACTOR` × the engine's `max_num_seqs`); a request is offered to a replica
+    only while that replica's score is at most `hold_margin` below the best replica's."""
+
+    max_ongoing: int | None = None
+    hold_margin: float = HOLD_MARGIN
+
+    def max_ongoing_for(self, max_num_seqs: int) -> int:
+        """The engine deployment's `max_ongoing_requests`."""
+        return self.max_ongoing or QUEUE_FACTOR * max(1, max_num_seqs)
+
+    def validate(self) -> None:
+        """Raise ValueError for a queue that cannot work."""
+        if self.max_ongoing is not None and self.max_ongoing < 1:
+            raise ValueError("--router-max-ongoing must be at least 1")
+        if self.hold_margin < 0:
+            raise ValueError("--router-hold-margin cannot be negative")
+
+
 # hot-adapter spreading (`SpreadPolicy`): the defaults measured by `bench/cluster/affinity.py`
 SPREAD_LOAD, MAX_SPREAD, CONTRACT_AFTER_S = 0.5, 4, 10.0
 
@@ -71,6 +101,7 @@ class ClusterOptions:
     prefill_replicas: int = 0
     decode_replicas: int = 0
     spread: SpreadPolicy = field(default_factory=SpreadPolicy)
+    queue: RouterQueue = field(default_factory=RouterQueue)
 
     def autoscaling_config(self, default_target: float) -> dict[str, float | int] | None:
         """Serve's `autoscaling_config` for the engine deployment (None: a fixed `replicas`); the target
@@ -109,6 +140,7 @@ class ClusterOptions:
             raise ValueError(f"--router must be one of {', '.join(ROUTERS)}, not {self.router!r}")
         self.router_weights.validate()
         self.spread.validate()
+        self.queue.validate()
 
     def _validate_autoscaling(self) -> None:
         """Raise ValueError unless min ≤ replicas ≤ max, min ≥ 1 and the target is positive; the bounds
