@@ -104,10 +104,10 @@ def held_ranks(scored: Sequence[tuple[str, float]], hold_margin: float) -> list[
     """Serve's ranks for one request, from its allowed replicas with their scores, best first: each replica
     its own rank, leaving out those scored more than `hold_margin` below the best. Serve offers the request
     to the first rank whose replica is under `max_ongoing_requests`, the next rank only when it is full,
-    and with every offered replica full it waits and asks again; so the request is held for the replicas
-    near the best instead of going to whichever replica frees a slot first. The load term is in the score,
-    so a replica whose affinity outweighs its queue stays within the margin and one that only has a
-    shorter queue than the best's by less than the margin does not; the best is always offered."""
+    and with every offered replica full it backs off and asks again; so the request is held for the
+    replicas near the best instead of going to whichever replica frees a slot first. The hold is bounded
+    by the load term (in the score): as the best replica's queue grows its score falls, until the others
+    come within the margin (or ahead). The best is always offered."""
     if not scored:
         return []
     best = max(s for _, s in scored)

@@ -12,6 +12,12 @@ popularity, base-model multi-turn chats (each turn's prompt extends the last), a
 middle where one adapter takes 70% of the traffic. Reported per setting, mean and min–max over
 `--seeds` runs with identical arrivals for every setting: prefix-hit rate (engine's hit tokens / prompt
 tokens), adapter loads per 1k requests, p50/p99 TTFT, p99 TTFT in the burst, throughput.
+
+    python -m bench.cluster.router_sweep --serve --replicas 2 --requests 1500 --rate 8 --seeds 3
+
+runs the routers (`multiplex`, `pow2`, the affinity router) behind a model of Ray Serve's dispatch
+instead (`max_ongoing_requests`, its queue; `bench.cluster.serve_sim`), over the affinity router's
+queue settings (`--router-max-ongoing`, `--router-hold-margin`) rather than the weight grid.
 """
 
 from __future__ import annotations
