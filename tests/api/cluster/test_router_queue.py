@@ -22,6 +22,7 @@ from api.settings import ServerSettings
 from tests.api.cluster.conftest import DEMO
 
 BS = 4
+DIGEST = "ab" * 32  # an adapter content digest
 
 
 def _scored(views: list[ReplicaView], tokens: list[int], digest: str | None, index: PrefixIndex):
@@ -110,3 +111,61 @@ def test_the_affinity_router_lets_the_engines_queue_the_backlog(tmp_path) -> Non
 def test_impossible_queues_are_refused(queue: RouterQueue, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ClusterOptions(2, queue=queue).validate()
+
+
+class _Replica:
+    """The two attributes of Ray's `RunningReplica` the router reads (no Ray cluster needed)."""
+
+    def __init__(self, rid: str, stats: dict) -> None:
+        from ray.serve._private.common import DeploymentID, ReplicaID
+
+        self.replica_id = ReplicaID(rid, DeploymentID(name="EngineReplica", app_name="loraplex"))
+        self.routing_stats = stats
+
+
+def _pending(request_id: str, tokens: list[int], digest: str | None):
+    from ray.serve._private.common import RequestMetadata
+    from ray.serve._private.request_router.common import PendingRequest
+
+    from api.engine_protocol import AddRequest, encode
+    from engine import LoRARequest, SamplingParams
+
+    lora = LoRARequest("support", "", digest) if digest is not None else None
+    req = AddRequest(request_id, tokens, SamplingParams(max_tokens=4), lora=lora)
+    meta = RequestMetadata(request_id, request_id, call_method="generate")
+    return PendingRequest([encode(req)], {}, meta)
+
+
+def test_serve_backs_off_and_holds_a_request_for_its_adapters_replica(monkeypatch) -> None:
+    """Ray's `RequestRouter` contract: the router asks Serve to back off between passes (without it
+    Serve asks again at once, in a loop, while the offered replicas are full), offers only the replica
+    the adapter is on, and does not decode a request again when Serve asks again."""
+    import asyncio
+
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    from api.cluster import affinity_router
+    from api.cluster.affinity_router import AffinityRouter
+
+    async def main() -> None:
+        router = AffinityRouter(
+            DeploymentID(name="EngineReplica", app_name="loraplex"), DeploymentHandleSource.UNKNOWN
+        )
+        router.initialize_state(block_size=BS, hold_margin=1.0)
+        stats = {"budget_tokens": 10_000, "max_num_seqs": 16, "free_slot": False}
+        a = _Replica("a", {**stats, "device": [DIGEST]})
+        b = _Replica("b", dict(stats))
+        first = _pending("r1", list(range(64)), DIGEST)
+        ranks = await router.choose_replicas([a, b], first)
+        assert first.routing_context.should_backoff
+        assert [[r.replica_id.unique_id for r in rank] for rank in ranks] == [["a"]]
+        decoded = []
+        real = affinity_router._add_request
+        monkeypatch.setattr(affinity_router, "_add_request", lambda p: decoded.append(p) or real(p))
+        again = await router.choose_replicas([a, b], first)  # "a" was full: Serve asks again
+        assert [[r.replica_id.unique_id for r in rank] for rank in again] == [["a"]] and decoded == []
+        base = _pending("r2", [7] * 40, None)  # base model, no prefix anywhere: both, a tie
+        both = await router.choose_replicas([a, b], base)
+        assert sorted(r.replica_id.unique_id for rank in both for r in rank) == ["a", "b"]
+
+    asyncio.run(main())
