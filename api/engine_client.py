@@ -20,7 +20,7 @@ import multiprocessing as mp
 import os
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +76,11 @@ def engine_process_context() -> Any:
 
 class EngineDeadError(RuntimeError):
     """The engine process died while the request was in flight."""
+
+
+class EngineStalledError(EngineDeadError):
+    """A step of the request's path (e.g. a disaggregated KV transfer) stalled past its timeout and was
+    cancelled; retryable like a death, its message says what stalled."""
 
 
 class EngineUnavailableError(RuntimeError):
@@ -252,7 +257,7 @@ class EngineClient:
         async for delta in self.stream(req.request_id, encode(req)):
             yield delta
 
-    async def import_generate(self, request_id: str, export: bytes) -> AsyncIterator[RequestDelta]:
+    async def import_generate(self, request_id: str, export: bytes) -> AsyncGenerator[RequestDelta, None]:
         """Continue another engine's prefill-only request (`export`: its encoded `KVExport`) here, as
         `generate` does a new one: its deltas after the transferred tokens."""
         async for delta in self.stream(request_id, encode(ImportRequest(request_id, export))):

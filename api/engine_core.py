@@ -268,6 +268,7 @@ class _EngineLoop:
                     return
             self.engine.import_request(export)
             self.sent[msg.request_id] = len(export.state.output_token_ids)  # the prefill side sent those
+            self.push.send(encode(RequestDelta(msg.request_id, [], imported=True)))  # the import's ack
         except AdapterFilesGone as exc:
             self._refuse(msg.request_id, str(exc), status=404)
         except ValueError as exc:

@@ -88,6 +88,8 @@ class RequestDelta(msgspec.Struct, tag="delta"):
     error: str | None = None
     error_status: int = 500  # HTTP status for `error`: 400 when the engine refused the request itself
     kv_export: bytes | None = None  # finish "kv_transfer": the encoded `engine.kv_transfer.KVExport`
+    # an `ImportRequest`'s first delta (no tokens): the engine holds the request and its KV blocks now
+    imported: bool = False
 
 
 class CallResult(msgspec.Struct, tag="result"):

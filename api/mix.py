@@ -41,7 +41,7 @@ async def mix_request(
 ) -> LoRARequest:
     """The engine's `LoRARequest` of a request with `adapters` (module docstring); `named`: the adapter
     its `model` or URL names (None: the base model); `lookup(state, name, key)`: the active adapter's
-    target (404 when there is none), `api.serving.adapter_target`."""
+    target (404 when there is none), `api.targets.adapter_target`."""
     limit = min(MAX_MIX_ADAPTERS, state.client.config.max_loras)
     if len(members) > limit:
         raise APIError(

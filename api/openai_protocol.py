@@ -159,6 +159,15 @@ class AdapterWeight(RequestBody):
 AdapterMix = Annotated[list[AdapterWeight], Field(min_length=1, max_length=MAX_MIX_ADAPTERS)]
 
 
+def distinct_adapters(v: list[AdapterWeight] | None) -> list[AdapterWeight] | None:
+    """The `adapters` field unchanged, or `ValueError` naming the first adapter that is listed twice."""
+    names = [a.name for a in v or []]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise ValueError(f"adapter {dup!r} appears twice; list each adapter once with its weight")
+    return v
+
+
 class SamplingFields(RequestBody):
     """The fields both generation endpoints share. A top-level field not declared here is refused with a
     400 naming it, unless `api.request_fields` accepts it (see there)."""
@@ -221,11 +230,7 @@ class SamplingFields(RequestBody):
     @field_validator("adapters")
     @classmethod
     def _distinct_adapters(cls, v: list[AdapterWeight] | None) -> list[AdapterWeight] | None:
-        names = [a.name for a in v or []]
-        dup = next((n for n in names if names.count(n) > 1), None)
-        if dup is not None:
-            raise ValueError(f"adapter {dup!r} appears twice; list each adapter once with its weight")
-        return v
+        return distinct_adapters(v)
 
     @field_validator("top_k")
     @classmethod

@@ -28,6 +28,7 @@ from api.openai_protocol import (
     Text,
     ToolName,
     _bounded,
+    distinct_adapters,
 )
 
 MAX_METADATA = 16
@@ -153,11 +154,7 @@ class ResponsesRequest(Strict):
     @field_validator("adapters")
     @classmethod
     def _distinct_adapters(cls, v: list[AdapterWeight] | None) -> list[AdapterWeight] | None:
-        names = [a.name for a in v or []]
-        dup = next((n for n in names if names.count(n) > 1), None)
-        if dup is not None:
-            raise ValueError(f"adapter {dup!r} appears twice; list each adapter once with its weight")
-        return v
+        return distinct_adapters(v)
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """This request's `input` as chat messages (the part stored for the next turn)."""

@@ -78,10 +78,7 @@ class EngineAdapters:
         return capacity_problem(pool, needs)
 
     def check_mix_size(self, lr: LoRARequest) -> None:
-        """ValueError when the mix `lr` has more members than `max_loras` (it could never be scheduled), or
-        when the engine runs tensor parallel (its ranks apply one adapter per row)."""
-        if lr.mix and self.lora is not None and self.lora.pool.shard is not None:
-            raise ValueError("weighted adapter mixes are not supported under tensor parallel")
+        """ValueError when the mix `lr` has more members than `max_loras` (it could never be scheduled)."""
         limit = self.scheduler.config.max_loras
         if len(lr.members()) > limit:
             raise ValueError(

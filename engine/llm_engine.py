@@ -123,11 +123,13 @@ class LLMEngine:
                 max_loras=config.max_loras,
                 backend=config.lora_backend,
                 side_budget=config.lora_side_memory_bytes,
-                base=ProjectionBaseWeights(self.model) if self.tp is None else None,
+                base=ProjectionBaseWeights(self.model),  # this rank's shard under tensor parallel
                 shard=self.tp.shard if self.tp is not None else None,
             )
-            if self.tp is not None and self.tp.shard.fully_sharded:
-                self.lora.pool.all_gather = self.tp.group.all_gather
+            if self.tp is not None:
+                self.lora.pool.all_reduce = self.tp.group.all_reduce  # row-parallel DoRA norms
+                if self.tp.shard.fully_sharded:
+                    self.lora.pool.all_gather = self.tp.group.all_gather
         self.scheduler = Scheduler(
             SchedulerConfig.from_engine_config(config),
             self.kv,

@@ -16,6 +16,7 @@ from api.cli.output import fail, stderr
 from api.cluster.options import (
     CONTRACT_AFTER_S,
     HOLD_MARGIN,
+    KV_TRANSFER_TIMEOUT_S,
     MAX_SPREAD,
     SPREAD_LOAD,
     W_ADAPTER,
@@ -216,6 +217,14 @@ def serve(
         int | None,
         typer.Option(help="With --prefill-replicas: D decode replicas that continue each prefill.", min=1),
     ] = None,
+    kv_transfer_timeout: Annotated[
+        float | None,
+        typer.Option(
+            help="With --prefill-replicas: seconds a request's KV handoff (export, fetch, import) may take "
+            "before it is cancelled and the request ends with the retryable 503 (default 30).",
+            min=0,
+        ),
+    ] = None,
     ray_address: Annotated[
         str | None, typer.Option(help="With --replicas: join this Ray cluster (default: start a local one).")
     ] = None,
@@ -373,6 +382,9 @@ def serve(
     ):
         sock.close()
         fail("--prefill-replicas and --decode-replicas go together, and replace --replicas and autoscaling")
+    if kv_transfer_timeout is not None and not disaggregated:
+        sock.close()
+        fail("--kv-transfer-timeout applies to --prefill-replicas/--decode-replicas only")
     cluster = replicas is not None or disaggregated or any(v is not None for v in scaling_flags)
     if cluster:  # each scaling flag alone: refused later
         sock.close()  # Ray Serve's proxy listens itself: this was only the check
@@ -424,6 +436,9 @@ def serve(
             target_ongoing_requests=target_ongoing_requests,
             prefill_replicas=prefill_replicas or 0,
             decode_replicas=decode_replicas or 0,
+            kv_transfer_timeout_s=(
+                kv_transfer_timeout if kv_transfer_timeout is not None else KV_TRANSFER_TIMEOUT_S
+            ),
             spread=SpreadPolicy(router_spread_load, router_max_spread, router_contract_after),
             queue=RouterQueue(router_max_ongoing, router_hold_margin),
         )

@@ -53,6 +53,8 @@ class RouterQueue:
             raise ValueError("--router-hold-margin cannot be negative")
 
 
+KV_TRANSFER_TIMEOUT_S = 30.0  # `--kv-transfer-timeout`'s default
+
 # hot-adapter spreading (`SpreadPolicy`): the defaults measured by `bench/cluster/affinity.py`
 SPREAD_LOAD, MAX_SPREAD, CONTRACT_AFTER_S = 0.5, 4, 10.0
 
@@ -100,6 +102,9 @@ class ClusterOptions:
     # prefill/decode disaggregation (`--prefill-replicas P --decode-replicas D`, instead of `replicas`)
     prefill_replicas: int = 0
     decode_replicas: int = 0
+    # disaggregated: how long a request's KV handoff may take (the prefill's export reaching the ingress,
+    # the decode replica fetching the blocks and its engine importing them) before it is cancelled
+    kv_transfer_timeout_s: float = KV_TRANSFER_TIMEOUT_S
     spread: SpreadPolicy = field(default_factory=SpreadPolicy)
     queue: RouterQueue = field(default_factory=RouterQueue)
 
@@ -129,6 +134,8 @@ class ClusterOptions:
                 raise ValueError("--replicas (colocated) or --prefill-replicas/--decode-replicas, not both")
             if self.max_replicas is not None or self.min_replicas is not None:
                 raise ValueError("autoscaling (--min/--max-replicas) applies to colocated --replicas only")
+            if not 0 < self.kv_transfer_timeout_s <= 3600:
+                raise ValueError("--kv-transfer-timeout must be in (0, 3600] seconds")
         elif self.replicas < 1:
             raise ValueError("--replicas must be at least 1")
         if self.ingress_replicas < 1:

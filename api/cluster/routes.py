@@ -19,6 +19,10 @@ log = logging.getLogger("loraplex.cluster")
 router = APIRouter(prefix="/admin/api", tags=["admin"], responses=error_responses(401, 403, 503))
 
 
+# what a prefill or decode replica adds to its report (api/cluster/disaggregated/app.py)
+DISAGGREGATED_KEYS = ("role", "kv_exports", "kv_imports", "kv_timeouts", "prepared", "late_loads")
+
+
 @router.get("/cluster")
 async def cluster_status(state: StateDep, _: AdminActor) -> dict:
     """Per replica: id, health, in-flight requests, the active adapters it follows (name → digest), when
@@ -28,34 +32,35 @@ async def cluster_status(state: StateDep, _: AdminActor) -> dict:
     store; null with local blobs), the directory each adapter was loaded from, its start-up phases, the
     prefix-cache blocks it reports to the router, and the hot adapters it pins for the router. Beside
     them, `deployment`: the engine replicas Serve aims at now and its autoscaling config (null with a
-    fixed `--replicas`), as Serve's controller holds them (null when it did not answer)."""
+    fixed `--replicas`), as Serve's controller holds them (null when it did not answer). Disaggregated
+    (`--prefill-replicas/--decode-replicas`): each replica's `role` and its KV-transfer counters."""
     client = cast("RemoteEngineClient", state.client)  # the ingress's client (this router is cluster-only)
     await client.poll()
     out = []
     for r in client.replicas:
         stats = cast(EngineStatsMsg, decode_from_engine(r["stats"])) if r["stats"] else None
-        out.append(
-            {
-                "replica": r["replica"],
-                "healthy": r["healthy"],
-                "restarts": r["restarts"],
-                "in_flight": r["in_flight"],
-                "active": r["active"],
-                "changed_at": r.get("changed_at", {}),
-                "multiplexed_loads": r["multiplexed_loads"],
-                "lora": stats.lora if stats else None,
-                "prefix_cache": {k: stats.engine.get(f"prefix_cache_{k}", 0) for k in ("queries", "hits")}
-                if stats
-                else None,
-                "adapters": stats.adapters if stats else [],
-                "engine_pid": r.get("engine_pid"),
-                "data_dir": r.get("data_dir"),
-                "loaded_paths": r.get("loaded_paths", {}),
-                "startup_seconds": r.get("startup_seconds", {}),
-                "prefix_blocks_held": r.get("prefix_blocks_held", 0),
-                "pinned_hot": r.get("pinned_hot", []),
-            }
-        )
+        entry = {
+            "replica": r["replica"],
+            "healthy": r["healthy"],
+            "restarts": r["restarts"],
+            "in_flight": r["in_flight"],
+            "active": r["active"],
+            "changed_at": r.get("changed_at", {}),
+            "multiplexed_loads": r["multiplexed_loads"],
+            "lora": stats.lora if stats else None,
+            "prefix_cache": {k: stats.engine.get(f"prefix_cache_{k}", 0) for k in ("queries", "hits")}
+            if stats
+            else None,
+            "adapters": stats.adapters if stats else [],
+            "engine_pid": r.get("engine_pid"),
+            "data_dir": r.get("data_dir"),
+            "loaded_paths": r.get("loaded_paths", {}),
+            "startup_seconds": r.get("startup_seconds", {}),
+            "prefix_blocks_held": r.get("prefix_blocks_held", 0),
+            "pinned_hot": r.get("pinned_hot", []),
+        }
+        entry |= {k: r[k] for k in DISAGGREGATED_KEYS if k in r}  # a prefill or decode replica's own
+        out.append(entry)
     return {"replicas": sorted(out, key=lambda r: r["replica"]), "deployment": await _deployment_scale()}
 
 

@@ -1,18 +1,21 @@
 """Prefill/decode disaggregation vs colocated replicas on the same cores.
 
-    loraplex bench disagg --seconds 60 --streams 4 --long-rate 0.5 --long-tokens 1024
+    loraplex bench disagg --seconds 60 --streams 4 --long-rate 0.5 --long-tokens 1024 --runs 3
 
-One local Ray cluster per setup, each engine replica at `--threads` thread(s): "colocated" is
-`--replicas 2` (the affinity router), "disaggregated" is `--prefill-replicas 1 --decode-replicas 1`.
-The model is a random Llama (`bench.common.workload.ModelSpec`, 2,048 positions) with `--adapters`
-random rank-8 adapters. Workload, the same in both: `--streams` steady decode streams (short prompts,
-`--stream-tokens` tokens each, adapters round-robin with the base model, a new request as soon as one
-ends) plus long prompts (`--long-tokens` tokens, `--long-max-tokens` out) arriving as a Poisson process
-at `--long-rate` req/s, for `--seconds`. Driven from this process through the same engine clients the
-HTTP ingress uses (no HTTP). Reported per setup: inter-token latency p50/p99 of the steady streams, TTFT
-p50/p99 of the streams and of the long prompts, output tokens/s, and (disaggregated) the KV transfer
-time per request (`loraplex_kv_transfer_seconds`) and bytes. Greedy tokens of every long prompt are
-compared between the setups (same prompts, same seeds).
+One local Ray cluster per setup and run, the setups interleaved (colocated, disaggregated, colocated, …,
+`--runs` times each, the same workload every time), each engine replica at `--threads` thread(s):
+"colocated" is `--replicas 2` (the affinity router), "disaggregated" is `--prefill-replicas 1
+--decode-replicas 1`. The model is a random Llama (`bench.common.workload.ModelSpec`, 2,048 positions)
+with `--adapters` random rank-8 adapters. Workload, the same in both: `--streams` steady decode streams
+(short prompts, `--stream-tokens` tokens each, adapters round-robin with the base model, a new request
+as soon as one ends) plus long prompts (`--long-tokens` tokens, `--long-max-tokens` out) arriving as a
+Poisson process at `--long-rate` req/s, for `--seconds`. Driven from this process through the same
+engine clients the HTTP ingress uses (no HTTP). Reported per setup: inter-token latency p50/p99 of the
+steady streams, TTFT p50/p99 of the streams and of the long prompts, output tokens/s, and
+(disaggregated) the KV transfer time per request (`loraplex_kv_transfer_seconds`) and bytes: median and
+min–max over the runs, and the ratios disaggregated / colocated of each run's pair (ITL p99, throughput)
+against the issue's goals. Greedy tokens of every long prompt are compared between the setups of each
+run (same prompts, same seeds). `--json`: every run, the summary and the machine's load averages.
 """
 
 from __future__ import annotations
@@ -20,38 +23,29 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import socket
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench.cluster.disagg_report import (
+    SETUPS,
+    SetupResult,
+    identical_long,
+    markdown,
+    ratios,
+    summary,
+)
+
 SPEC = dict(vocab_size=2000, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4,
             num_kv_heads=2, max_position_embeddings=2048)  # fmt: skip
-
-
-@dataclass(slots=True)
-class SetupResult:
-    setup: str
-    seconds: float
-    requests: int
-    failed: int
-    output_tokens: int
-    itl_p50_ms: float
-    itl_p99_ms: float
-    ttft_stream_p50_ms: float
-    ttft_stream_p99_ms: float
-    ttft_long_p50_ms: float
-    ttft_long_p99_ms: float
-    tokens_per_s: float
-    transfer_ms_per_request: float | None = None
-    transfer_kib_per_request: float | None = None
-    long_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -59,24 +53,6 @@ def pct(xs: list[float], q: float) -> float:
         return float("nan")
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * len(s)))]
-
-
-def markdown(results: list[SetupResult]) -> str:
-    rows = [
-        "| setup | ITL p50 / p99 (ms) | TTFT streams p50 / p99 (ms) | TTFT long p50 / p99 (ms) | "
-        "output tok/s | requests (failed) | KV transfer / request |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        kv = "—"
-        if r.transfer_ms_per_request is not None:
-            kv = f"{r.transfer_ms_per_request:.1f} ms, {r.transfer_kib_per_request:.0f} KiB"
-        rows.append(
-            f"| {r.setup} | {r.itl_p50_ms:.1f} / {r.itl_p99_ms:.1f} | {r.ttft_stream_p50_ms:.0f} / "
-            f"{r.ttft_stream_p99_ms:.0f} | {r.ttft_long_p50_ms:.0f} / {r.ttft_long_p99_ms:.0f} | "
-            f"{r.tokens_per_s:.1f} | {r.requests} ({r.failed}) | {kv} |"
-        )
-    return "\n".join(rows)
 
 
 async def drive(client, adapters: list[tuple[str, str]], args: argparse.Namespace, setup: str) -> SetupResult:
@@ -152,8 +128,9 @@ async def drive(client, adapters: list[tuple[str, str]], args: argparse.Namespac
     return res
 
 
-def run_setup(setup: str, root: Path, args: argparse.Namespace) -> SetupResult:
-    """Start a local cluster with `setup`'s layout on the model and adapters under `root`; drive it."""
+def run_setup(setup: str, root: Path, args: argparse.Namespace, run: int = 0) -> SetupResult:
+    """Start a local cluster with `setup`'s layout on the model and adapters under `root`; drive it
+    (`run`: which of the `--runs` this is; each has its own registry)."""
     from api.cluster import ray_api
     from api.cluster.options import ClusterOptions
     from api.cluster.run import start_cluster
@@ -161,7 +138,7 @@ def run_setup(setup: str, root: Path, args: argparse.Namespace) -> SetupResult:
     from lora_registry import open_registry
 
     base = root / "base"
-    env = {"LORAPLEX_DATA_DIR": str(root / f"data-{setup}"), "LORAPLEX_MODEL": str(base)}
+    env = {"LORAPLEX_DATA_DIR": str(root / f"data-{setup}-{run}"), "LORAPLEX_MODEL": str(base)}
     engine = dict(device="cpu", dtype="float32", num_threads=args.threads, max_lora_rank=16,
                   num_kv_blocks=args.kv_blocks, max_num_batched_tokens=args.batched_tokens)  # fmt: skip
     settings = ServerSettings.build(str(base), env=env, engine_kwargs=engine)
@@ -183,15 +160,21 @@ def run_setup(setup: str, root: Path, args: argparse.Namespace) -> SetupResult:
         options = ClusterOptions(0, num_cpus=args.ray_num_cpus, prefill_replicas=1, decode_replicas=1)
     try:
         start_cluster(settings, options)
-        return asyncio.run(_with_client(settings, setup, adapters, args))
+        result = asyncio.run(_with_client(settings, setup, adapters, args))
     finally:
         ray_api.shutdown()
+    result.run, result.load = run, os.getloadavg()
+    print(f"run {run} {setup}: ITL p99 {result.itl_p99_ms:.1f} ms, {result.tokens_per_s:.1f} tok/s, "
+          f"{result.requests} requests ({result.failed} failed), load {result.load[0]:.1f}",
+          file=sys.stderr)  # fmt: skip
+    return result
 
 
 async def _with_client(settings, setup: str, adapters, args) -> SetupResult:
     from api.cluster.deployments import ENGINE_DEPLOYMENT
-    from api.cluster.disaggregated.app import DECODE_DEPLOYMENT, KV_TRANSFER_TIMEOUT_S, PREFILL_DEPLOYMENT
+    from api.cluster.disaggregated.app import DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT
     from api.cluster.disaggregated.client import DisaggregatedClient
+    from api.cluster.options import KV_TRANSFER_TIMEOUT_S
     from api.cluster.remote_client import RemoteEngineClient
 
     if setup == "colocated":
@@ -225,10 +208,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-blocks", type=int, default=1024)
     ap.add_argument("--batched-tokens", type=int, default=512, help="max_num_batched_tokens (prefill chunk)")
     ap.add_argument("--ray-num-cpus", type=int, default=2)
-    ap.add_argument("--setups", default="colocated,disaggregated")
+    ap.add_argument("--setups", default="colocated,disaggregated", help="comma-separated, run in this order")
+    ap.add_argument("--runs", type=int, default=1, help="runs of each setup, interleaved")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    setups = [x.strip() for x in args.setups.split(",") if x.strip()]
     if (
         args.seconds <= 0
         or args.streams < 0
@@ -236,6 +221,8 @@ def main(argv: list[str] | None = None) -> None:
         or args.long_tokens + args.long_max_tokens > 2048
     ):
         ap.error("--seconds and --long-rate must be positive, --long-tokens + --long-max-tokens <= 2048")
+    if args.runs < 1 or not setups or not set(setups) <= SETUPS:
+        ap.error(f"--runs must be at least 1 and --setups name some of {', '.join(sorted(SETUPS))}")
     from bench.common.hog import cpu_summary
     from bench.common.workload import ModelSpec, build_adapter, build_base
 
@@ -248,18 +235,23 @@ def main(argv: list[str] | None = None) -> None:
         build_base(root, spec)
         for i in range(args.adapters):
             build_adapter(root / "adapters" / f"ad{i}", spec, rank=8, seed=i + 1)
-        for setup in args.setups.split(","):
-            results.append(run_setup(setup, root, args))
-    print(cpu_summary())
+        for run in range(args.runs):  # interleaved: colocated, disaggregated, colocated, ...
+            for setup in setups:
+                results.append(run_setup(setup, root, args, run))
+    cpu = cpu_summary()
+    print(cpu)
     print(markdown(results))
-    if len(results) == 2:
-        a, b = (r.long_tokens for r in results)
-        same = [k for k in a if k in b and a[k] == b[k]]
-        print(
-            f"long prompts with identical greedy tokens in both setups: {len(same)} of {len(set(a) & set(b))}"
-        )
     if args.json:
-        args.json.write_text(json.dumps([asdict(r) for r in results], indent=2))
+        same, total = identical_long(results)
+        doc = {
+            "argv": argv if argv is not None else sys.argv[1:],
+            "cpu": cpu,
+            "summary": summary(results),
+            "ratios": ratios(results),
+            "identical_long": {"same": same, "of": total},
+            "runs": [asdict(r) for r in results],
+        }
+        args.json.write_text(json.dumps(doc, indent=2))
 
 
 if __name__ == "__main__":

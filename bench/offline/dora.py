@@ -23,15 +23,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from bench.common.workload import (
-    ModelSpec,
-    bench_env,
-    best,
-    build_adapter,
-    build_base,
-    make_prompts,
-    timed_run,
-)
+from bench.common.workload import ModelSpec, bench_env, best, build_adapter, build_base, make_prompts
+from bench.offline.interleaved import interleaved_runs
 from engine import LLM, LoRARequest, SamplingParams
 
 WIDE = ModelSpec(hidden_size=1536, intermediate_size=4096, num_layers=2, num_heads=12, num_kv_heads=4)
@@ -77,12 +70,7 @@ def run(adapters: int = 32, rank: int = 16, prompt_len: int = 32, new_tokens: in
             k: LLM(str(base), device="cpu", dtype="float32", max_loras=adapters, max_lora_rank=rank).engine
             for k in kinds
         }
-        runs: dict[str, list] = {k: [] for k in kinds}
-        for r in range(repeats + 1):  # the first round warms up (loads, plans) and is not counted
-            for kind, loras in kinds.items():
-                timing = timed_run(engines[kind], prompts, params, loras, f"{kind}{r}")
-                if r:
-                    runs[kind].append(timing)
+        runs = interleaved_runs(engines, kinds, prompts, params, repeats)
         shape = f"hidden {spec.hidden_size}, inter {spec.intermediate_size}, {spec.num_layers} layers"
         ref, lines = best(runs["plain LoRA"]), []
         ref_decode = min(x.decode_s for x in runs["plain LoRA"])

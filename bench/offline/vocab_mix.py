@@ -22,15 +22,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from bench.common.workload import (
-    ModelSpec,
-    bench_env,
-    best,
-    build_adapter,
-    build_base,
-    make_prompts,
-    timed_run,
-)
+from bench.common.workload import ModelSpec, bench_env, best, build_adapter, build_base, make_prompts
+from bench.offline.interleaved import interleaved_runs
 from engine import LLM, LoRARequest, SamplingParams
 
 
@@ -88,14 +81,8 @@ def run(requests: int = 16, prompt_len: int = 32, new_tokens: int = 16, repeats:
             ).engine
             for k in kinds
         }
-        runs: dict[str, list] = {k: [] for k in kinds}
-        for r in range(repeats + 1):  # the first round warms up (loads, plans) and is not counted
-            for kind, loras in kinds.items():
-                timing = timed_run(
-                    engines[kind], prompts, params, [loras[i % 4] for i in range(requests)], f"{kind}{r}"
-                )
-                if r:
-                    runs[kind].append(timing)
+        per_request = {k: [loras[i % 4] for i in range(requests)] for k, loras in kinds.items()}
+        runs = interleaved_runs(engines, per_request, prompts, params, repeats)
         ref = best(runs["plain LoRA"])
         lines = []
         for kind in kinds:

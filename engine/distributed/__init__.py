@@ -2,8 +2,11 @@
 
 - `group.py`: the one owner of the process group (gloo on CPU, NCCL on CUDA) and its collectives;
 - `shard.py`: what each rank holds of the model and of every adapter (Megatron-style);
+- `shard_adapters.py`: a rank's DoRA / lora_bias vectors (the row-parallel DoRA norm: one all-reduce per
+  upload);
 - `shard_model.py`: a rank's model shard, wired to the all-reduce;
-- `step_plan.py`: the typed frames rank 0 sends each step (inputs, LoRA runs, pool changes);
+- `step_plan.py`: the typed frames rank 0 sends each step (inputs, LoRA runs, pool changes), with
+  `adapter_frames.py` (an upload's side tensors) and `lora_runs.py` (a step's LoRA rows, mixes included);
 - `worker.py` / `worker_group.py`: ranks 1..N-1, and rank 0's handle on them (start, step, restart);
 - `setup.py`: rank 0's set-up from the engine's config.
 """

@@ -31,19 +31,20 @@ rank too: of every pool page (`page_rank` rank-rows), rank `r` holds rows ``[r*q
 packed projection builds the whole ``T x r`` shrink output, and the rank expands it with its rows of B
 (`engine/lora/sharded_shrink.py`). A takes 1/world of its pool memory per rank, at the price of that
 all-gather; row-parallel slices stay as in the default mode (A already split, B whole).
+
+DoRA magnitudes and lora_B biases follow B's rows (row-parallel: the bias on rank 0 only, the DoRA norm
+summed over the ranks once per upload), and the embedding side of an adapter (vocabulary LoRA,
+trainable tokens, `modules_to_save`) is applied by every rank to its replicated lookup, the LM-head side
+by rank 0 alone: `engine/distributed/shard_adapters.py`, `adapter_frames.py`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch
 
 from engine.model_config import ModelConfig
-
-if TYPE_CHECKING:
-    from engine.lora.adapter_checkpoint import AdapterCheckpoint
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # LoRA slices split by output rows
 ROW = ("o_proj", "down_proj")  # LoRA slices split by input columns
@@ -60,23 +61,6 @@ TENSOR_PARALLEL_ARCHITECTURES = (
     "Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration",
 )
-
-
-def unsharded_adapter_kind(ckpt: AdapterCheckpoint) -> str | None:
-    """Why the adapter `ckpt` cannot be served under tensor parallel (kinds whose extra tensors are not
-    sharded: DoRA, lora_bias, embed_tokens / lm_head LoRA, trainable tokens, modules_to_save), or None."""
-    kinds = [
-        name
-        for name, present in (
-            ("DoRA", ckpt.use_dora),
-            ("lora_bias", ckpt.lora_bias),
-            ("embed_tokens/lm_head LoRA", bool(ckpt.vocab)),
-            ("trainable_token_indices", bool(ckpt.tokens)),
-            ("modules_to_save", bool(ckpt.saved)),
-        )
-        if present
-    ]
-    return f"{', '.join(kinds)} adapters are not supported under tensor parallel" if kinds else None
 
 
 class TensorParallelError(ValueError):

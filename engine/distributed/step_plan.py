@@ -3,21 +3,25 @@
 A frame is ``[kind, n, (dtype code, ndim, shape...) * n]`` as int64, then each array's raw bytes. Kinds:
 
 - `STEP`: one forward pass. Arrays: input_ids [T], positions [T], slot_mapping [T] (int64),
-  block_tables [B, M] (int32), seq_lens [B], query_starts [B+1], [num_decodes] (int64), and the LoRA
-  runs [S, 3] = (first row, end row, pool slot) of the rows that use an adapter (S = 0: none).
+  block_tables [B, M] (int32), seq_lens [B], query_starts [B+1], [num_decodes] (int64), the LoRA
+  runs [S, 4] = (first row, end row, pool slot, mix position) of the rows that use an adapter (S = 0:
+  none) and their weights [S] (float64; `engine/distributed/lora_runs.py`).
 - `UPLOAD`: write an adapter into the pool. Arrays: digest (uint8, ASCII), [slot], pages per module
   [7] then the page ids, per adapted (layer, module) its [layer, module index, rank] (int64 [W, 3]) and
-  scaling (float64 [W]), then A and B of each, float32.
+  scaling (float64 [W]), then A and B of each, float32, then the adapter's side tensors (DoRA
+  magnitudes, lora_B biases, its embedding side: `engine/distributed/adapter_frames.py`).
 - `EVICT`: digest. `STOP`: no arrays.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from engine.distributed.adapter_frames import decode_side, encode_side
 from engine.lora.adapter_checkpoint import PROJECTIONS, AdapterCheckpoint, LoRAModuleWeights
 from engine.step_inputs import StepInputs
 
@@ -57,11 +61,14 @@ class WorkerStep:
     """A decoded `STEP`: the forward inputs (no logits rows: only rank 0 samples) and the LoRA runs."""
 
     inputs: StepInputs
-    lora_runs: np.ndarray  # [S, 3] (start, end, slot)
+    lora_runs: np.ndarray  # [S, 4] (start, end, slot, mix position)
+    lora_weights: np.ndarray  # [S] float64: each run's weight
 
 
-def encode_step(inp: StepInputs, lora_runs: list[tuple[int, int, int]]) -> bytes:
-    runs = np.asarray(lora_runs, dtype=np.int64).reshape(-1, 3)
+def encode_step(inp: StepInputs, lora_runs: Sequence[tuple[int, int, int, int, float]]) -> bytes:
+    """`lora_runs`: (start, end, slot, mix position, weight) per run (`lora_runs.step_lora_runs`)."""
+    runs = np.asarray([r[:4] for r in lora_runs], dtype=np.int64).reshape(-1, 4)
+    weights = np.asarray([r[4] for r in lora_runs], dtype=np.float64)
     return encode(
         STEP,
         [
@@ -73,12 +80,13 @@ def encode_step(inp: StepInputs, lora_runs: list[tuple[int, int, int]]) -> bytes
             np.asarray(inp.query_starts, dtype=np.int64),
             np.asarray([inp.num_decodes], dtype=np.int64),
             runs,
+            weights,
         ],
     )
 
 
 def decode_step(arrays: list[np.ndarray]) -> WorkerStep:
-    ids, pos, slots, tables, seq_lens, starts, nd, runs = arrays
+    ids, pos, slots, tables, seq_lens, starts, nd, runs, weights = arrays
     inp = StepInputs(
         input_ids=ids.tolist(),
         positions=pos,
@@ -89,7 +97,7 @@ def decode_step(arrays: list[np.ndarray]) -> WorkerStep:
         logits_rows=[],
         num_decodes=int(nd[0]),
     )
-    return WorkerStep(inp, runs)
+    return WorkerStep(inp, runs, weights)
 
 
 def _digest(d: str) -> np.ndarray:
@@ -114,13 +122,15 @@ def encode_upload(ckpt: AdapterCheckpoint, slot: int, pages: list[list[int]]) ->
             meta,
             np.asarray([w.scaling for w in mods], dtype=np.float64),
             *weights,
+            *encode_side(ckpt, mods),
         ],
     )
 
 
 def decode_upload(arrays: list[np.ndarray]) -> tuple[AdapterCheckpoint, int, list[list[int]]]:
     """(the adapter, with the weights it had on rank 0, as float32; its slot; its pages per module)."""
-    digest, slot, counts, flat, meta, scalings, *weights = arrays
+    digest, slot, counts, flat, meta, scalings, *rest = arrays
+    weights, side = rest[: 2 * len(meta)], rest[2 * len(meta) :]
     pages, at = [], 0
     for n in counts.tolist():
         pages.append(flat[at : at + n].tolist())
@@ -139,7 +149,7 @@ def decode_upload(arrays: list[np.ndarray]) -> tuple[AdapterCheckpoint, int, lis
         base_model_name=None,
         modules=tuple(modules),
     )
-    return ckpt, int(slot[0]), pages
+    return decode_side(side, ckpt), int(slot[0]), pages
 
 
 def encode_evict(digest: str) -> bytes:

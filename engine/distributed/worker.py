@@ -1,10 +1,11 @@
 """A tensor-parallel worker process (ranks 1..N-1): its model shard, KV cache (its heads) and adapter pool.
 
 It loads its shard, reports ready on its pipe, joins the process group, and then runs what rank 0 sends
-(`engine/distributed/step_plan.py`): pool uploads and evictions at the slots and pages rank 0 chose, and
-forward passes, whose all-reduces meet rank 0's. It computes no logits and samples nothing. Any failure
-ends the process, which closes its sockets, so rank 0's next collective fails at once; a closed pipe
-(rank 0 gone) ends it too.
+(`engine/distributed/step_plan.py`): pool uploads (with DoRA, lora_bias and embedding-side tensors) and
+evictions at the slots and pages rank 0 chose, and forward passes (plain, DoRA and mixed adapter rows),
+whose all-reduces meet rank 0's. It computes no logits and samples nothing. Any failure ends the
+process, which closes its sockets, so rank 0's next collective fails at once; a closed pipe (rank 0
+gone) ends it too.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from engine.engine_config import EngineConfig
 
 if TYPE_CHECKING:
     from engine.distributed.group import ProcessGroup
-    from engine.lora.pool import AdapterPool, ResidentAdapter
+    from engine.lora.pool import AdapterPool
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ class _Worker:
     def allocate(self, num_kv_blocks: int, lora_backend: str | None) -> None:
         """This rank's KV cache (its heads, rank 0's block count) and adapter pool (rank 0's layout;
         `lora_backend` None: LoRA disabled)."""
+        from engine.lora.dora import ProjectionBaseWeights
         from engine.lora.pool import AdapterPool
         from engine.model_config import resolve_lora_dtype
 
@@ -121,9 +123,10 @@ class _Worker:
                 cfg.max_lora_rank,
                 resolve_lora_dtype(self.spec.lora_dtype, self.dtype),
                 self.device,
-                None,
+                ProjectionBaseWeights(self.model),  # this shard's weights, for DoRA norms
                 self.shard,
             )
+            self.pool.all_reduce = self._all_reduce
             if self.shard.fully_sharded:
                 self.pool.all_gather = self._all_gather
 
@@ -156,6 +159,7 @@ class _Worker:
                 assert self.pool is not None, "uploads only come with LoRA enabled"
                 ckpt, slot, pages = sp.decode_upload(arrays)
                 self.pool.place(ckpt, slot, pages)
+                self.pool.finish_upload(ckpt)  # with rank 0's (`WorkerGroup._send_upload`)
             elif kind == sp.EVICT:
                 assert self.pool is not None, "evictions only come with LoRA enabled"
                 self.pool.evict(sp.decode_evict(arrays))
@@ -164,27 +168,16 @@ class _Worker:
 
     @torch.inference_mode()
     def _step(self, step) -> None:
-        from engine.lora.residency import lora_context
+        from engine.distributed.lora_runs import worker_lora_context
         from engine.step_inputs import to_forward_batch
 
         lora = None
         if len(step.lora_runs):
             assert self.pool is not None, "LoRA runs only come with LoRA enabled"
             assert self.lora_backend is not None, "set with the pool"
-            by_slot = {r.slot: r for r in self.pool.resident.values()}
-            counts: list[int] = []
-            adapters: list[ResidentAdapter | None] = []
-            row = 0
-            for start, end, slot in step.lora_runs.tolist():
-                if start > row:
-                    counts.append(start - row)
-                    adapters.append(None)
-                counts.append(end - start)
-                adapters.append(by_slot[slot])
-                row = end
-            if row < step.inputs.num_tokens:
-                counts.append(step.inputs.num_tokens - row)
-                adapters.append(None)
-            lora = lora_context(self.pool, self.lora_backend, counts, adapters)
+            n = step.inputs.num_tokens
+            lora = worker_lora_context(
+                self.pool, self.lora_backend, step.lora_runs, step.lora_weights, n, self.device
+            )
         batch = to_forward_batch(step.inputs, lora, self.device)
         self.model(batch, self.kv_layers, self.backend)

@@ -6,7 +6,8 @@ its own shard of the model. The group starts ranks 1..N-1 (`engine/distributed/w
 threads), and per step:
 
 1. `flush_pool()` sends the adapter pool's journal (uploads at rank 0's slots and pages, evictions), so
-   every rank holds its slice of the same digests in the same slots;
+   every rank holds its slice of the same digests in the same slots (an upload with DoRA on o/down then
+   takes one all-reduce of partial norms, `engine/distributed/shard_adapters.py`);
 2. `send_step(inputs, lora_runs)` sends the step's flat inputs (`engine/distributed/step_plan.py`);
 3. rank 0 runs its forward; the row-parallel all-reduces meet the workers'; rank 0 samples.
 
@@ -33,6 +34,7 @@ import torch
 from engine.distributed import step_plan as sp
 from engine.distributed.channel import Channel
 from engine.distributed.group import CollectiveError, ProcessGroup, free_port
+from engine.distributed.lora_runs import LoRARun, step_lora_runs
 from engine.distributed.worker import WorkerSpec
 from engine.engine_config import EngineConfig
 from engine.lora.adapter_checkpoint import AdapterCheckpoint
@@ -125,7 +127,14 @@ class WorkerGroup:
                 self._listener.close()
                 self._listener = None
         for ckpt, slot, pages in self._resident.values():  # a restart: the pool as it was
-            self._send(sp.encode_upload(ckpt, slot, pages))
+            self._send_upload(ckpt, slot, pages)
+
+    def _send_upload(self, ckpt: AdapterCheckpoint, slot: int, pages: list[list[int]]) -> None:
+        """Send one upload; then the all-reduce its DoRA norms may take, which every worker runs as it
+        places the adapter (`AdapterPool.finish_upload`)."""
+        self._send(sp.encode_upload(ckpt, slot, pages))
+        if self.pool is not None:
+            self.pool.finish_upload(ckpt)
 
     def _accept(self, listener: socket.socket) -> list[Channel]:
         """Each worker's channel, in rank order (it names its rank first)."""
@@ -234,7 +243,7 @@ class WorkerGroup:
         """Send the pool's uploads and evictions since the last step, in order."""
         for op in self._take_journal():
             if op[0] == "upload":
-                self._send(sp.encode_upload(*op[1:]))
+                self._send_upload(*op[1:])
             else:
                 self._send(sp.encode_evict(op[1]))
 
@@ -251,23 +260,12 @@ class WorkerGroup:
                 self._resident.pop(op[1], None)
         return ops
 
-    def lora_runs(self, items: Sequence[ScheduledSequence]) -> list[tuple[int, int, int]]:
-        """(first row, end row, pool slot) of the flat batch's rows that use an adapter, for `items` in
-        flat-batch order."""
-        runs: list[tuple[int, int, int]] = []
-        row = 0
-        for it in items:
-            key, n = it.seq.lora_key, it.num_tokens
-            if key is not None and self.pool is not None:
-                slot = self.pool.resident[key].slot
-                if runs and runs[-1][2] == slot and runs[-1][1] == row:
-                    runs[-1] = (runs[-1][0], row + n, slot)
-                else:
-                    runs.append((row, row + n, slot))
-            row += n
-        return runs
+    def lora_runs(self, items: Sequence[ScheduledSequence]) -> list[LoRARun]:
+        """(first row, end row, pool slot, mix position, weight) of the flat batch's rows that use an
+        adapter, for `items` in flat-batch order (`engine/distributed/lora_runs.py`)."""
+        return step_lora_runs(self.pool, items) if self.pool is not None else []
 
-    def send_step(self, inputs: StepInputs, lora_runs: list[tuple[int, int, int]]) -> None:
+    def send_step(self, inputs: StepInputs, lora_runs: list[LoRARun]) -> None:
         """Send one forward pass to every worker (after the pool's pending changes)."""
         self.flush_pool()
         self._send(sp.encode_step(inputs, lora_runs))

@@ -49,20 +49,30 @@ class BaseWeights(Protocol):
         ...
 
 
-def dora_weight_norm(w: LoRAModuleWeights, base: BaseWeights) -> torch.Tensor:
-    """float32 [out]: ‖W + s·B·A‖ per output row of the slice (PEFT's DoRA weight norm), host side."""
+def dora_sq_norm(w: LoRAModuleWeights, base: BaseWeights) -> torch.Tensor:
+    """float32 [out]: ‖W + s·B·A‖² per output row of the slice, by the expansion of the module docstring,
+    host side. Every term is a sum over the input columns, so for a slice whose columns are split over
+    tensor-parallel ranks (o, down: each rank's W and A columns) the ranks' results sum to the whole."""
     assert w.lora_a is not None and w.lora_b is not None, "the DoRA norm needs the adapter's weights"
     a, b = w.lora_a.float().cpu(), w.lora_b.float().cpu()
     g = base.times_weight_t(w.layer, w.module, a)  # [r, out]
     cross = (b * g.T).sum(1)
     lora_sq = ((b @ (a @ a.T)) * b).sum(1)
-    sq = base.row_sq_norms(w.layer, w.module) + 2 * w.scaling * cross + w.scaling**2 * lora_sq
-    return sq.clamp_min(0).sqrt()
+    return base.row_sq_norms(w.layer, w.module) + 2 * w.scaling * cross + w.scaling**2 * lora_sq
 
 
-def row_epilogue(w: LoRAModuleWeights, base: BaseWeights | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+def dora_weight_norm(w: LoRAModuleWeights, base: BaseWeights) -> torch.Tensor:
+    """float32 [out]: ‖W + s·B·A‖ per output row of the slice (PEFT's DoRA weight norm), host side."""
+    return dora_sq_norm(w, base).clamp_min(0).sqrt()
+
+
+def row_epilogue(
+    w: LoRAModuleWeights, base: BaseWeights | None, norm: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(f, c), float32 [out] each on the host, such that `y ⊙ f + c` turns the LoRA pass's rows of this
-    slice into PEFT's output (see the module docstring); None for a plain LoRA slice (nothing to do)."""
+    slice into PEFT's output (see the module docstring); None for a plain LoRA slice (nothing to do).
+    `norm`: the DoRA weight norm when the caller has it (tensor parallel sums it over the ranks), else it
+    is computed from `base`."""
     if w.magnitude is None and w.bias_b is None:
         return None
     out = w.lora_b.shape[0] if w.lora_b is not None else 0
@@ -71,7 +81,7 @@ def row_epilogue(w: LoRAModuleWeights, base: BaseWeights | None) -> tuple[torch.
         return torch.ones(out), c
     if base is None:
         raise ValueError("a DoRA adapter needs the base weights (the pool was made without them)")
-    f = w.magnitude.float().cpu() / dora_weight_norm(w, base)
+    f = w.magnitude.float().cpu() / (dora_weight_norm(w, base) if norm is None else norm)
     c = f * c
     b0 = base.bias(w.layer, w.module)
     if b0 is not None:

@@ -58,6 +58,12 @@ class EpilogueStore:
             store[:, :, slot] = t.to(self.device)
         return slot
 
+    def write(self, slot: int, m: int, layer: int, f: torch.Tensor, c: torch.Tensor) -> None:
+        """Set slot `slot`'s (f, c) of module index `m` at `layer` (the module already has vectors)."""
+        store = self.vec[m]
+        assert store is not None, "the slot's adapter stored this module's vectors"
+        store[layer, 0, slot], store[layer, 1, slot] = f.to(self.device), c.to(self.device)
+
     def remove(self, slot: int) -> None:
         """Reset an evicted adapter's slot to the identity and free it."""
         for t in self.vec:

@@ -70,7 +70,7 @@ class AdapterLoader:
         self._held: dict[str, HeldAdapterFiles] = {}  # digest -> its files, opened for waiting requests
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
-        # why this engine cannot serve a valid adapter (e.g. a kind tensor parallel does not shard), or None
+        # why this engine cannot serve a valid adapter, or None (a hook for engines with such limits)
         self.refuse: Callable[[AdapterCheckpoint], str | None] | None = None
 
     # ---- identity ---------------------------------------------------------------------------------

@@ -126,10 +126,6 @@ class LoRAManager:
         loader = AdapterLoader(
             model, max_lora_rank, pin_memory=device.type == "cuda", check=pool.check_side_budget
         )
-        if shard is not None:
-            from engine.distributed.shard import unsharded_adapter_kind
-
-            loader.refuse = unsharded_adapter_kind
         return cls(loader, AdapterResidency(pool, cpu, chosen, device))
 
     @property

@@ -29,9 +29,11 @@ An adapter with LoRA on embed_tokens / lm_head, or trainable tokens, keeps its d
 dropped on eviction.
 
 Under tensor parallel each rank has its own pool over its shard's widths (`cfg` is the rank's local
-config) and `shard` cuts every adapter to the rank's part (`engine/distributed/shard.py`). Rank 0 decides
-slots and pages; with `journal` set, its pool records every upload and eviction, which the worker group
-replays on the other ranks with `place` at the same slot and pages.
+config) and `shard` cuts every adapter to the rank's part (`engine/distributed/shard.py`; its epilogue
+vectors: `engine/distributed/shard_adapters.py`). Rank 0 decides slots and pages; with `journal` set, its
+pool records every upload and eviction, which the worker group replays on the other ranks with `place`
+at the same slot and pages, each followed on every rank by `finish_upload` (the one all-reduce of a
+row-parallel DoRA norm, when the adapter has one).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.distributed.shard_adapters import finish_row_norms, needs_norm_reduce, rank_epilogues
 from engine.lora.adapter_checkpoint import PROJECTIONS, AdapterCheckpoint, module_features
 from engine.lora.dora import BaseWeights, row_epilogue
 from engine.lora.epilogue import EpilogueStore
@@ -104,6 +107,8 @@ class AdapterPool:
         self.shard = shard  # tensor parallel: this rank's part of each adapter (None: all of it)
         # fully-sharded tensor parallel: the group's all-gather (`engine/lora/sharded_shrink.py`)
         self.all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # tensor parallel: the group's all-reduce, for row-parallel DoRA norms (`finish_upload`)
+        self.all_reduce: Callable[[torch.Tensor], None] | None = None
         # rank 0 under tensor parallel: ("upload", ckpt, slot, pages) / ("evict", digest) in order
         self.journal: list[tuple] | None = None
         layers = cfg.num_layers
@@ -185,9 +190,6 @@ class AdapterPool:
     def place(self, ckpt: AdapterCheckpoint, slot: int, pages: list[list[int]]) -> ResidentAdapter:
         """Copy an adapter's weights (this rank's part of them) into the free `pages` (per module) and
         give it the free `slot`: `upload`'s choice, or on another tensor-parallel rank rank 0's."""
-        assert self.shard is None or not (ckpt.use_dora or ckpt.lora_bias or ckpt.vocab), (
-            "the loader refuses adapter kinds tensor parallel does not shard"
-        )
         self.step_cache.clear()
         self._free_slots.remove(slot)
         for m, plist in enumerate(pages):
@@ -254,6 +256,9 @@ class AdapterPool:
             return {}
         if "epilogue" in ckpt.derived:
             return ckpt.derived["epilogue"]
+        if self.shard is not None:  # this rank's part (row-parallel DoRA rows: `finish_upload`)
+            ckpt.derived["epilogue"] = rank_epilogues(ckpt, self.cfg.num_layers, self.base, self.shard)
+            return ckpt.derived["epilogue"]
         host: dict[int, torch.Tensor] = {}
         for w in ckpt.modules:
             fc = row_epilogue(w, self.base)
@@ -266,6 +271,17 @@ class AdapterPool:
             host[m][w.layer, 0], host[m][w.layer, 1] = fc
         ckpt.derived["epilogue"] = host
         return host
+
+    def finish_upload(self, ckpt: AdapterCheckpoint) -> None:
+        """Under tensor parallel, after `ckpt`'s upload reached every rank: the one all-reduce that
+        completes its row-parallel DoRA norms (`engine/distributed/shard_adapters.py`), on every rank in
+        the same order; nothing for other adapters or at one rank."""
+        if not needs_norm_reduce(self.shard, ckpt):
+            return
+        assert self.shard is not None and self.all_reduce is not None, "a tensor-parallel pool has both"
+        entry = self.resident.get(ckpt.digest)
+        slot = entry.epi_slot if entry is not None else None
+        finish_row_norms(ckpt, self.base, self.shard, self.all_reduce, self.device, self.epilogues, slot)
 
     def evict(self, digest: str) -> None:
         """Return an adapter's pages and slot to the free lists (its weights are no longer served)."""

@@ -90,10 +90,7 @@ class AdapterResidency:
         rows = [self._members(it) for it in items]
         if not any(rows):
             return None
-        counts = [it.num_tokens for it in items]
-        if needs_mix(rows):
-            return mixed_context(counts, rows, self._pass_context, self.device)
-        return self._pass_context(counts, [r[0][0] if r else None for r in rows], 0)
+        return rows_context(self.pool, self.backend, [it.num_tokens for it in items], rows, self.device)
 
     def _members(self, it: ScheduledSequence) -> list[Member]:
         """The resident adapters a scheduled sequence's rows apply, with their weights (stamped used)."""
@@ -113,12 +110,25 @@ class AdapterResidency:
             out.append((res, weight))
         return out
 
-    def _pass_context(
-        self, counts: list[int], adapters: list[ResidentAdapter | None], k: int
-    ) -> LoRAStepContext:
-        """An ordinary LoRA context: item i's `counts[i]` rows on `adapters[i]` (None: no adapter);
-        `k`: the mix position it computes (0: each row's first or only adapter)."""
-        return lora_context(self.pool, self.backend, counts, adapters, tag=f"#{k}" if k else "")
+
+def rows_context(
+    pool: AdapterPool,
+    backend: str,
+    counts: Sequence[int],
+    rows: Sequence[Sequence[Member]],
+    device: torch.device,
+) -> LoRAStepContext:
+    """The step context of flat-batch items of `counts[i]` rows applying the members `rows[i]` ((adapter,
+    weight), in mix order; empty: the base model): one ordinary context, or one pass per mix position
+    when some row mixes (`engine/lora/mix.py`). Tensor-parallel workers build theirs with it too."""
+
+    def make(counts: list[int], adapters: list[ResidentAdapter | None], k: int) -> LoRAStepContext:
+        # pass k of a mix (0: each row's first or only adapter)
+        return lora_context(pool, backend, counts, adapters, tag=f"#{k}" if k else "")
+
+    if needs_mix(rows):
+        return mixed_context(counts, rows, make, device)
+    return make(list(counts), [r[0][0] if r else None for r in rows], 0)
 
 
 def lora_context(

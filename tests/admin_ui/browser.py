@@ -72,9 +72,9 @@ def label_sits_with_input(label: list[float], field: list[float], stacked: bool)
 
 
 @contextmanager
-def chromium_page(base_url: str, viewport: dict | None = None, timeout_ms: int = 30_000) -> Iterator:
-    """A page of a fresh headless Chromium on `base_url` (for tests outside this package, which have no
-    `browser` fixture); skipped (or failed under CI) like the UI tests when Chromium is missing."""
+def chromium() -> Iterator:
+    """A fresh headless Chromium (Playwright `Browser`), closed afterwards; skipped (or failed under CI)
+    when Chromium or the playwright package is missing."""
     require(CHROMIUM.exists(), f"{CHROMIUM} is missing: apt-get install -y chromium")
     try:
         from playwright.sync_api import sync_playwright
@@ -84,12 +84,20 @@ def chromium_page(base_url: str, viewport: dict | None = None, timeout_ms: int =
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
         try:
-            size = viewport or {"width": 1280, "height": 860}
-            context = browser.new_context(viewport=size, base_url=base_url)
-            context.set_default_timeout(timeout_ms)
-            yield context.new_page()
+            yield browser
         finally:
             browser.close()
+
+
+@contextmanager
+def chromium_page(base_url: str, viewport: dict | None = None, timeout_ms: int = 30_000) -> Iterator:
+    """A page of a fresh headless Chromium on `base_url` (for tests outside this package, which have no
+    `browser` fixture); skipped (or failed under CI) like the UI tests when Chromium is missing."""
+    with chromium() as browser:
+        size = viewport or {"width": 1280, "height": 860}
+        context = browser.new_context(viewport=size, base_url=base_url)
+        context.set_default_timeout(timeout_ms)
+        yield context.new_page()
 
 
 def log_in(page, token: str, path: str = "/admin") -> None:

@@ -16,13 +16,11 @@ import pytest
 
 from tests.admin_ui.browser import (
     CHART_VIEW_JS,
-    CHROMIUM,
-    CHROMIUM_ARGS,
     CLIPPED_JS,
     LABEL_BOXES_JS,
     PAGE_WIDTH_JS,
+    chromium,
     label_sits_with_input,
-    require,
     screenshot_dir,
 )
 from tests.admin_ui.conftest import LONG_MODULE, PRELOADED, UPLOADED, start_ui_server
@@ -44,16 +42,8 @@ def server(ui_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser():
-    require(CHROMIUM.exists(), f"{CHROMIUM} is missing: apt-get install -y chromium")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        require(False, "the playwright package is not installed")
-        raise
-    with sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+    with chromium() as b:
         yield b
-        b.close()
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """The engine process's side of disaggregation, over its real ZeroMQ protocol (no Ray): a prefill-only
 `AddRequest` ends with the first token and the KV export; an `ImportRequest` on another engine process
 continues it, giving the tokens one engine gives (base model and a structured-output request whose
-grammar compiles in the engine's worker thread); a malformed export is refused with 400."""
+grammar compiles in the engine's worker thread), after an acknowledgement of the import; a malformed
+export is refused with 400."""
 
 from __future__ import annotations
 
@@ -49,9 +50,13 @@ def test_prefill_export_then_import_in_another_engine_process(text_model) -> Non
                 assert last.finish_reason == KV_TRANSFER_FINISH and last.kv_export and len(first) == 1
                 rest, rdeltas = await _collect(dec.import_generate(rid, last.kv_export))
                 assert first + rest == want, rid
+                # the engine acknowledges the import (it holds the request and its blocks) before any token
+                assert rdeltas[0].imported and not rdeltas[0].token_ids and rdeltas[0].finish_reason is None
+                assert not any(d.imported for d in rdeltas[1:])
                 assert rdeltas[-1].finish_reason in ("stop", "length")
             _, bad = await _collect(dec.import_generate("bad", b"not an export"))
             assert bad[-1].finish_reason == "error" and bad[-1].error_status == 400
+            assert not any(d.imported for d in bad)  # refused: never acknowledged
             await asyncio.sleep(1.2)  # a stats message after the last request
             for c in (pre, dec):
                 assert c.stats is not None and c.stats.engine["kv_blocks_used"] == 0

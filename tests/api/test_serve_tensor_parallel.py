@@ -1,7 +1,8 @@
 """A real server with `tensor_parallel_size=2` (gloo, two ranks on the CPU), driven by the openai client.
 
 Its greedy answers for the base model and each adapter equal HF + PEFT's (as the TP=1 server's do,
-tests/api/test_server_openai.py); structured output and n > 1 work as at TP=1. kill -9 of the worker
+tests/api/test_server_openai.py), and so do a weighted mix's (the `adapters` extension); structured
+output and n > 1 work as at TP=1. kill -9 of the worker
 rank mid-stream ends the stream with the retryable SSE error within seconds, `/health` says unhealthy
 until the engine and its group are back, and the answers afterwards are right again.
 """
@@ -21,6 +22,7 @@ from transformers import AutoTokenizer
 
 from tests.api.conftest import SERVED_ADAPTERS
 from tests.helpers.live_server import wait_until
+from tests.helpers.peft_batch import build_weighted_cat
 from tests.helpers.served import serve_text_model
 
 pytestmark = pytest.mark.slow  # a live server
@@ -74,6 +76,26 @@ def worker_pids(engine_pid: int) -> list[int]:
 
 def test_answers_equal_peft(server, text_model, tok):
     check_answers(server, text_model, tok)
+
+
+def test_weighted_mix_under_tp_equals_peft_cat(server, text_model, tok, tmp_path):
+    """The `adapters` extension (a weighted mix of two served adapters of ranks 4 and 8) under TP=2:
+    PEFT's `add_weighted_adapter(cat)` tokens."""
+    base, adapters, oracle = text_model
+    a, b = SERVED_ADAPTERS[:2]
+    cat = build_weighted_cat(base, adapters, [(a, 0.7), (b, -0.3)], tmp_path / "cat")
+    r = client(server).completions.create(
+        model=server.state.settings.served_model_name,
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0,
+        extra_body={
+            "ignore_eos": True,
+            "adapters": [{"name": a, "weight": 0.7}, {"name": b, "weight": -0.3}],
+        },
+    )
+    want = oracle.greedy(tok.encode(PROMPT), 8, cat)
+    assert r.choices[0].text == tok.decode(want, skip_special_tokens=True)  # as the server detokenizes
 
 
 def test_structured_output_and_n2_under_tp(server):

@@ -10,21 +10,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LoRARequest, SamplingParams
 from engine.lora.adapter_checkpoint import inspect_adapter
 from engine.lora.dora import ProjectionBaseWeights, dora_weight_norm
 from engine.model.loader import load_model
 from engine.model_config import ModelConfig
+from tests.engine.peft_cases import PLAIN_R4, build_cases, check_greedy, triton_llm_replaying_plain_lora
 from tests.helpers.peft_batch import check_mixed_batch, cpu_llm
-from tests.helpers.tiny_adapters import PeftGreedyOracle, build_adapter
 
 pytestmark = pytest.mark.slow  # the PEFT oracle on tiny models
 
 ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+DORA_R4 = dict(r=4, lora_alpha=8, target_modules=ALL7, use_dora=True)
 SPECS = {
     "llama": {
-        "plain-r4": dict(r=4, lora_alpha=8, target_modules="all-linear"),
-        "dora-r4": dict(r=4, lora_alpha=8, target_modules=ALL7, use_dora=True),
+        "plain-r4": PLAIN_R4,
+        "dora-r4": DORA_R4,
         "dora-r8-rslora": dict(
             r=8,
             lora_alpha=16,
@@ -34,20 +34,20 @@ SPECS = {
         ),
     },
     "qwen2": {  # lora_bias needs a base bias (PEFT): Qwen2's q/k/v have one
-        "plain-r4": dict(r=4, lora_alpha=8, target_modules="all-linear"),
-        "dora-r4": dict(r=4, lora_alpha=8, target_modules=ALL7, use_dora=True),
+        "plain-r4": PLAIN_R4,
+        "dora-r4": DORA_R4,
         "bias-r8": dict(r=8, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"], lora_bias=True),
     },
     "granite": {
-        "plain-r4": dict(r=4, lora_alpha=8, target_modules="all-linear"),
-        "dora-r4": dict(r=4, lora_alpha=8, target_modules=ALL7, use_dora=True),
+        "plain-r4": PLAIN_R4,
+        "dora-r4": DORA_R4,
     },
     "gemma2": {
-        "plain-r4": dict(r=4, lora_alpha=8, target_modules="all-linear"),
-        "dora-r4": dict(r=4, lora_alpha=8, target_modules=ALL7, use_dora=True),
+        "plain-r4": PLAIN_R4,
+        "dora-r4": DORA_R4,
     },
     "phi3": {
-        "plain-r4": dict(r=4, lora_alpha=8, target_modules="all-linear"),
+        "plain-r4": PLAIN_R4,
         "dora-fused-r4": dict(r=4, lora_alpha=8, target_modules="all-linear", use_dora=True),
     },
 }
@@ -56,13 +56,7 @@ SPECS = {
 @pytest.fixture(scope="module")
 def adapters(checkpoint, tmp_path_factory):
     """Per family: (base dir, {name: adapter dir}, PEFT oracle); magnitudes and B are random."""
-    out = {}
-    for arch, specs in SPECS.items():
-        base = checkpoint(arch)
-        root = tmp_path_factory.mktemp(f"dora_{arch}")
-        dirs = {n: build_adapter(base, root / n, seed=10 + i, **s) for i, (n, s) in enumerate(specs.items())}
-        out[arch] = (base, dirs, PeftGreedyOracle(base))
-    return out
+    return build_cases(checkpoint, tmp_path_factory, SPECS, "dora", seed=10)
 
 
 @pytest.mark.parametrize(
@@ -132,33 +126,18 @@ def test_triton_path_applies_dora_after_the_expand(adapters):
     base, dirs, oracle = adapters["qwen2"]
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [40, 41, 42, 43, 44], [7] * 9]
     names = ["dora-r4", None, "plain-r4", "bias-r8"]
-    loras = [LoRARequest(n, str(dirs[n])) if n else None for n in names]
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     llm = cpu_llm(base, attention_backend="triton", lora_backend="triton", max_num_batched_tokens=12)
-    outs = llm.generate(prompts, params, lora_request=loras)
-    for prompt, name, out in zip(prompts, names, outs, strict=True):
-        assert out.outputs[0].token_ids == oracle.greedy(prompt, 4, dirs[name] if name else None), name
+    check_greedy(llm, dirs, oracle, prompts, names, 4)
 
 
 def test_decode_graphs_leave_dora_steps_eager(adapters):
     """With decode graphs on, steps that carry DoRA / lora_bias rows run eagerly (their epilogue indexes
     the step's rows) and still equal PEFT; plain-LoRA decode steps still replay graphs."""
-    from engine.decode_graphs import EagerReplay
-
     base, dirs, oracle = adapters["qwen2"]
-    llm = cpu_llm(base, attention_backend="triton", lora_backend="triton")
-    eng = llm.engine
-    eng.runner.use_decode_graphs(EagerReplay(), eng.lora.pool, max_batch=8)
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    plain = llm.generate([[5, 6, 7]], params, lora_request=[LoRARequest("plain-r4", str(dirs["plain-r4"]))])
-    assert eng.runner.graphs is not None and any(lo for _, lo in eng.runner.graphs.captured)
-    assert plain[0].outputs[0].token_ids == oracle.greedy([5, 6, 7], 4, dirs["plain-r4"])
+    llm = triton_llm_replaying_plain_lora(base, dirs, oracle)
     names = ["dora-r4", "plain-r4", None, "bias-r8"]
     prompts = [[9, 10, 11, 12], [13, 14], [15, 16, 17], [18, 19, 20, 21, 22]]
-    loras = [LoRARequest(n, str(dirs[n])) if n else None for n in names]
-    outs = llm.generate(prompts, params, lora_request=loras)
-    for prompt, name, out in zip(prompts, names, outs, strict=True):
-        assert out.outputs[0].token_ids == oracle.greedy(prompt, 4, dirs[name] if name else None), name
+    check_greedy(llm, dirs, oracle, prompts, names, 4)
 
 
 @pytest.mark.parametrize("backend", ["native", "torch"])
@@ -169,9 +148,5 @@ def test_speculative_decoding_with_dora_matches_peft(backend, adapters):
     llm = cpu_llm(base, lora_backend=backend, speculative="ngram", num_speculative_tokens=3)
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 9, 10, 9, 10], [3, 4, 3, 4, 3]]
     names = ["dora-r4", "dora-r8-rslora", None]
-    loras = [LoRARequest(n, str(dirs[n])) if n else None for n in names]
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    outs = llm.generate(prompts, params, lora_request=loras)
-    for prompt, name, out in zip(prompts, names, outs, strict=True):
-        assert out.outputs[0].token_ids == oracle.greedy(prompt, 8, dirs[name] if name else None), name
+    check_greedy(llm, dirs, oracle, prompts, names, 8)
     assert llm.engine.get_stats().spec_proposed_tokens > 0

@@ -11,6 +11,7 @@ import pytest
 from engine import LLM
 from engine.lora.adapter_checkpoint import inspect_adapter
 from engine.model_config import ModelConfig
+from tests.engine.peft_cases import build_cases
 from tests.helpers.peft_batch import check_requests
 from tests.helpers.tiny_adapters import ADAPTER_SPECS, PeftGreedyOracle, build_adapter
 from tests.helpers.tiny_models import GEMMA_ARCHS
@@ -24,16 +25,8 @@ WINDOW = 8  # the tiny Gemma checkpoints' sliding window
 @pytest.fixture(scope="module")
 def adapters(checkpoint, tmp_path_factory):
     """For gemma2 and gemma3: (base dir, {name: adapter dir}, PEFT oracle)."""
-    out = {}
-    for arch in GEMMA_ARCHS:
-        base = checkpoint(arch)
-        root = tmp_path_factory.mktemp(f"adapters_{arch}")
-        dirs = {
-            name: build_adapter(base, root / name, seed=i, **spec)
-            for i, (name, spec) in enumerate(ADAPTER_SPECS.items())
-        }
-        out[arch] = (base, dirs, PeftGreedyOracle(base))
-    return out
+    specs = dict.fromkeys(GEMMA_ARCHS, ADAPTER_SPECS)
+    return build_cases(checkpoint, tmp_path_factory, specs, "adapters", seed=0)
 
 
 def _run_and_check(llm: LLM, dirs, oracle, seed: int, n: int) -> None:

@@ -13,8 +13,9 @@ from engine import LLM
 from engine.lora.adapter_checkpoint import AdapterError, inspect_adapter
 from engine.model_config import ModelConfig
 from lora_registry.validation import validate_adapter
+from tests.engine.peft_cases import build_cases
 from tests.helpers.peft_batch import check_requests
-from tests.helpers.tiny_adapters import ADAPTER_SPECS, PHI3_ADAPTER_SPECS, PeftGreedyOracle, build_adapter
+from tests.helpers.tiny_adapters import ADAPTER_SPECS, PHI3_ADAPTER_SPECS
 
 pytestmark = pytest.mark.slow  # the PEFT oracle on tiny models
 
@@ -25,16 +26,7 @@ SPECS = {"granite": ADAPTER_SPECS, "phi3": PHI3_ADAPTER_SPECS}
 @pytest.fixture(scope="module")
 def adapters(checkpoint, tmp_path_factory):
     """For granite and phi3: (base dir, {name: adapter dir}, PEFT oracle)."""
-    out = {}
-    for arch, specs in SPECS.items():
-        base = checkpoint(arch)
-        root = tmp_path_factory.mktemp(f"adapters_{arch}")
-        dirs = {
-            name: build_adapter(base, root / name, seed=i, **spec)
-            for i, (name, spec) in enumerate(specs.items())
-        }
-        out[arch] = (base, dirs, PeftGreedyOracle(base))
-    return out
+    return build_cases(checkpoint, tmp_path_factory, SPECS, "adapters", seed=0)
 
 
 def _run_and_check(llm: LLM, dirs, oracle, seed: int, n: int) -> None:

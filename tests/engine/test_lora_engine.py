@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from engine import LLM, LLMEngine, LoRARequest, SamplingParams
 from engine.lora.adapter_checkpoint import AdapterError
-from tests.helpers.tiny_adapters import ADAPTER_SPECS, PeftGreedyOracle, build_adapter
+from tests.engine.peft_cases import build_cases
+from tests.helpers.tiny_adapters import ADAPTER_SPECS
 
 pytestmark = pytest.mark.slow  # the PEFT oracle on tiny models
 
@@ -24,16 +25,8 @@ NEW = 8
 @pytest.fixture(scope="module")
 def adapters(checkpoint, tmp_path_factory):
     """For llama and qwen2: (base dir, {name: adapter dir}, PEFT oracle)."""
-    out = {}
-    for arch in ("llama", "qwen2"):
-        base = checkpoint(arch)
-        root = tmp_path_factory.mktemp(f"adapters_{arch}")
-        dirs = {
-            name: build_adapter(base, root / name, seed=i, **spec)
-            for i, (name, spec) in enumerate(ADAPTER_SPECS.items())
-        }
-        out[arch] = (base, dirs, PeftGreedyOracle(base))
-    return out
+    specs = dict.fromkeys(("llama", "qwen2"), ADAPTER_SPECS)
+    return build_cases(checkpoint, tmp_path_factory, specs, "adapters", seed=0)
 
 
 def _llm(base, **kwargs) -> LLM:

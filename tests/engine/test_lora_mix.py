@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from engine import LoRARequest, SamplingParams
+from tests.engine.peft_cases import build_cases
 from tests.helpers.peft_batch import build_weighted_cat, check_requests, cpu_llm, lora_request
-from tests.helpers.tiny_adapters import PeftGreedyOracle, build_adapter
 
 pytestmark = pytest.mark.slow  # the PEFT oracle on tiny models
 
@@ -30,15 +30,14 @@ MIXES = {
 @pytest.fixture(scope="module")
 def adapters(checkpoint, tmp_path_factory):
     """Per family: (base dir, {name: adapter dir, mix name: PEFT's cat adapter dir}, PEFT oracle)."""
-    out = {}
-    for arch in ("llama", "qwen2"):
-        base = checkpoint(arch)
-        root = tmp_path_factory.mktemp(f"mix_{arch}")
-        dirs = {n: build_adapter(base, root / n, seed=20 + i, **s) for i, (n, s) in enumerate(SPECS.items())}
+    cases = build_cases(
+        checkpoint, tmp_path_factory, dict.fromkeys(("llama", "qwen2"), SPECS), "mix", seed=20
+    )
+    for arch, (base, dirs, _) in cases.items():
+        root = tmp_path_factory.mktemp(f"mix_cat_{arch}")
         for name, members in MIXES.items():
             dirs[name] = build_weighted_cat(base, dirs, members, root / f"cat-{name}")
-        out[arch] = (base, dirs, PeftGreedyOracle(base))
-    return out
+    return cases
 
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [40, 41, 42, 43, 44, 45], [7] * 9, [3, 90, 17, 60, 22]]

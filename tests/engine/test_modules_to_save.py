@@ -12,22 +12,16 @@ import json
 
 import pytest
 
-from engine import LoRARequest, SamplingParams
 from engine.lora.adapter_checkpoint import AdapterError, inspect_adapter
 from engine.model_config import ModelConfig
+from tests.engine.peft_cases import PLAIN_R4, build_cases, check_greedy
 from tests.helpers.peft_batch import check_mixed_batch, cpu_llm
-from tests.helpers.tiny_adapters import (
-    SAVED_ADAPTER_SPECS,
-    TOKEN_ADAPTER_SPECS,
-    VOCAB_ADAPTER_SPECS,
-    PeftGreedyOracle,
-    build_adapter,
-)
+from tests.helpers.tiny_adapters import SAVED_ADAPTER_SPECS, TOKEN_ADAPTER_SPECS, VOCAB_ADAPTER_SPECS
 
 pytestmark = pytest.mark.slow  # the PEFT oracle on tiny models
 
 SPECS = (
-    {"plain-r4": dict(r=4, lora_alpha=8, target_modules="all-linear")}
+    {"plain-r4": PLAIN_R4}
     | SAVED_ADAPTER_SPECS
     | {"embed-q-r4": VOCAB_ADAPTER_SPECS["embed-q-r4"], "tokens-list": TOKEN_ADAPTER_SPECS["tokens-list"]}
 )
@@ -36,13 +30,9 @@ SPECS = (
 @pytest.fixture(scope="module")
 def adapters(checkpoint, tmp_path_factory):
     """Per family: (base dir, {name: adapter dir}, PEFT oracle); saved copies perturbed at random."""
-    out = {}
-    for arch in ("llama", "qwen2"):
-        base = checkpoint(arch)
-        root = tmp_path_factory.mktemp(f"saved_{arch}")
-        dirs = {n: build_adapter(base, root / n, seed=40 + i, **s) for i, (n, s) in enumerate(SPECS.items())}
-        out[arch] = (base, dirs, PeftGreedyOracle(base))
-    return out
+    return build_cases(
+        checkpoint, tmp_path_factory, dict.fromkeys(("llama", "qwen2"), SPECS), "saved", seed=40
+    )
 
 
 @pytest.mark.parametrize(
@@ -90,8 +80,4 @@ def test_triton_path_with_modules_to_save(adapters):
     llm = cpu_llm(base, attention_backend="triton", lora_backend="triton")
     names = ["saved-both", "plain-r4", None, "saved-head", "saved-embed"]
     prompts = [[9, 10, 11, 12], [13, 14], [15, 16, 17], [18, 19, 20, 21, 22], [23, 24, 25]]
-    loras = [LoRARequest(n, str(dirs[n])) if n else None for n in names]
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    outs = llm.generate(prompts, params, lora_request=loras)
-    for prompt, name, out in zip(prompts, names, outs, strict=True):
-        assert out.outputs[0].token_ids == oracle.greedy(prompt, 4, dirs[name] if name else None), name
+    check_greedy(llm, dirs, oracle, prompts, names, 4)

@@ -112,19 +112,6 @@ def test_worker_fault_ends_requests_and_restarts(setup, sig):
         assert out.outputs[0].token_ids == oracle.greedy(prompt, NEW, dirs[name] if name else None)
 
 
-def test_unsharded_adapter_kind_is_refused_alone(setup, tmp_path):
-    """A DoRA adapter is refused (a clear ValueError naming the kind) without touching the engine: the
-    next batch runs as before."""
-    base, dirs, oracle, llm, _ = setup
-    dora = build_adapter(
-        base, tmp_path / "dora", seed=9, r=4, lora_alpha=8, target_modules=["q_proj"], use_dora=True
-    )
-    with pytest.raises(ValueError, match="DoRA adapters are not supported under tensor parallel"):
-        llm.generate([[3, 4, 5]], GREEDY, lora_request=LoRARequest("dora", str(dora)))
-    out = llm.generate([[3, 4, 5]], GREEDY, lora_request=lora(dirs, "all7-r4"))[0]
-    assert out.outputs[0].token_ids == oracle.greedy([3, 4, 5], NEW, dirs["all7-r4"])
-
-
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -30,7 +30,7 @@ def test_step_frame_round_trips():
         logits_rows=[0, 2],
         num_decodes=1,
     )
-    kind, arrays = sp.decode(sp.encode_step(inp, [(1, 3, 4)]))
+    kind, arrays = sp.decode(sp.encode_step(inp, [(1, 3, 4, 0, 1.0), (1, 2, 6, 1, -0.25)]))
     got = sp.decode_step(arrays)
     assert kind == sp.STEP
     assert got.inputs.input_ids == inp.input_ids and got.inputs.seq_lens == inp.seq_lens
@@ -38,7 +38,8 @@ def test_step_frame_round_trips():
     assert np.array_equal(got.inputs.block_tables, inp.block_tables)
     assert np.array_equal(got.inputs.slot_mapping, inp.slot_mapping)
     assert got.inputs.logits_rows == []  # workers compute no logits
-    assert got.lora_runs.tolist() == [[1, 3, 4]]
+    assert got.lora_runs.tolist() == [[1, 3, 4, 0], [1, 2, 6, 1]]
+    assert got.lora_weights.tolist() == [1.0, -0.25]
 
 
 def test_upload_frame_round_trips():
@@ -93,3 +94,101 @@ def test_row_parallel_lora_partials_sum_to_the_whole():
     bq = torch.randn(cfg.q_size, 4)
     rows = [TensorShard(r, 2, cfg).lora("q_proj", torch.randn(4, 64), bq)[1] for r in range(2)]
     assert torch.equal(torch.cat(rows), bq)
+
+
+def test_upload_frame_carries_side_tensors():
+    """DoRA magnitudes, lora_B biases and the embedding side reach the workers; the LM-head side (rank 0
+    only computes logits) is not sent."""
+    from engine.lora.vocab_checkpoint import SavedModule, TrainableTokens, VocabLoRAWeights
+
+    q = LoRAModuleWeights(0, "q_proj", 2, 4.0, 2.0, torch.randn(2, 64), torch.randn(64, 2), torch.rand(64))
+    o = LoRAModuleWeights(
+        1, "o_proj", 2, 4.0, 2.0, torch.randn(2, 64), torch.randn(64, 2), None, torch.randn(64)
+    )
+    vocab = (
+        VocabLoRAWeights("embed_tokens", 3, 6.0, 2.0, torch.randn(3, 32), torch.randn(64, 3)),
+        VocabLoRAWeights("lm_head", 3, 6.0, 2.0, torch.randn(3, 64), torch.randn(32, 3)),
+    )
+    tokens = (TrainableTokens("embed_tokens", (4, 7), torch.randn(2, 64)),)
+    saved = (SavedModule("embed_tokens", torch.randn(32, 64)), SavedModule("lm_head", torch.randn(32, 64)))
+    ckpt = AdapterCheckpoint("cd" * 32, 2, 4.0, (), False, 0, None, (q, o), True, False, vocab, tokens, saved)
+    got, _, _ = sp.decode_upload(sp.decode(sp.encode_upload(ckpt, 0, [[0], [], [], [1], [], [], []]))[1])
+    assert got.use_dora and not got.lora_bias
+    gq, go = got.modules
+    assert torch.equal(gq.magnitude, q.magnitude) and gq.bias_b is None
+    assert go.magnitude is None and torch.equal(go.bias_b, o.bias_b)
+    (v,) = got.vocab
+    assert v.module == "embed_tokens" and (v.rank, v.scaling) == (3, 2.0)
+    assert torch.equal(v.lora_a, vocab[0].lora_a) and torch.equal(v.lora_b, vocab[0].lora_b)
+    assert got.tokens[0].indices == (4, 7) and torch.equal(got.tokens[0].values, tokens[0].values)
+    assert [s.module for s in got.saved] == ["embed_tokens"] and torch.equal(
+        got.saved[0].weight, saved[0].weight
+    )
+
+
+class _Weights:
+    """`BaseWeights` over plain per-slice weights (one layer), the shard's or the whole model's."""
+
+    def __init__(self, w: dict[str, torch.Tensor]) -> None:
+        self.w = w
+
+    def row_sq_norms(self, layer, module):
+        return self.w[module].pow(2).sum(1)
+
+    def times_weight_t(self, layer, module, a):
+        return a @ self.w[module].T
+
+    def bias(self, layer, module):
+        return None
+
+
+def test_row_parallel_dora_norm_partials_sum_to_the_whole():
+    """o_proj's DoRA norm from the two ranks' columns: the partial squared norms sum to the whole
+    model's; q_proj's rows of f are the rows of the whole f (no communication); a row-parallel lora_B
+    bias is kept by rank 0 only."""
+    from engine.distributed.shard_adapters import local_slice
+    from engine.lora.dora import dora_sq_norm, row_epilogue
+
+    cfg = config(heads=8, kv_heads=2)
+    wo, wq = (
+        torch.randn(64, cfg.q_size),
+        torch.randn(cfg.q_size, 64),
+    )
+    o = LoRAModuleWeights(
+        0,
+        "o_proj",
+        4,
+        8.0,
+        0.5,
+        torch.randn(4, cfg.q_size),
+        torch.randn(64, 4),
+        torch.rand(64) + 1,
+        torch.randn(64),
+    )
+    q = LoRAModuleWeights(
+        0,
+        "q_proj",
+        4,
+        8.0,
+        0.5,
+        torch.randn(4, 64),
+        torch.randn(cfg.q_size, 4),
+        torch.rand(cfg.q_size) + 1,
+    )
+    whole = _Weights({"o_proj": wo, "q_proj": wq})
+    parts, f_rows, biases = [], [], []
+    for r in range(2):
+        shard = TensorShard(r, 2, cfg)
+        local = _Weights(
+            {
+                "o_proj": shard.projection(("o_proj",), "weight", wo),
+                "q_proj": shard.projection(("q_proj",), "weight", wq),
+            }
+        )
+        lo = local_slice(shard, o)
+        parts.append(dora_sq_norm(lo, local))
+        biases.append(lo.bias_b)
+        f_rows.append(row_epilogue(local_slice(shard, q), local)[0])
+    assert torch.allclose(parts[0] + parts[1], dora_sq_norm(o, whole), rtol=1e-4)
+    assert torch.allclose(torch.cat(f_rows), row_epilogue(q, whole)[0], rtol=1e-4)
+    assert torch.equal(biases[0], o.bias_b) and not biases[1].any()

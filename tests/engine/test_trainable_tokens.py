@@ -8,33 +8,20 @@ from __future__ import annotations
 
 import pytest
 
+from tests.engine.peft_cases import PLAIN_R4, build_cases
 from tests.helpers.peft_batch import check_mixed_batch, cpu_llm
-from tests.helpers.tiny_adapters import (
-    TOKEN_ADAPTER_SPECS,
-    VOCAB_ADAPTER_SPECS,
-    PeftGreedyOracle,
-    build_adapter,
-)
+from tests.helpers.tiny_adapters import TOKEN_ADAPTER_SPECS, VOCAB_ADAPTER_SPECS
 
 pytestmark = pytest.mark.slow  # the PEFT oracle on tiny models
 
-SPECS = (
-    {"plain-r4": dict(r=4, lora_alpha=8, target_modules="all-linear")}
-    | TOKEN_ADAPTER_SPECS
-    | {"embed-q-r4": VOCAB_ADAPTER_SPECS["embed-q-r4"]}
-)
+SPECS = {"plain-r4": PLAIN_R4} | TOKEN_ADAPTER_SPECS | {"embed-q-r4": VOCAB_ADAPTER_SPECS["embed-q-r4"]}
 
 
 @pytest.fixture(scope="module")
 def adapters(checkpoint, tmp_path_factory):
     """Per family: (base dir, {name: adapter dir}, PEFT oracle); new rows, A and B random."""
-    out = {}
-    for arch in ("llama", "qwen2", "gemma2"):
-        base = checkpoint(arch)
-        root = tmp_path_factory.mktemp(f"tokens_{arch}")
-        dirs = {n: build_adapter(base, root / n, seed=30 + i, **s) for i, (n, s) in enumerate(SPECS.items())}
-        out[arch] = (base, dirs, PeftGreedyOracle(base))
-    return out
+    archs = ("llama", "qwen2", "gemma2")
+    return build_cases(checkpoint, tmp_path_factory, dict.fromkeys(archs, SPECS), "tokens", seed=30)
 
 
 @pytest.mark.parametrize(

@@ -9,25 +9,20 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LoRARequest, SamplingParams
+from tests.engine.peft_cases import PLAIN_R4, build_cases, check_greedy, triton_llm_replaying_plain_lora
 from tests.helpers.peft_batch import check_mixed_batch, cpu_llm
-from tests.helpers.tiny_adapters import VOCAB_ADAPTER_SPECS, PeftGreedyOracle, build_adapter
+from tests.helpers.tiny_adapters import VOCAB_ADAPTER_SPECS
 
 pytestmark = pytest.mark.slow  # the PEFT oracle on tiny models
 
-SPECS = {"plain-r4": dict(r=4, lora_alpha=8, target_modules="all-linear")} | VOCAB_ADAPTER_SPECS
+SPECS = {"plain-r4": PLAIN_R4} | VOCAB_ADAPTER_SPECS
 
 
 @pytest.fixture(scope="module")
 def adapters(checkpoint, tmp_path_factory):
     """Per family: (base dir, {name: adapter dir}, PEFT oracle); A and B are random."""
-    out = {}
-    for arch in ("llama", "qwen2", "granite", "gemma2"):
-        base = checkpoint(arch)
-        root = tmp_path_factory.mktemp(f"vocab_{arch}")
-        dirs = {n: build_adapter(base, root / n, seed=20 + i, **s) for i, (n, s) in enumerate(SPECS.items())}
-        out[arch] = (base, dirs, PeftGreedyOracle(base))
-    return out
+    archs = ("llama", "qwen2", "granite", "gemma2")
+    return build_cases(checkpoint, tmp_path_factory, dict.fromkeys(archs, SPECS), "vocab", seed=20)
 
 
 @pytest.mark.parametrize(
@@ -63,30 +58,15 @@ def test_speculative_decoding_with_lm_head_lora_matches_peft(backend, adapters):
     llm = cpu_llm(base, lora_backend=backend, speculative="ngram", num_speculative_tokens=3)
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 9, 10, 9, 10], [3, 4, 3, 4, 3], [8, 9, 8, 9, 8]]
     names = ["head-v-r8", "both-only-rslora", None, "embed-q-r4"]
-    loras = [LoRARequest(n, str(dirs[n])) if n else None for n in names]
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    outs = llm.generate(prompts, params, lora_request=loras)
-    for prompt, name, out in zip(prompts, names, outs, strict=True):
-        assert out.outputs[0].token_ids == oracle.greedy(prompt, 8, dirs[name] if name else None), name
+    check_greedy(llm, dirs, oracle, prompts, names, 8)
     assert llm.engine.get_stats().spec_proposed_tokens > 0
 
 
 def test_triton_path_and_decode_graphs_with_vocab_lora(adapters):
     """The CUDA path (Triton SGMV, interpreted on CPU here) with decode graphs on: steps with vocabulary
     LoRA rows run eagerly and equal PEFT; plain-LoRA decode steps still replay graphs."""
-    from engine.decode_graphs import EagerReplay
-
     base, dirs, oracle = adapters["qwen2"]
-    llm = cpu_llm(base, attention_backend="triton", lora_backend="triton")
-    eng = llm.engine
-    eng.runner.use_decode_graphs(EagerReplay(), eng.lora.pool, max_batch=8)
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    plain = llm.generate([[5, 6, 7]], params, lora_request=[LoRARequest("plain-r4", str(dirs["plain-r4"]))])
-    assert eng.runner.graphs is not None and any(lo for _, lo in eng.runner.graphs.captured)
-    assert plain[0].outputs[0].token_ids == oracle.greedy([5, 6, 7], 4, dirs["plain-r4"])
+    llm = triton_llm_replaying_plain_lora(base, dirs, oracle)
     names = ["embed-q-r4", "plain-r4", None, "head-v-r8", "both-only-rslora"]
     prompts = [[9, 10, 11, 12], [13, 14], [15, 16, 17], [18, 19, 20, 21, 22], [23, 24, 25]]
-    loras = [LoRARequest(n, str(dirs[n])) if n else None for n in names]
-    outs = llm.generate(prompts, params, lora_request=loras)
-    for prompt, name, out in zip(prompts, names, outs, strict=True):
-        assert out.outputs[0].token_ids == oracle.greedy(prompt, 4, dirs[name] if name else None), name
+    check_greedy(llm, dirs, oracle, prompts, names, 4)

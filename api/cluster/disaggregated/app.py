@@ -23,7 +23,6 @@ from engine.engine_config import EngineConfig
 
 PREFILL_DEPLOYMENT = "PrefillReplica"
 DECODE_DEPLOYMENT = "DecodeReplica"
-KV_TRANSFER_TIMEOUT_S = 30.0  # a decode replica gives up fetching a request's KV blocks after this
 
 
 def _common(settings: ServerSettings, options: ClusterOptions) -> dict[str, Any]:
@@ -84,7 +83,7 @@ def decode_deployment(settings: ServerSettings, options: ClusterOptions) -> Any:
         async def __init__(self) -> None:  # type: ignore[misc]  # Ray Serve awaits an async constructor
             ray_api.log_to_stderr()
             self.replica = EngineReplica(settings, ray_api.replica_id())
-            self.worker = DecodeWorker(self.replica, KV_TRANSFER_TIMEOUT_S)
+            self.worker = DecodeWorker(self.replica, options.kv_transfer_timeout_s)
             await self.replica.start()
 
         async def prepare(self, digest: str, name: str, members: list | None = None) -> dict[str, Any]:
@@ -99,7 +98,9 @@ def decode_deployment(settings: ServerSettings, options: ClusterOptions) -> Any:
             return self.replica.describe() | {
                 "role": "decode",
                 "kv_imports": w.imports,
+                "kv_timeouts": w.timeouts,
                 "prepared": w.prepared,
+                "late_loads": w.late_loads,
             }
 
         def record_routing_stats(self) -> dict[str, Any]:
@@ -128,7 +129,7 @@ def build_disaggregated_application(settings: ServerSettings, options: ClusterOp
     from api.cluster.disaggregated.client import DisaggregatedClient
 
     def make_client(cfg: EngineConfig) -> DisaggregatedClient:
-        return DisaggregatedClient(cfg, PREFILL_DEPLOYMENT, DECODE_DEPLOYMENT, KV_TRANSFER_TIMEOUT_S)
+        return DisaggregatedClient(cfg, PREFILL_DEPLOYMENT, DECODE_DEPLOYMENT, options.kv_transfer_timeout_s)
 
     prefill = prefill_deployment(settings, options).bind()
     decode = decode_deployment(settings, options).bind()

@@ -26,12 +26,20 @@ from api.cluster.disaggregated.metrics import KVTransferMetrics
 from api.cluster.remote_client import RemoteEngineClient, _Attempt, _ReplicaFailed, merge_stats
 from api.cluster.replica import decode_item
 from api.cluster.replica_header import note_replica
-from api.engine_client import EngineDeadError, EngineUnavailableError, ServerShuttingDownError
+from api.engine_client import (
+    EngineDeadError,
+    EngineStalledError,
+    EngineUnavailableError,
+    ServerShuttingDownError,
+)
 from api.engine_protocol import AddRequest, EngineStatsMsg, Ready, RequestDelta, decode_from_engine, encode
 from api.errors import APIError
 from engine.engine_config import EngineConfig
 
 log = logging.getLogger("loraplex.disaggregated")
+# how long the ingress waits for a decode replica to make an adapter resident (`prepare`, or the decode
+# call itself): the engine client's bound on one adapter call
+ADAPTER_LOAD_TIMEOUT_S = 120.0
 
 
 class DisaggregatedClient(RemoteEngineClient):
@@ -129,7 +137,7 @@ class DisaggregatedClient(RemoteEngineClient):
         """The decode replica prepared for the request ("" when preparing failed: any replica, which then
         loads the adapter itself)."""
         try:
-            out = await asyncio.wait_for(asyncio.shield(prepared), self.transfer_timeout_s)
+            out = await asyncio.wait_for(asyncio.shield(prepared), ADAPTER_LOAD_TIMEOUT_S)
         except Exception as exc:
             log.warning("preparing a decode replica failed (%s); the decode router picks one", exc)
             return ""
@@ -168,7 +176,15 @@ class DisaggregatedClient(RemoteEngineClient):
         call = ray_api.stream(self._handle, "generate", None, payload)
         async with contextlib.aclosing(ray_api.iterate(call)) as items:
             while True:
-                raw = await self._next(items, None, _ReplicaFailed)
+                # once the first token is out, the handoff must follow within the transfer timeout
+                timeout = self.transfer_timeout_s if attempt.started else None
+                try:
+                    raw = await self._next(items, timeout, _ReplicaFailed)
+                except TimeoutError:
+                    self.kv_metrics.transfers.labels("timeout").inc()
+                    raise EngineStalledError(
+                        f"the prefill replica did not hand the KV over within {timeout:g} s; it was cancelled"
+                    ) from None
                 if raw is None:
                     return
                 if isinstance(raw, Handoff):
@@ -194,23 +210,36 @@ class DisaggregatedClient(RemoteEngineClient):
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         attempt = _Attempt()
-        transferred = False
+        transferred = fetching = False
         call = ray_api.stream(self._decode_handle, "decode", None, target, handoff, digest)
         async with contextlib.aclosing(ray_api.iterate(call)) as items:
             while True:
+                # the decode replica times its own transfer; this bounds a replica that stops answering
+                # (an adapter it still has to load gets the adapter-load bound first)
                 timeout = None if transferred else self.transfer_timeout_s + 5.0
+                if not fetching:
+                    timeout = ADAPTER_LOAD_TIMEOUT_S
                 try:
                     raw = await self._next(items, timeout, EngineDeadError)
                 except TimeoutError:
                     self.kv_metrics.transfers.labels("timeout").inc()
-                    raise EngineDeadError("the KV transfer to the decode replica timed out") from None
+                    what = "the KV transfer to" if fetching else "loading the adapter on"
+                    raise EngineStalledError(
+                        f"{what} the decode replica did not complete within {timeout:g} s; it was cancelled"
+                    ) from None
                 except EngineDeadError:
                     if not transferred:
                         self.kv_metrics.transfers.labels("failed").inc()
                     raise
                 if raw is None:
                     raise EngineDeadError("the decode replica ended the request early")
-                if isinstance(raw, dict):  # the decode replica holds the blocks
+                if isinstance(raw, dict) and "fetching" in raw:  # its adapter is resident; the fetch begins
+                    fetching = True
+                    continue
+                if isinstance(raw, dict) and "timeout" in raw:  # the decode replica gave up: stalled
+                    self.kv_metrics.transfers.labels("timeout").inc()
+                    raise EngineStalledError(str(raw["timeout"]))
+                if isinstance(raw, dict):  # the decode replica's engine holds the request and its blocks
                     transferred = True
                     self.kv_metrics.transfers.labels("ok").inc()
                     self.kv_metrics.bytes.inc(int(raw.get("bytes", 0)))

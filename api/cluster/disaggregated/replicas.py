@@ -6,12 +6,16 @@ sent at once, then a `Handoff` whose blocks this replica has put in the object s
 
 DecodeReplica.prepare(digest, name): make the adapter resident here (while the prefill runs); returns
 this replica's id. DecodeReplica.decode(target, handoff, digest): fetch the blocks, continue the request
-in this engine; yields this replica's id, a transfer record (`{"transfer_s", "bytes"}`), then deltas.
+in this engine; yields this replica's id, `FETCHING` once the adapter is resident, a transfer record
+(`{"transfer_s", "bytes"}`) once its engine holds the request (it acknowledges the import), then deltas;
+or `{"timeout": why}` when the fetch and the import together take longer than the transfer timeout (the
+request is then aborted in the engine).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -27,6 +31,7 @@ from engine.lora_request import LoRARequest
 from lora_registry.errors import NotFound
 
 log = logging.getLogger("loraplex.disaggregated")
+FETCHING = {"fetching": True}  # a decode call's item once its adapter is resident, before the fetch
 
 
 class PrefillWorker:
@@ -59,8 +64,12 @@ class DecodeWorker:
     def __init__(self, replica: EngineReplica, transfer_timeout_s: float) -> None:
         self.replica = replica
         self.transfer_timeout_s = transfer_timeout_s
-        self.imports = 0
+        self.imports = 0  # handoffs whose blocks this replica fetched
+        self.timeouts = 0  # transfers cancelled past `transfer_timeout_s`
         self.prepared = 0
+        self.ready: set[str] = set()  # adapter digests `prepare` made resident here
+        # adapters a decode call had to load itself (not prepared here while the prefill ran)
+        self.late_loads = 0
 
     async def prepare(
         self, digest: str | None, name: str | None, members: list[tuple[str, str]] | None = None
@@ -73,6 +82,7 @@ class DecodeWorker:
             try:
                 for d, n in wanted:
                     await self._load(d, n or None)
+                    self.ready.add(d)
             except AdapterRefused as exc:
                 out["refused"] = str(exc)
             except (EngineDeadError, EngineUnavailableError, ValueError) as exc:
@@ -81,6 +91,12 @@ class DecodeWorker:
         return out
 
     async def decode(self, handoff: Handoff) -> AsyncIterator[Any]:
+        """Continue `handoff` in this engine: this replica's id, `FETCHING` (its adapter resident), a
+        transfer record (`{"transfer_s", "bytes"}`) once the engine holds the request and its blocks,
+        then the engine's deltas. The fetch
+        and the engine's import together get `transfer_timeout_s`; past it, `{"timeout": why}` ends the
+        stream, and leaving the import's stream aborts the request in the engine (its blocks and its
+        adapter hold freed as soon as the engine reads the abort, however late)."""
         rid = self.replica.replica_id
         yield _item(rid)
         client = self.replica.client
@@ -95,27 +111,48 @@ class DecodeWorker:
         except (EngineDeadError, EngineUnavailableError, ValueError) as exc:
             yield _item(rid, failed=f"the engine could not load the adapter: {exc}")
             return
+        yield FETCHING  # the adapter is here: the transfer's own clock starts (the ingress's too)
         t0 = time.monotonic()
+        timeout = self.transfer_timeout_s
+        stalled = {"timeout": f"the KV transfer did not complete within {timeout:g} s; it was cancelled"}
         try:
-            export = await from_object_store(handoff, self.transfer_timeout_s, mine)
+            export = await from_object_store(handoff, timeout, mine)
         except TimeoutError:
-            yield _item(rid, failed=f"the KV transfer timed out after {self.transfer_timeout_s:g} s")
+            self.timeouts += 1
+            yield stalled
             return
         except Exception as exc:  # the prefill replica (the objects' owner) died
             yield _item(rid, failed=f"the KV transfer failed: {exc}")
             return
         self.imports += 1
-        yield {"transfer_s": time.monotonic() - t0, "bytes": handoff.nbytes}
+        deltas = client.import_generate(handoff.request_id, export)
         try:
-            async for delta in client.import_generate(handoff.request_id, export):
-                yield _item(rid, delta=encode(delta))
+            async with contextlib.aclosing(deltas):
+                try:
+                    ack = await asyncio.wait_for(anext(deltas), max(0.0, t0 + timeout - time.monotonic()))
+                except TimeoutError:
+                    self.timeouts += 1
+                    yield stalled
+                    return
+                if not ack.imported:  # the engine refused the import: its error ends the request
+                    yield _item(rid, delta=encode(ack))
+                    return
+                yield {"transfer_s": time.monotonic() - t0, "bytes": handoff.nbytes}
+                async for delta in deltas:
+                    yield _item(rid, delta=encode(delta))
+        except StopAsyncIteration:
+            yield _item(rid, failed="the engine ended the import without a delta")
         except (EngineDeadError, EngineUnavailableError) as exc:
             yield _item(rid, failed=f"the engine process failed: {exc}")
 
     async def _local(self, lora: LoRARequest | None) -> LoRARequest | None:
-        """The prefill's adapter (or weighted mix) as this replica's engine reads it: its files here."""
+        """The prefill's adapter (or weighted mix) as this replica's engine reads it: its files here.
+        Counts in `late_loads` each adapter not prepared here first (a failed or timed-out `prepare`)."""
         if lora is None:
             return None
+        self.late_loads += sum(
+            1 for m, _ in lora.members() if m.digest is not None and m.digest not in self.ready
+        )
         if lora.mix:
             members = []
             for member, weight in lora.mix:

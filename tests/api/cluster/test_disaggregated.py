@@ -1,8 +1,10 @@
 """`loraplex serve --prefill-replicas 1 --decode-replicas 1` on a local Ray cluster (the demo model, 4-token
 KV blocks so prompts span 1 to several blocks): answers equal the colocated server's (`EXPECTED`, which the
 `--replicas` tests check) for the base model and mixed adapters, streaming and not; the prefill side hits
-its prefix cache; KV-transfer metrics; the decode replica dying mid-stream ends the stream cleanly, leaves
-no block held, and answers are right again once Serve has replaced it; the prefill replica dying
+its prefix cache; the decode replica loads each adapter during the prefill, never after; KV-transfer
+metrics; a transfer that stalls (the decode engine stopped) is cancelled past `--kv-transfer-timeout`
+and leaves no block held on either side; the decode replica dying mid-stream ends the stream cleanly,
+leaves no block held, and answers are right again once Serve has replaced it; the prefill replica dying
 mid-prefill is retried or answered with the retryable 503, never a hang."""
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ from tests.helpers.live_server import wait_until
 pytestmark = pytest.mark.slow
 TEXTS = ("a", "hello world", "prefill and decode")  # 3, 13 and 20 prompt tokens: 1, 4 and 5 blocks
 BODY = {"max_tokens": 32, "temperature": 0, "stop": ["\n"]}
+TIMEOUT = 10.0  # the cluster's --kv-transfer-timeout: long enough for a transfer on a busy 2-core machine
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     engine = {"block_size": 4}
-    with running_cluster(tmp_path_factory, engine, replicas=0, prefill_replicas=1, decode_replicas=1) as c:
+    layout = dict(replicas=0, prefill_replicas=1, decode_replicas=1, kv_transfer_timeout_s=TIMEOUT)
+    with running_cluster(tmp_path_factory, engine, **layout) as c:
         yield c
 
 
@@ -100,6 +104,8 @@ def test_answers_equal_colocated_streaming_and_not(cluster: Cluster) -> None:
     [pre] = _describe(PREFILL_DEPLOYMENT)
     [dec] = _describe(DECODE_DEPLOYMENT)
     assert pre["kv_exports"] >= len(jobs) and dec["kv_imports"] >= len(jobs)
+    # every adapter was made resident by `prepare`, started with the prefill: no decode loaded one after
+    assert dec["prepared"] >= len(jobs) and dec["late_loads"] == 0, dec
     assert _engine_stats(pre)["prefix_cache_hits"] > 0  # each prompt ran twice: the second hit
     missing = httpx.post(cluster.url + "/v1/completions", json=BODY | {"model": "nope", "prompt": "a="})
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
@@ -129,6 +135,53 @@ def test_kv_transfer_metrics(cluster: Cluster) -> None:
     assert samples[("loraplex_kv_transfer_seconds_count", ())] >= 1
     assert ("loraplex_disaggregated_requests", (("phase", "decode"),)) in samples
     assert ("loraplex_phase_requests_waiting", (("phase", "prefill"),)) in samples
+    # the admin API lists both deployments' replicas with their roles and transfer counters
+    by_role = {r["role"]: r for r in cluster.replicas()}
+    assert set(by_role) == {"prefill", "decode"}
+    assert by_role["prefill"]["kv_exports"] >= 1 and by_role["decode"]["kv_imports"] >= 1
+    assert by_role["decode"]["late_loads"] == 0 and "kv_timeouts" in by_role["decode"]
+
+
+def test_stalled_transfer_is_cancelled_and_releases_everything(cluster: Cluster) -> None:
+    """The decode engine is stopped (SIGSTOP), so it never acknowledges the import of the blocks its
+    replica fetched: past the transfer timeout the transfer is cancelled and the stream, which had its
+    first token from the prefill, ends with an error event (no hang; counted as a timeout). Once the
+    engine runs again it reads the import, then the abort: both pools are empty, on the same replicas
+    (nothing was replaced), which answer correctly again."""
+    [pre] = _describe(PREFILL_DEPLOYMENT)
+    [dec] = _describe(DECODE_DEPLOYMENT)
+    timeouts = _metric(cluster, "loraplex_kv_transfers_total", outcome="timeout")
+    prompt_tokens = _engine_stats(dec)["prompt_tokens_total"]
+    os.kill(dec["engine_pid"], signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        status, text, error = _stream(cluster.url, None, "hello world")
+        elapsed = time.monotonic() - t0
+    finally:
+        os.kill(dec["engine_pid"], signal.SIGCONT)
+    assert status == 200 and error, (status, text, error)
+    assert "did not complete within" in str(error), error
+    assert text == EXPECTED[None]("hello world")[0]  # the prefill's first token, then the error
+    assert TIMEOUT <= elapsed < TIMEOUT + 20
+    assert _metric(cluster, "loraplex_kv_transfers_total", outcome="timeout") == timeouts + 1
+
+    def released() -> bool:
+        [d] = _describe(DECODE_DEPLOYMENT)
+        return (
+            _idle(PREFILL_DEPLOYMENT)
+            and _idle(DECODE_DEPLOYMENT)
+            and (
+                _engine_stats(d)["prompt_tokens_total"] > prompt_tokens  # the import did reach the engine
+            )
+        )
+
+    assert wait_until(released, timeout=30)
+    [after] = _describe(DECODE_DEPLOYMENT)
+    assert after["replica"] == dec["replica"] and after["kv_timeouts"] == dec["kv_timeouts"] + 1
+    assert _describe(PREFILL_DEPLOYMENT)[0]["replica"] == pre["replica"]
+    for adapter in (None, "upper"):
+        assert _stream(cluster.url, adapter, "hello world") == (200, EXPECTED[adapter]("hello world"), False)
+    assert wait_until(lambda: _idle(PREFILL_DEPLOYMENT) and _idle(DECODE_DEPLOYMENT), timeout=10)
 
 
 def test_decode_replica_dying_mid_stream(cluster: Cluster) -> None:
@@ -141,15 +194,15 @@ def test_decode_replica_dying_mid_stream(cluster: Cluster) -> None:
     [name] = ray_api.replica_actor_names(DECODE_DEPLOYMENT)
     os.kill(dec["engine_pid"], signal.SIGSTOP)
     try:
-        transfers = _metric(cluster, "loraplex_kv_transfers_total", outcome="ok")
+        fetched = dec["kv_imports"]
         body = BODY | {"prompt": "hello world=", "stream": True, "model": cluster.settings.served_model_name}
         with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=60) as r:
             assert r.status_code == 200
             lines = r.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
             assert json.loads(first[6:])["choices"][0]["text"] == EXPECTED[None]("hello world")[0]
-            ok = lambda: _metric(cluster, "loraplex_kv_transfers_total", outcome="ok") > transfers
-            assert wait_until(ok, timeout=20)  # the decode replica holds the KV
+            took = lambda: _describe(DECODE_DEPLOYMENT)[0]["kv_imports"] > fetched
+            assert wait_until(took, timeout=20)  # the decode replica holds the KV (its engine: stopped)
             t0 = time.monotonic()
             ray_api.kill_actor(name)
             rest = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]

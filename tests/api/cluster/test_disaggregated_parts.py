@@ -19,6 +19,11 @@ def test_options_take_one_layout() -> None:
         ClusterOptions(2, prefill_replicas=1, decode_replicas=1).validate()
     with pytest.raises(ValueError, match="at least 1"):
         ClusterOptions(0).validate()
+    assert ClusterOptions(0, prefill_replicas=1, decode_replicas=1).kv_transfer_timeout_s == 30.0
+    ClusterOptions(0, prefill_replicas=1, decode_replicas=1, kv_transfer_timeout_s=0.5).validate()
+    for bad in (0.0, -1.0, 4000.0):
+        with pytest.raises(ValueError, match="--kv-transfer-timeout"):
+            ClusterOptions(0, prefill_replicas=1, decode_replicas=1, kv_transfer_timeout_s=bad).validate()
 
 
 def test_decode_score_prefers_residency_then_free_blocks_then_load() -> None:
@@ -67,3 +72,15 @@ def test_cli_refuses_half_a_disaggregated_layout(tmp_path, flags: list[str]) -> 
     env = {"LORAPLEX_DATA_DIR": str(tmp_path), "LORAPLEX_MODEL": str(DEMO / "base")}
     result = CliRunner().invoke(app, ["serve", "--port", "0", *flags], env=env)
     assert result.exit_code == 1 and "go together" in result.output, result.output
+
+
+def test_cli_refuses_a_transfer_timeout_without_disaggregation(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from api.cli.main import app
+    from tests.api.cluster.conftest import DEMO
+
+    env = {"LORAPLEX_DATA_DIR": str(tmp_path), "LORAPLEX_MODEL": str(DEMO / "base")}
+    result = CliRunner().invoke(app, ["serve", "--port", "0", "--kv-transfer-timeout", "5"], env=env)
+    said = " ".join(result.output.split())
+    assert result.exit_code == 1 and "--kv-transfer-timeout applies to --prefill-replicas" in said, said

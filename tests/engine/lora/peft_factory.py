@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,13 @@ def write_tensors(directory: Path, tensors: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in tensors.items()}, directory / "adapter_model.safetensors")
+
+
+def mutate_tensors(directory: Path, fn: Callable[[dict[str, torch.Tensor]], Any]) -> None:
+    """Rewrite the adapter's safetensors file after `fn` changed its tensors (a dict, edited in place)."""
+    tensors = read_tensors(directory)
+    fn(tensors)
+    write_tensors(directory, tensors)
 
 
 def header_length(directory: Path) -> int:
