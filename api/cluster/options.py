@@ -107,6 +107,9 @@ class ClusterOptions:
     kv_transfer_timeout_s: float = KV_TRANSFER_TIMEOUT_S
     spread: SpreadPolicy = field(default_factory=SpreadPolicy)
     queue: RouterQueue = field(default_factory=RouterQueue)
+    # start even when the alive nodes cannot hold the replicas now (a Ray autoscaler adds nodes on
+    # demand); False: refuse such a start with the reason (`run.check_cluster`)
+    wait_for_nodes: bool = False
 
     def autoscaling_config(self, default_target: float) -> dict[str, float | int] | None:
         """Serve's `autoscaling_config` for the engine deployment (None: a fixed `replicas`); the target
