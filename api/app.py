@@ -126,7 +126,9 @@ async def _start(settings: ServerSettings, client_factory: Callable[[Any], Any])
     admission = ClientAdmission(
         settings.client_seq_limit(),
         # behind `--replicas N` the ingress admits for every engine replica, not for one
-        capacity=settings.engine.max_num_seqs * getattr(client, "engine_replicas", 1),
+        # (as many as the engine replicas take: `engine_capacity`, else `max_num_seqs` each)
+        capacity=getattr(client, "engine_capacity", None)
+        or settings.engine.max_num_seqs * getattr(client, "engine_replicas", 1),
         wait_seconds=settings.client_wait_seconds,
     )
     lookups = RegistryLane("lookup", threads=8, timeout=reg_settings.db_connect_timeout + 1.0)

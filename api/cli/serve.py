@@ -15,12 +15,14 @@ import typer
 from api.cli.output import fail, stderr
 from api.cluster.options import (
     CONTRACT_AFTER_S,
+    HOLD_MARGIN,
     KV_TRANSFER_TIMEOUT_S,
     MAX_SPREAD,
     SPREAD_LOAD,
     W_ADAPTER,
     W_LOAD,
     W_PREFIX,
+    RouterQueue,
     RouterWeights,
     SpreadPolicy,
 )
@@ -299,6 +301,23 @@ def serve(
             min=0,
         ),
     ] = CONTRACT_AFTER_S,
+    router_max_ongoing: Annotated[
+        int | None,
+        typer.Option(
+            help="--router affinity: requests one engine replica takes before Ray Serve queues the rest "
+            "(default 8 x --max-num-seqs: the engines' waiting queues hold the backlog, which the router's "
+            "load term sees).",
+            min=1,
+        ),
+    ] = None,
+    router_hold_margin: Annotated[
+        float,
+        typer.Option(
+            help="--router affinity: a request is offered only to replicas scored at most this below the "
+            "best one; Serve holds it for them while they are full.",
+            min=0,
+        ),
+    ] = HOLD_MARGIN,
 ) -> None:
     """Start the server: one resident base model, every active adapter of the registry.
 
@@ -449,6 +468,7 @@ def serve(
                 kv_transfer_timeout if kv_transfer_timeout is not None else KV_TRANSFER_TIMEOUT_S
             ),
             spread=SpreadPolicy(router_spread_load, router_max_spread, router_contract_after),
+            queue=RouterQueue(router_max_ongoing, router_hold_margin),
             wait_for_nodes=wait_for_nodes,
         )
         _serve_replicas(settings, layout, on_serving)

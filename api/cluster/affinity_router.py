@@ -14,7 +14,9 @@ requests routed to it that have not finished, over its KV budget and `max_num_se
 goes only to the replicas its placement names (`placement.Placements`: one replica, more while the
 adapter is hot, rebalanced when a replica comes back), best first; base-model requests may go to any.
 Each replica is its own rank, so Serve tries the best first and falls to the next only when that one's
-queue is full (`max_ongoing_requests`). Other calls go to the replica with the fewest tokens in flight.
+queue is full (`max_ongoing_requests`); replicas scored more than `hold_margin` below the best are not
+offered at all, so Serve holds the request for the better ones (`router_score.held_ranks`). Other calls
+go to the replica with the fewest tokens in flight.
 Counters and placements are published for the ingress (`router_stats`).
 """
 
@@ -28,6 +30,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from api.cluster import router_stats
 from api.cluster.options import (
     CONTRACT_AFTER_S,
+    HOLD_MARGIN,
     MAX_SPREAD,
     SPREAD_LOAD,
     W_ADAPTER,
@@ -41,9 +44,11 @@ from api.cluster.router_score import (
     PrefixIndex,
     ReplicaView,
     RouterWeights,
+    adapter_share,
+    held_ranks,
     prompt_block_hashes,
     rank,
-    share,
+    score,
 )
 from api.engine_protocol import AddRequest, decode_to_engine
 from engine.lora.mix import mix_key
@@ -75,10 +80,12 @@ class AffinityRouter(RequestRouter):
         contract_after_s: float = CONTRACT_AFTER_S,
         max_blocks_per_replica: int = 65536,
         prefix_ttl_s: float = 5.0,
+        hold_margin: float = HOLD_MARGIN,
     ) -> None:
         """Called by Serve with the config's `request_router_kwargs`."""
         self.block_size = block_size
         self.weights = RouterWeights(w_prefix, w_adapter, w_load)
+        self.hold_margin = hold_margin
         self.index = PrefixIndex(max_blocks_per_replica, prefix_ttl_s)
         self.placements = Placements(SpreadPolicy(spread_load, max_spread, contract_after_s))
         self.stats = router_stats.RouterStats(self.placements)
@@ -89,6 +96,8 @@ class AffinityRouter(RequestRouter):
         self.adapter_tokens: dict[tuple[str, str], int] = {}  # (digest, replica) -> tokens in flight
         self.adapter_requests: dict[tuple[str, str], int] = {}  # (digest, replica) -> requests in flight
         self._pending: dict[str, tuple[list[bytes], dict[str, int]]] = {}  # id -> hashes, predicted hits
+        # id -> the decoded request and its block hashes, while Serve asks again for it (a full replica)
+        self._decoded: dict[str, tuple[AddRequest, list[bytes]]] = {}
         # requests chosen for a replica that has not accepted them yet (Serve asks it first): counted
         # there meanwhile, so that a burst routed at once sees its own load
         self._tentative: dict[str, _InFlight] = {}
@@ -99,32 +108,40 @@ class AffinityRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        """The candidates allowed for the request, one per rank, best first."""
+        """The candidates allowed for the request, one per rank, best first. When every offered replica
+        is full, Serve backs off (`should_backoff`: 25 ms doubling to 0.5 s) before it asks again, instead
+        of asking at once in a loop; a request asked about again is not decoded or hashed again."""
         if not candidate_replicas:
             return []
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         key = pending_request.metadata.internal_request_id if pending_request is not None else None
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True
         if key is not None:
             self._tentative.pop(key, None)  # asked again (its first choice was full): not counted twice
         views = [self._view(r) for r in candidate_replicas]
-        req = _add_request(pending_request)
+        seen = self._decoded.get(key) if key is not None else None
+        req = seen[0] if seen is not None else _add_request(pending_request)
         if req is None:
             ordered = sorted(views, key=lambda v: (v.in_flight_tokens, v.replica_id))
             return [[by_id[v.replica_id]] for v in ordered]
         digest = _adapter_key(req)
         tokens = req.prompt_token_ids
-        hashes = prompt_block_hashes(tokens, self.block_size, digest)
+        hashes = seen[1] if seen is not None else prompt_block_hashes(tokens, self.block_size, digest)
         ranked = rank(views, self.index, self.weights, hashes, self.block_size, len(tokens), digest)
         order = [v.replica_id for v, _ in ranked]
         if digest is not None:
             assert req.lora is not None
             allowed = set(self._place(digest, req.lora.name, order, {v.replica_id: v for v in views}))
-            order = [r for r in order if r in allowed]
+            ranked = [(v, cached) for v, cached in ranked if v.replica_id in allowed]
+        scored = [(v.replica_id, score(v, self.weights, c, len(tokens), digest)) for v, c in ranked]
+        order = [r for (r,) in held_ranks(scored, self.hold_margin)]
         if key is not None:
             predicted = {v.replica_id: cached for v, cached in ranked}
             self._pending[key] = (hashes, predicted)
+            self._decoded[key] = (req, hashes)
             self._tentative[key] = _InFlight(order[0], len(tokens) + req.params.max_tokens, digest)
-            for table in (self._pending, self._tentative):
+            for table in (self._pending, self._tentative, self._decoded):
                 while len(table) > MAX_PENDING:  # requests cancelled before Serve routed them
                     del table[next(iter(table))]
         return [[by_id[r]] for r in order]
@@ -136,7 +153,7 @@ class AffinityRouter(RequestRouter):
         for r, v in views.items():
             mine = [t.tokens for t in tentative if t.replica == r]
             tokens = self.adapter_tokens.get((digest, r), 0) + sum(mine)
-            load[r] = share(v, tokens, self.adapter_requests.get((digest, r), 0) + len(mine))
+            load[r] = adapter_share(v, tokens, self.adapter_requests.get((digest, r), 0) + len(mine))
         placed = self.placements.place(
             digest, name, order, load, busy=lambda r: self.adapter_requests.get((digest, r), 0) > 0
         )
@@ -149,7 +166,8 @@ class AffinityRouter(RequestRouter):
         key = pending_request.metadata.internal_request_id
         self._tentative.pop(key, None)
         rerouted = self._release(key)  # a replica that rejected it (queue full) gave it back to Serve
-        req = _add_request(pending_request)
+        seen = self._decoded.pop(key, None)
+        req = seen[0] if seen is not None else _add_request(pending_request)
         tokens = len(req.prompt_token_ids) + req.params.max_tokens if req is not None else 1
         digest = _adapter_key(req) if req is not None else None
         self.in_flight[key] = _InFlight(rid, tokens, digest)
@@ -170,6 +188,7 @@ class AffinityRouter(RequestRouter):
         """Serve calls this for every attempt, also one a replica rejected (its callback may come after
         the request was routed again, elsewhere): only the attempt on the counted replica is released."""
         self._pending.pop(internal_request_id, None)
+        self._decoded.pop(internal_request_id, None)
         tentative = self._tentative.get(internal_request_id)
         if tentative is not None and tentative.replica == replica_id.unique_id:
             del self._tentative[internal_request_id]  # its replica rejected it, or it failed there

@@ -37,6 +37,15 @@ def pool_capacity(config: EngineConfig) -> int:
     return max(1, config.adapter_pool_pages() // per_adapter)
 
 
+def engine_max_ongoing(settings: ServerSettings, options: ClusterOptions) -> int:
+    """Requests one engine replica takes before Serve queues the rest: under `--router affinity`
+    `--router-max-ongoing` (default a multiple of `max_num_seqs`: the engines' waiting queues hold the
+    backlog, where the router's load term sees it), else the engine's `max_num_seqs` (at least 8)."""
+    if options.router == "affinity":
+        return options.queue.max_ongoing_for(settings.engine.max_num_seqs)
+    return max(8, settings.engine.max_num_seqs)
+
+
 def engine_deployment(
     settings: ServerSettings, options: ClusterOptions, max_ongoing: int | None = None
 ) -> Any:
@@ -45,8 +54,8 @@ def engine_deployment(
     a placement group of its N ranks on one node, `replica_resources`); `options.replicas` of them, or,
     with `--max-replicas`, as many as Serve's autoscaling asks for (target ongoing requests per replica:
     `--target-ongoing-requests`, default the engine's `max_num_seqs`). `max_ongoing` requests per
-    replica (default: the engine's `max_num_seqs`): past it, Ray sends an adapter's requests to another
-    replica even though that one must load the adapter (load balance over affinity)."""
+    replica (default: `engine_max_ongoing`): past it, Serve offers the request to the router's next rank,
+    or holds it in its own queue when no offered replica has room."""
     from api.cluster.replica import EngineReplica, LoadedAdapter
 
     class EngineDeployment:
@@ -91,6 +100,7 @@ def engine_deployment(
         kwargs = {"block_size": settings.engine.block_size, "w_prefix": w.prefix, "w_adapter": w.adapter}
         kwargs |= {"w_load": w.load, "spread_load": spread.load, "max_spread": spread.max_replicas}
         kwargs["contract_after_s"] = spread.contract_after_s
+        kwargs["hold_margin"] = options.queue.hold_margin
         extra["request_router_config"] = ray_api.affinity_router_config(kwargs)
     res = replica_resources(settings.engine, options.cpus_per_replica, options.gpus_per_replica)
     return ray_api.deployment(
@@ -98,7 +108,7 @@ def engine_deployment(
         name=ENGINE_DEPLOYMENT,
         num_replicas=options.replicas,
         autoscaling_config=options.autoscaling_config(default_target=settings.engine.max_num_seqs),
-        max_ongoing_requests=max_ongoing or max(8, settings.engine.max_num_seqs),
+        max_ongoing_requests=max_ongoing or engine_max_ongoing(settings, options),
         num_cpus=res.cpus_per_rank,
         num_gpus=res.gpus,
         bundles=res.bundles(),
@@ -128,6 +138,8 @@ def ingress_deployment(
         def make_client(cfg: EngineConfig) -> RemoteEngineClient:
             client = RemoteEngineClient(cfg, ENGINE_DEPLOYMENT, affinity=options.router == "multiplex")
             client.engine_replicas = options.replicas  # the ingress admits for all of them
+            if options.router == "affinity":  # the engines' queues hold the backlog, not the ingress
+                client.engine_capacity = options.replicas * engine_max_ongoing(settings, options)
             return client
 
         ray_api.log_to_stderr()

@@ -23,6 +23,36 @@ class RouterWeights:
             raise ValueError("router weights cannot be negative")
 
 
+# Serve's queue in front of the engine replicas under `--router affinity`: `max_ongoing_requests` of the
+# engine deployment is QUEUE_FACTOR × max_num_seqs (the replicas' own waiting queues hold the backlog,
+# which the router's load term sees), and a request is offered only to the replicas whose score is within
+# HOLD_MARGIN of the best one (Serve holds it for them while they are full); measured by
+# `bench/cluster/router_sweep.py --serve` and `loraplex bench cluster` (docs/benchmarks.md)
+QUEUE_FACTOR, HOLD_MARGIN = 8, 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class RouterQueue:
+    """Where the backlog waits under `--router affinity` (settings `router_max_ongoing`,
+    `router_hold_margin`): `max_ongoing` requests per engine replica before Serve keeps the rest in its
+    own queue (None: `QUEUE_FACTOR` × the engine's `max_num_seqs`); a request is offered to a replica
+    only while that replica's score is at most `hold_margin` below the best replica's."""
+
+    max_ongoing: int | None = None
+    hold_margin: float = HOLD_MARGIN
+
+    def max_ongoing_for(self, max_num_seqs: int) -> int:
+        """The engine deployment's `max_ongoing_requests`."""
+        return self.max_ongoing or QUEUE_FACTOR * max(1, max_num_seqs)
+
+    def validate(self) -> None:
+        """Raise ValueError for a queue that cannot work."""
+        if self.max_ongoing is not None and self.max_ongoing < 1:
+            raise ValueError("--router-max-ongoing must be at least 1")
+        if self.hold_margin < 0:
+            raise ValueError("--router-hold-margin cannot be negative")
+
+
 KV_TRANSFER_TIMEOUT_S = 30.0  # `--kv-transfer-timeout`'s default
 
 # hot-adapter spreading (`SpreadPolicy`): the defaults measured by `bench/cluster/affinity.py`
@@ -76,6 +106,7 @@ class ClusterOptions:
     # the decode replica fetching the blocks and its engine importing them) before it is cancelled
     kv_transfer_timeout_s: float = KV_TRANSFER_TIMEOUT_S
     spread: SpreadPolicy = field(default_factory=SpreadPolicy)
+    queue: RouterQueue = field(default_factory=RouterQueue)
     # start even when the alive nodes cannot hold the replicas now (a Ray autoscaler adds nodes on
     # demand); False: refuse such a start with the reason (`run.check_cluster`)
     wait_for_nodes: bool = False
@@ -119,6 +150,7 @@ class ClusterOptions:
             raise ValueError(f"--router must be one of {', '.join(ROUTERS)}, not {self.router!r}")
         self.router_weights.validate()
         self.spread.validate()
+        self.queue.validate()
 
     def _validate_autoscaling(self) -> None:
         """Raise ValueError unless min ≤ replicas ≤ max, min ≥ 1 and the target is positive; the bounds

@@ -58,6 +58,8 @@ class RemoteEngineClient:
         self.retry_window_s = retry_window_s
         self.per_replica_metrics = True  # `/metrics` labels each replica's gauges with its id
         self.engine_replicas = 1  # engine replicas the ingress admits requests for (set by the deployment)
+        # requests the ingress admits at once for all of them (None: `max_num_seqs` each)
+        self.engine_capacity: int | None = None
         # the affinity router's counters on `/metrics` (its spreads, contractions, predicted hits)
         self.metric_collectors = [] if affinity else [router_stats.RouterCollector()]
         self.info: Ready | None = None

@@ -35,6 +35,8 @@ __all__ = [
     "ReplicaView",
     "Residency",
     "RouterWeights",
+    "adapter_share",
+    "held_ranks",
     "prompt_block_hashes",
     "rank",
     "score",
@@ -85,6 +87,31 @@ class ReplicaView:
 def share(view: ReplicaView, tokens: int, requests: int) -> float:
     """`tokens` over the replica's budget or `requests` over its `max_num_seqs`, the higher."""
     return max(tokens / max(1, view.budget_tokens), requests / max(1, view.max_seqs))
+
+
+def adapter_share(view: ReplicaView, tokens: int, requests: int) -> float:
+    """An adapter's share of the replica's capacity, from its `tokens` and `requests` in flight there: as
+    `share` while the replica is under its budget and `max_num_seqs`; past them (requests queue in its
+    engine), its share of what is in flight there, so that a backlog makes no adapter look hot that
+    takes a small part of the replica's work."""
+    return max(
+        tokens / max(1, view.budget_tokens, view.in_flight_tokens),
+        requests / max(1, view.max_seqs, view.in_flight_requests),
+    )
+
+
+def held_ranks(scored: Sequence[tuple[str, float]], hold_margin: float) -> list[list[str]]:
+    """Serve's ranks for one request, from its allowed replicas with their scores, best first: each replica
+    its own rank, leaving out those scored more than `hold_margin` below the best. Serve offers the request
+    to the first rank whose replica is under `max_ongoing_requests`, the next rank only when it is full,
+    and with every offered replica full it backs off and asks again; so the request is held for the
+    replicas near the best instead of going to whichever replica frees a slot first. The hold is bounded
+    by the load term (in the score): as the best replica's queue grows its score falls, until the others
+    come within the margin (or ahead). The best is always offered."""
+    if not scored:
+        return []
+    best = max(s for _, s in scored)
+    return [[r] for r, s in scored if s >= best - hold_margin]
 
 
 def prompt_block_hashes(

@@ -26,6 +26,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from api.cluster.options import HOLD_MARGIN
 from bench.cluster.report import RunMetrics, markdown, run_metrics
 from bench.cluster.routers import ROUTERS, plan, ray_prefix_router_status
 from bench.cluster.workload import WorkloadSpec, attainable_hit_rate, build_trace
@@ -80,13 +81,14 @@ async def one_router(settings, name: str, args, trace, digests, spec: WorkloadSp
     """Deploy the engine deployment for router `name`, replay the trace, remove the deployment."""
     from api.cluster import ray_api
     from api.cluster.deployments import ENGINE_DEPLOYMENT, engine_deployment
-    from api.cluster.options import ClusterOptions
+    from api.cluster.options import ClusterOptions, RouterQueue
     from api.cluster.remote_client import RemoteEngineClient
     from bench.cluster.replay import replay
     from bench.cluster.routers import router_config
 
     p = plan(name)
-    options = ClusterOptions(args.replicas, router=p.cluster_router)
+    queue = RouterQueue(args.router_max_ongoing, args.router_hold_margin)
+    options = ClusterOptions(args.replicas, router=p.cluster_router, queue=queue)
     deployment = engine_deployment(settings, options, args.max_ongoing)
     if p.router_class is not None:
         deployment = deployment.options(request_router_config=router_config(p.router_class))
@@ -161,7 +163,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-num-seqs", type=int, default=16, help="per replica running batch")
     ap.add_argument("--kv-blocks", type=int, default=640, help="per replica KV cache blocks")
     ap.add_argument("--threads", type=int, default=1, help="engine threads per replica")
-    ap.add_argument("--max-ongoing", type=int, default=None, help="requests per replica before Serve queues")
+    ap.add_argument(
+        "--max-ongoing",
+        type=int,
+        default=None,
+        help="requests per replica before Serve queues (every router)",
+    )
+    ap.add_argument(
+        "--router-max-ongoing", type=int, default=None, help="affinity: as `serve --router-max-ongoing`"
+    )
+    ap.add_argument(
+        "--router-hold-margin",
+        type=float,
+        default=HOLD_MARGIN,
+        help="affinity: as `serve --router-hold-margin`",
+    )
     ap.add_argument("--ray-num-cpus", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
@@ -181,9 +197,14 @@ def main(argv: list[str] | None = None) -> None:
         routers.remove("ray-prefix")
         notes.append(f"ray-prefix left out: {why}")
     from api.cluster import ray_api
-    from api.cluster.options import ClusterOptions
+    from api.cluster.options import ClusterOptions, RouterQueue
 
-    ClusterOptions(args.replicas).validate()
+    try:
+        ClusterOptions(
+            args.replicas, queue=RouterQueue(args.router_max_ongoing, args.router_hold_margin)
+        ).validate()
+    except ValueError as exc:
+        ap.error(str(exc))
     offered = len(trace) / (spec.steady_s + spec.burst_s)
     print(f"trace: {len(trace)} requests over {spec.steady_s + spec.burst_s:.0f} s ({offered:.2f} req/s)",
           file=sys.stderr)  # fmt: skip

@@ -12,6 +12,12 @@ popularity, base-model multi-turn chats (each turn's prompt extends the last), a
 middle where one adapter takes 70% of the traffic. Reported per setting, mean and min–max over
 `--seeds` runs with identical arrivals for every setting: prefix-hit rate (engine's hit tokens / prompt
 tokens), adapter loads per 1k requests, p50/p99 TTFT, p99 TTFT in the burst, throughput.
+
+    python -m bench.cluster.router_sweep --serve --replicas 2 --requests 1500 --rate 8 --seeds 3
+
+runs the routers (`multiplex`, `pow2`, the affinity router) behind a model of Ray Serve's dispatch
+instead (`max_ongoing_requests`, its queue; `bench.cluster.serve_sim`), over the affinity router's
+queue settings (`--router-max-ongoing`, `--router-hold-margin`) rather than the weight grid.
 """
 
 from __future__ import annotations
@@ -224,8 +230,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rate", type=float, default=8.0, help="arrivals per second (above what 2 drain)")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument(
+        "--serve",
+        action="store_true",
+        help="through Serve's dispatch (max_ongoing_requests, its queue; bench.cluster.serve_sim): the "
+        "routers and the affinity router's queue settings instead of the weight grid",
+    )
     args = ap.parse_args(argv)
     sim = Sim()
+    if args.serve:
+        serve_main(args, sim)
+        return
     loads = {0.25, 0.5, 1.0}
     grid = list(itertools.product((0.5, 1.0, 2.0, 4.0), (1.0,), (0.5, 1.0, 2.0, 4.0)))
     grid += [(1.0, 0.5, 2.0), (1.0, 2.0, 2.0), (2.0, 0.5, 2.0), (2.0, 2.0, 2.0), (1.0, 4.0, 2.0)]
@@ -245,6 +260,56 @@ def main(argv: list[str] | None = None) -> None:
         print(_line(row), flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1))
+
+
+def serve_settings(max_seqs: int) -> list:
+    """The `--serve` settings: Serve's routers at `max_ongoing = max_num_seqs` as deployed, the affinity
+    router as it was (every replica offered, spread by capacity share), then its queue settings."""
+    from bench.cluster.serve_sim import ServeModel
+
+    inf = float("inf")
+    out = [
+        ServeModel("multiplex", max_seqs),
+        ServeModel("pow2", max_seqs),
+        ServeModel("affinity", max_seqs, inf, relative_share=False),
+        ServeModel("affinity", max_seqs, inf),
+    ]
+    for factor in (1, 4, 8, 64):
+        for margin in (inf, 1.0, 0.5, 0.25):
+            if (factor, margin) != (1, inf):
+                out.append(ServeModel("affinity", factor * max_seqs, margin))
+    return out
+
+
+def serve_main(args: argparse.Namespace, sim: Sim) -> None:
+    """`--serve`: every `serve_settings` on the same traffic, mean (min–max) over the seeds."""
+    from bench.cluster.serve_sim import run_serve
+
+    traffic = [workload(args.requests, args.rate, seed) for seed in range(args.seeds)]
+    results = []
+    for model in serve_settings(sim.max_seqs):
+        runs = [run_serve(r, args.replicas, RouterWeights(), SpreadPolicy(), sim, model) for r in traffic]
+        row: dict = {"setting": model.label(), "router": model.router, "max_ongoing": model.max_ongoing}
+        row |= {"hold_margin": model.hold_margin, "relative_share": model.relative_share}
+        for k in runs[0]:
+            vals = [r[k] for r in runs]
+            row[k] = (statistics.mean(vals), min(vals), max(vals))
+        results.append(row)
+        print(_serve_line(row), flush=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+def _serve_line(row: dict) -> str:
+    def f(k: str, fmt: str = "{:.3f}") -> str:
+        mean, lo, hi = row[k]
+        return f"{fmt.format(mean)} ({fmt.format(lo)}–{fmt.format(hi)})"
+
+    keys = ("prefix_hit_rate", "loads_per_1k", "ttft_p50", "ttft_p99", "burst_ttft_p99", "throughput")
+    fmts = ("{:.3f}", "{:.1f}", "{:.1f}", "{:.1f}", "{:.1f}", "{:.2f}")
+    cells = [f(k, fm) for k, fm in zip(keys, fmts, strict=True)]
+    cells += [f"{row['peak_serve_queue'][0]:.0f}", f"{row['peak_engine_waiting'][0]:.0f}"]
+    return f"| {row['setting']} | " + " | ".join(cells) + " |"
 
 
 def _line(row: dict) -> str:

@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from api.cli.main import app
-from api.cluster.options import ClusterOptions
+from api.cluster.options import ClusterOptions, RouterQueue
 from api.settings import ServerSettings
 from tests.api.cluster.conftest import DEMO
 
@@ -65,6 +65,7 @@ def test_the_affinity_router_is_the_default_and_multiplex_an_option(tmp_path) ->
         "spread_load": 0.25,
         "max_spread": 3,
         "contract_after_s": 4.0,
+        "hold_margin": RouterQueue().hold_margin,
     }
     assert router.request_routing_stats_period_s <= 1.0  # residency reaches the router within a second
     plain = engine_deployment(settings, ClusterOptions(2, router="multiplex"))._deployment_config
@@ -79,6 +80,8 @@ def test_the_affinity_router_is_the_default_and_multiplex_an_option(tmp_path) ->
         (["--router-max-spread", "0"], "--router-max-spread"),
         (["--router-spread-load", "0"], "--router-spread-load"),
         (["--router-contract-after", "-1"], "--router-contract-after"),
+        (["--router-max-ongoing", "0"], "--router-max-ongoing"),
+        (["--router-hold-margin", "-1"], "--router-hold-margin"),
     ],
 )
 def test_cli_refuses_unknown_routers_and_negative_weights(tmp_path, args: list[str], message: str) -> None:
