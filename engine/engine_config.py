@@ -65,6 +65,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     fully_sharded_loras: bool = False
     distributed_timeout: float = 30.0
+    # MoE models under tensor parallel: each rank holds only its experts, whole (vLLM's name), placed
+    # `linear` (contiguous ranges) or `round_robin` (expert e on rank e % N); engine/distributed/moe_shard.py
+    enable_expert_parallel: bool = False
+    expert_placement: str = "linear"
 
     def adapter_pool_pages(self) -> int:
         """Pages per projection in the adapter pool: `lora_pool_pages`, or room for `2 * max_loras`
@@ -101,6 +105,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
         if self.distributed_timeout <= 0:
             raise ValueError(f"distributed_timeout must be > 0, got {self.distributed_timeout}")
+        if self.expert_placement not in ("linear", "round_robin"):
+            raise ValueError(f"expert_placement must be linear or round_robin, got {self.expert_placement!r}")
         if tp == 1:
             return
         device = self.resolve_device()

@@ -162,7 +162,24 @@ def serve(
         bool | None,
         typer.Option(
             "--fully-sharded-loras",
-            help="vLLM's flag: LoRA A sharded by rank too (not implemented yet: refused).",
+            help="vLLM's flag: with --tensor-parallel-size N, LoRA A is sharded by rank too (one all-gather "
+            "of the shrink output per projection; CPU only).",
+        ),
+    ] = None,
+    enable_expert_parallel: Annotated[
+        bool | None,
+        typer.Option(
+            "--enable-expert-parallel",
+            help="vLLM's flag: with --tensor-parallel-size N on a mixture-of-experts model, each rank holds "
+            "only its experts (whole) and their slices of every adapter; attention stays tensor-parallel.",
+        ),
+    ] = None,
+    expert_placement: Annotated[
+        str | None,
+        typer.Option(
+            "--expert-placement",
+            help="With --enable-expert-parallel: linear (rank r holds a contiguous range of experts, "
+            "default) or round_robin (expert e on rank e % N).",
         ),
     ] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
@@ -248,6 +265,13 @@ def serve(
     ingress_replicas: Annotated[
         int, typer.Option(help="With --replicas: HTTP ingress replicas (default 1).", min=1)
     ] = 1,
+    wait_for_nodes: Annotated[
+        bool,
+        typer.Option(
+            help="With --replicas: start even when the Ray cluster's nodes cannot hold the engine replicas "
+            "now (a Ray autoscaler adds nodes on demand); by default such a start is refused."
+        ),
+    ] = False,
     router: Annotated[
         str,
         typer.Option(
@@ -305,7 +329,9 @@ def serve(
         if tensor_parallel_size is not None and tensor_parallel_size > 1:
             from engine.distributed.shard import check_tensor_parallel
 
-            check_tensor_parallel(checkpoint, tensor_parallel_size)
+            check_tensor_parallel(checkpoint, tensor_parallel_size, bool(enable_expert_parallel))
+        if expert_placement is not None and expert_placement not in ("linear", "round_robin"):
+            raise ValueError(f"--expert-placement must be linear or round_robin, got {expert_placement!r}")
         modules = vllm_flags.parse_lora_modules(lora_modules or [])
         template = None if chat_template is None else vllm_flags.read_chat_template(chat_template)
         if tool_call_parser is not None:
@@ -346,6 +372,8 @@ def serve(
                 max_num_batched_tokens=max_num_batched_tokens,
                 tensor_parallel_size=tensor_parallel_size,
                 fully_sharded_loras=fully_sharded_loras,
+                enable_expert_parallel=enable_expert_parallel,
+                expert_placement=expert_placement,
             ),
         )
     except ValueError as exc:
@@ -432,6 +460,7 @@ def serve(
             ),
             local_prefill_tokens=local_prefill_tokens,
             spread=SpreadPolicy(router_spread_load, router_max_spread, router_contract_after),
+            wait_for_nodes=wait_for_nodes,
         )
         _serve_replicas(settings, layout, on_serving)
     else:
@@ -445,16 +474,18 @@ def _serve_replicas(settings, layout, on_serving: Callable[[], None]) -> None:
     import logging
 
     from api.cluster.ray_api import RayMissing, require_ray
-    from api.cluster.run import serve_cluster
+    from api.cluster.replica_resources import replica_resources
+    from api.cluster.run import ClusterRefused, serve_cluster
 
     try:
         require_ray()
         layout.validate()
+        resources = replica_resources(settings.engine, layout.cpus_per_replica, layout.gpus_per_replica)
     except (RayMissing, ValueError) as exc:
         fail(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     where = layout.ray_address or "a new local Ray cluster"
-    per = f"{layout.cpus_per_replica:g} CPU, {layout.gpus_per_replica:g} GPU each"
+    per = resources.describe()
     count = f"{layout.replicas} engine replicas"
     if layout.disaggregated:
         count = f"{layout.prefill_replicas} prefill + {layout.decode_replicas} decode replicas"
@@ -468,7 +499,10 @@ def _serve_replicas(settings, layout, on_serving: Callable[[], None]) -> None:
         f"  Replicas     {count} ({per}) + {layout.ingress_replicas} ingress on "
         f"{where} (Ray Serve, {layout.router} router)"
     )
-    serve_cluster(settings, layout, on_serving)
+    try:
+        serve_cluster(settings, layout, on_serving)
+    except ClusterRefused as exc:
+        fail(str(exc))
 
 
 def _check_tokenizer(model: Path, tokenizer: Path | None, template: str | None) -> None:

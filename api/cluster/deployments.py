@@ -16,6 +16,7 @@ from typing import Any
 
 from api.cluster import ray_api
 from api.cluster.options import ClusterOptions
+from api.cluster.replica_resources import replica_resources
 from api.settings import ServerSettings
 from engine.engine_config import EngineConfig
 from kernels.intmath import cdiv
@@ -40,7 +41,8 @@ def engine_deployment(
     settings: ServerSettings, options: ClusterOptions, max_ongoing: int | None = None
 ) -> Any:
     """The engine deployment class (one `EngineReplica` per Serve replica), each replica asking Ray for
-    `options.cpus_per_replica` CPUs and `options.gpus_per_replica` GPUs; `options.replicas` of them, or,
+    `options.cpus_per_replica` CPUs and `options.gpus_per_replica` GPUs (at `--tensor-parallel-size N`:
+    a placement group of its N ranks on one node, `replica_resources`); `options.replicas` of them, or,
     with `--max-replicas`, as many as Serve's autoscaling asks for (target ongoing requests per replica:
     `--target-ongoing-requests`, default the engine's `max_num_seqs`). `max_ongoing` requests per
     replica (default: the engine's `max_num_seqs`): past it, Ray sends an adapter's requests to another
@@ -51,6 +53,7 @@ def engine_deployment(
         async def __init__(self) -> None:  # type: ignore[misc]  # Ray Serve awaits an async constructor
             ray_api.log_to_stderr()
             self.replica = EngineReplica(settings, ray_api.replica_id(), pool_capacity(settings.engine))
+            self.replica.node_id, self.replica.placement = ray_api.node_id(), ray_api.placement()
             await self.replica.start()
 
         @ray_api.multiplexed(pool_capacity(settings.engine))
@@ -89,14 +92,16 @@ def engine_deployment(
         kwargs |= {"w_load": w.load, "spread_load": spread.load, "max_spread": spread.max_replicas}
         kwargs["contract_after_s"] = spread.contract_after_s
         extra["request_router_config"] = ray_api.affinity_router_config(kwargs)
+    res = replica_resources(settings.engine, options.cpus_per_replica, options.gpus_per_replica)
     return ray_api.deployment(
         EngineDeployment,
         name=ENGINE_DEPLOYMENT,
         num_replicas=options.replicas,
         autoscaling_config=options.autoscaling_config(default_target=settings.engine.max_num_seqs),
         max_ongoing_requests=max_ongoing or max(8, settings.engine.max_num_seqs),
-        num_cpus=options.cpus_per_replica,
-        num_gpus=options.gpus_per_replica,
+        num_cpus=res.cpus_per_rank,
+        num_gpus=res.gpus,
+        bundles=res.bundles(),
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
         health_check_timeout_s=10,
         graceful_shutdown_timeout_s=settings.shutdown_grace_seconds + 2 * CUT_MARGIN_SECONDS,
@@ -161,6 +166,7 @@ def ingress_deployment(
         name=INGRESS_DEPLOYMENT,
         num_replicas=options.ingress_replicas,
         max_ongoing_requests=1000,
+        on_head=True,  # beside Serve's proxy (head node only): losing a worker node keeps the front end
         graceful_shutdown_timeout_s=settings.shutdown_grace_seconds + CUT_MARGIN_SECONDS,
     )
 

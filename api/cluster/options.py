@@ -79,6 +79,9 @@ class ClusterOptions:
     # KV handoff, whose hops cost more than such a prefill stalls the running decodes); 0: none is
     local_prefill_tokens: int = 0
     spread: SpreadPolicy = field(default_factory=SpreadPolicy)
+    # start even when the alive nodes cannot hold the replicas now (a Ray autoscaler adds nodes on
+    # demand); False: refuse such a start with the reason (`run.check_cluster`)
+    wait_for_nodes: bool = False
 
     def autoscaling_config(self, default_target: float) -> dict[str, float | int] | None:
         """Serve's `autoscaling_config` for the engine deployment (None: a fixed `replicas`); the target

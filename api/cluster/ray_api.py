@@ -13,6 +13,7 @@ from typing import Any
 
 APP_NAME = "loraplex"
 NAMESPACE = "loraplex"
+HEAD_NODE_RESOURCE = "node:__internal_head__"
 
 # Serve's router gives a replica 0.1 s to report its queue length; a replica that misses it counts as
 # busy and the request falls back to the replica with the fewest models, which must then load the
@@ -70,6 +71,37 @@ def gcs_address() -> str:
     return str(ray.get_runtime_context().gcs_address)
 
 
+def alive_nodes() -> list[dict[str, float]]:
+    """The total resources of each alive node of the cluster (`{"CPU": 2.0, "GPU": 1.0, ...}`)."""
+    import ray
+
+    return [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
+
+
+def node_id() -> str:
+    """The id of the Ray node this process runs on (hex)."""
+    import ray
+
+    return str(ray.get_runtime_context().get_node_id())
+
+
+def placement() -> dict[str, Any] | None:
+    """The placement group this actor runs in: its strategy, bundles and the node of each bundle (None
+    outside one)."""
+    from ray.util.placement_group import get_current_placement_group, placement_group_table
+
+    group = get_current_placement_group()
+    if group is None:
+        return None
+    table = placement_group_table(group)
+    order = sorted(table["bundles"])
+    return {
+        "strategy": table["strategy"],
+        "bundles": [dict(table["bundles"][i]) for i in order],
+        "nodes": [table["bundles_to_node_id"].get(i) for i in order],
+    }
+
+
 def start_http(host: str, port: int) -> None:
     """Start Serve with its HTTP proxy on `host:port` (one proxy, on the head node)."""
     from ray import serve
@@ -99,17 +131,18 @@ def app_names() -> list[str]:
     return sorted(serve.status().applications)
 
 
-def shutdown(own_cluster: bool = True) -> None:
+def shutdown(own_cluster: bool = True, remove_app: bool = True) -> None:
     """Leave the cluster. On a cluster of our own (local), stop Serve and Ray; on one given by
-    `--ray-address` remove only loraplex's application and disconnect: Serve, its proxies and every
-    other application keep running."""
+    `--ray-address` remove only loraplex's application (unless `remove_app` is False: this process
+    deployed nothing, and the application there is another driver's) and disconnect: Serve, its proxies
+    and every other application keep running."""
     import ray
     from ray import serve
 
     try:
         if own_cluster:
             serve.shutdown()
-        else:
+        elif remove_app:
             delete_app()
     finally:
         ray.shutdown()
@@ -141,18 +174,27 @@ def deployment(
     max_ongoing_requests: int,
     num_cpus: float = 0,
     num_gpus: float = 0,
+    bundles: list[dict[str, float]] | None = None,
+    on_head: bool = False,
     autoscaling_config: dict[str, Any] | None = None,
     **options: Any,
 ) -> Any:
     """`cls` as a Serve deployment whose every replica asks Ray for `num_cpus` CPUs and `num_gpus` GPUs
     (default none: engines pin their own threads; Ray then places replicas without counting them).
-    With `autoscaling_config` (Serve's: min/initial/max replicas, target ongoing requests) Serve scales
-    the replicas and `num_replicas` is not passed (Serve refuses both)."""
+    With `bundles`, each replica reserves a placement group of them, all on one node (`STRICT_PACK`);
+    its actor runs in (and takes its CPUs and GPUs from) the first. `on_head`: replicas run on the head
+    node only. With `autoscaling_config` (Serve's: min/initial/max replicas, target ongoing requests)
+    Serve scales the replicas and `num_replicas` is not passed (Serve refuses both)."""
     from ray import serve
 
     actor_options: dict[str, Any] = {"num_cpus": num_cpus}
     if num_gpus:
         actor_options["num_gpus"] = num_gpus
+    if on_head:  # Ray's marker resource of the head node (as Ray's own libraries pin actors there)
+        actor_options["resources"] = {HEAD_NODE_RESOURCE: 0.001}
+    if bundles:
+        options["placement_group_bundles"] = bundles
+        options["placement_group_strategy"] = "STRICT_PACK"
     if autoscaling_config is not None:
         options["autoscaling_config"] = autoscaling_config
     else:

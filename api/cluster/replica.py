@@ -100,6 +100,8 @@ class EngineReplica:
         self.data_dir: Path | None = None  # this replica's own cache dir (database blob store)
         self.loaded_paths: dict[str, str] = {}  # digest -> its directory in this replica's blob cache
         self.startup_seconds: dict[str, float] = {}
+        self.node_id: str | None = None  # the Ray node this replica runs on (set by the deployment)
+        self.placement: dict[str, Any] | None = None  # its placement group (tensor parallel), if any
         self._engine_up_once = False
         self._resync: asyncio.Task | None = None
 
@@ -331,6 +333,8 @@ class EngineReplica:
             "startup_seconds": dict(self.startup_seconds),
             "prefix_blocks_held": len(self.held) if self.held is not None else 0,
             "pinned_hot": sorted(self.hot.pinned),
+            "node_id": self.node_id,
+            "placement": self.placement,
         }
 
 

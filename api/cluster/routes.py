@@ -38,7 +38,8 @@ async def cluster_status(state: StateDep, _: AdminActor) -> dict:
     adapter pool (loads, residency by tier), its prefix cache's counters (prompt tokens looked up, hit); its
     engine's process id, its own cache dir (database blob
     store; null with local blobs), the directory each adapter was loaded from, its start-up phases, the
-    prefix-cache blocks it reports to the router, and the hot adapters it pins for the router. Beside
+    prefix-cache blocks it reports to the router, the hot adapters it pins for the router, the Ray node
+    it runs on and its placement group (tensor parallel: strategy, bundles, each bundle's node). Beside
     them, `deployment`: the engine replicas Serve aims at now and its autoscaling config (null with a
     fixed `--replicas`), as Serve's controller holds them (null when it did not answer). Disaggregated
     (`--prefill-replicas/--decode-replicas`): each replica's `role` and its KV-transfer counters."""
@@ -66,6 +67,8 @@ async def cluster_status(state: StateDep, _: AdminActor) -> dict:
             "startup_seconds": r.get("startup_seconds", {}),
             "prefix_blocks_held": r.get("prefix_blocks_held", 0),
             "pinned_hot": r.get("pinned_hot", []),
+            "node_id": r.get("node_id"),
+            "placement": r.get("placement"),
         }
         entry |= {k: r[k] for k in DISAGGREGATED_KEYS if k in r}  # a prefill or decode replica's own
         out.append(entry)

@@ -5,6 +5,8 @@ replicas loading their model; each replica logs its own phases too). On SIGTERM/
 replicas drain with `settings.shutdown_grace_seconds` (new requests 503, requests still running at the
 end of the grace 503 or an SSE error event, as with the single server), then only loraplex's own Serve
 application is removed; Serve and Ray are stopped only on a local cluster this process started.
+Before deploying, `check_cluster` refuses (one line, nothing deployed) a layout the alive nodes cannot
+hold and a cluster that already runs another driver's loraplex application.
 """
 
 from __future__ import annotations
@@ -22,7 +24,31 @@ from lora_registry import open_registry
 
 log = logging.getLogger("loraplex.cluster")
 
-__all__ = ["ClusterOptions", "drain", "serve_cluster", "start_cluster", "stop_cluster"]
+__all__ = ["ClusterOptions", "ClusterRefused", "drain", "serve_cluster", "start_cluster", "stop_cluster"]
+
+
+class ClusterRefused(ValueError):
+    """The cluster cannot take this deployment (its nodes cannot hold the replicas, or another driver's
+    loraplex application is running there); nothing was deployed."""
+
+
+def check_cluster(settings: ServerSettings, options: ClusterOptions) -> None:
+    """ClusterRefused (one line) when, on the connected cluster, the alive nodes cannot hold the engine
+    replicas to start with (unless `options.wait_for_nodes`), or a loraplex application already runs on
+    a cluster given by `--ray-address` (one per cluster: deploying would replace another driver's)."""
+    from api.cluster.replica_resources import fit_error, replica_resources
+
+    if not (options.wait_for_nodes or options.disaggregated):
+        res = replica_resources(settings.engine, options.cpus_per_replica, options.gpus_per_replica)
+        error = fit_error(res, ray_api.alive_nodes(), options.replicas)
+        if error is not None:
+            raise ClusterRefused(error)
+    if options.ray_address and ray_api.APP_NAME in ray_api.app_names():
+        raise ClusterRefused(
+            f"a loraplex application is already running on the Ray cluster at {options.ray_address} "
+            "(one per cluster): stop its driver first, or remove it if the driver is gone (docs/deploy.md, "
+            "section 2)"
+        )
 
 
 def start_cluster(
@@ -44,6 +70,7 @@ def start_cluster(
     ray_api.init(options.ray_address, options.num_cpus)
     if on_connected is not None:
         on_connected()
+    check_cluster(settings, options)
     t2 = time.monotonic()
     ray_api.start_http(settings.host, settings.port)
     t3 = time.monotonic()
@@ -80,9 +107,10 @@ def drain(grace: float, margin: float = 5.0) -> int:
     return at_start
 
 
-def stop_cluster(options: ClusterOptions) -> None:
-    """Remove loraplex's application; on a local cluster of our own, stop Serve and Ray too."""
-    ray_api.shutdown(own_cluster=options.ray_address is None)
+def stop_cluster(options: ClusterOptions, deployed: bool = True) -> None:
+    """Remove loraplex's application (if this process `deployed` it); on a local cluster of our own, stop
+    Serve and Ray too."""
+    ray_api.shutdown(own_cluster=options.ray_address is None, remove_app=deployed)
 
 
 def serve_cluster(
@@ -91,7 +119,7 @@ def serve_cluster(
     """Serve until SIGINT/SIGTERM, then drain (see the module doc) and tear down what is ours;
     `on_serving()` runs once every deployment is up."""
     stop = threading.Event()
-    started = False
+    started = refused = False
 
     def on_signals() -> None:  # after ray.init, which installs handlers of its own
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -104,6 +132,9 @@ def serve_cluster(
             on_serving()
         stop.wait()
         drain(settings.shutdown_grace_seconds)
+    except ClusterRefused:
+        refused = True  # nothing of ours there: an application on the cluster is another driver's
+        raise
     finally:
         if started or ray_api.is_initialized():
-            stop_cluster(options)
+            stop_cluster(options, deployed=not refused)

@@ -27,7 +27,8 @@ def tensor_parallel(
     included, gets `num_threads // N` threads (`num_threads` default: the CPUs this process may use)."""
     world = config.tensor_parallel_size
     if isinstance(world, int) and world > 1:
-        check_tensor_parallel(checkpoint, world)  # the model's limits first: they hold on any machine
+        # the model's limits first: they hold on any machine
+        check_tensor_parallel(checkpoint, world, config.enable_expert_parallel)
     config.check_parallel()
     if world == 1:
         return None
@@ -36,4 +37,16 @@ def tensor_parallel(
         threads = max(1, (config.num_threads or available_cpus()) // world)
         torch.set_num_threads(threads)
     group = WorkerGroup(config, world, device, threads, config.distributed_timeout)
-    return TensorParallel(TensorShard(0, world, checkpoint, config.fully_sharded_loras), group)
+    return TensorParallel(rank_shard(0, world, checkpoint, config), group)
+
+
+def rank_shard(rank: int, world: int, checkpoint: ModelConfig, config: EngineConfig) -> TensorShard:
+    """Rank `rank`'s shard of `checkpoint` under `config`'s parallel settings (rank 0's and the workers')."""
+    return TensorShard(
+        rank,
+        world,
+        checkpoint,
+        config.fully_sharded_loras,
+        config.enable_expert_parallel and bool(checkpoint.extra.get("moe")),
+        config.expert_placement,
+    )

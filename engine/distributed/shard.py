@@ -6,7 +6,10 @@ With `world` ranks, rank `r` holds:
   ``[r*K/N, (r+1)*K/N)`` when K >= N, else the one KV head its q heads read (``r*K // N``, replicated on
   ``N/K`` ranks), so every rank's paged KV cache holds only its heads;
 - rows ``[r*I/N, (r+1)*I/N)`` of gate and up (and the matching columns of down);
-- everything else whole: norms, q/k head norms, the embedding and the LM head (replicated, see below).
+- everything else whole: norms, q/k head norms, the embedding and the LM head (replicated, see below);
+- of a mixture-of-experts model's blocks: the router whole, the experts' intermediate rows (or, with
+  `expert_parallel`, its experts whole) and the shared expert's rows, with one all-reduce per block
+  (`engine/distributed/moe_shard.py`).
 
 q|k|v and gate|up are column-parallel (each rank computes its rows of the output, no communication);
 o and down are row-parallel (each rank multiplies its columns of the input, and one all-reduce sums the
@@ -44,12 +47,18 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from engine.distributed.moe_shard import (
+    MOE_TENSOR_PARALLEL_ARCHITECTURES,
+    check_moe_parallel,
+    has_dense_layers,
+)
 from engine.model_config import ModelConfig
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # LoRA slices split by output rows
 ROW = ("o_proj", "down_proj")  # LoRA slices split by input columns
 ROW_PARALLEL_MODULES = ("o_proj", "down_proj")  # the packed projections whose output is all-reduced
-# architectures whose layers are exactly the shared decoder's projections (MoE experts are not sharded)
+# architectures whose layers are exactly the shared decoder's projections (the MoE families' feed-forward
+# blocks are sharded by `engine/distributed/moe_shard.py`)
 TENSOR_PARALLEL_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -60,6 +69,7 @@ TENSOR_PARALLEL_ARCHITECTURES = (
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration",
+    *MOE_TENSOR_PARALLEL_ARCHITECTURES,
 )
 
 
@@ -67,9 +77,10 @@ class TensorParallelError(ValueError):
     """A `tensor_parallel_size` this model (or machine) cannot be split into."""
 
 
-def check_tensor_parallel(cfg: ModelConfig, world: int) -> None:
+def check_tensor_parallel(cfg: ModelConfig, world: int, expert_parallel: bool = False) -> None:
     """TensorParallelError (one line) unless `cfg` splits into `world` ranks: heads, KV heads (or their
-    replication) and the MLP width must divide evenly, and the architecture must be a dense one."""
+    replication) and the MLP width must divide evenly, and the architecture must be one this module (or
+    `moe_shard.py`, for the MoE blocks: experts or their width, `expert_parallel`) shards."""
     if world < 1:
         raise TensorParallelError(f"tensor_parallel_size must be >= 1, got {world}")
     if world == 1:
@@ -88,10 +99,14 @@ def check_tensor_parallel(cfg: ModelConfig, world: int) -> None:
         raise TensorParallelError(
             f"tensor_parallel_size={world} and the model's {k} KV heads: one must divide the other"
         )
-    if inter % world:
+    moe = bool(cfg.extra.get("moe"))
+    if inter % world and (not moe or has_dense_layers(cfg)):
         raise TensorParallelError(
             f"tensor_parallel_size={world} does not divide the model's intermediate_size {inter}"
         )
+    why = check_moe_parallel(cfg, world, expert_parallel) if moe else None
+    if why is not None:
+        raise TensorParallelError(why)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +117,8 @@ class TensorShard:
     world: int
     full: ModelConfig
     fully_sharded: bool = False  # column-parallel LoRA A split by rank as well (module docstring)
+    expert_parallel: bool = False  # MoE: each rank holds its experts whole (`moe_shard.py`)
+    expert_placement: str = "linear"  # which experts are whose: linear | round_robin
 
     @property
     def heads(self) -> range:
@@ -126,13 +143,19 @@ class TensorShard:
         return range(self.rank * n, (self.rank + 1) * n)
 
     def local_config(self) -> ModelConfig:
-        """The config of this rank's shard: its heads, KV heads and MLP width (the rest unchanged)."""
-        return replace(
+        """The config of this rank's shard: its heads, KV heads and MLP width, and a MoE model's experts
+        (`moe_shard.local_moe`); the rest unchanged."""
+        local = replace(
             self.full,
             num_heads=len(self.heads),
             num_kv_heads=len(self.kv_heads),
             intermediate_size=len(self.inter),
         )
+        if self.full.extra.get("moe"):
+            from engine.distributed.moe_shard import local_moe
+
+            local = replace(local, extra=self.full.extra | {"moe": local_moe(self)})
+        return local
 
     def _rows(self, module: str) -> slice:
         """The rows of projection `module`'s output (columns of its input, for o/down) this rank holds."""

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import torch
 
+from engine.distributed.moe_shard import wire_moe
 from engine.distributed.shard import ROW_PARALLEL_MODULES, TensorShard
 from engine.model.decoder import DecoderForCausalLM
 from engine.model.linear import ProjectionLinear
@@ -25,12 +26,15 @@ def load_shard(
     packed_cpu_gemms: bool = True,
 ) -> DecoderForCausalLM:
     """The model of `shard` (`engine/distributed/shard.py`) with every row-parallel projection (o, down)
-    summing its partial output over the ranks through `all_reduce`; CPU GEMMs packed as at TP=1."""
+    summing its partial output over the ranks through `all_reduce`, and every MoE block its one sum
+    (`engine/distributed/moe_shard.py`); CPU GEMMs packed as at TP=1."""
     model = load_model(checkpoint, dtype, device, shard)
     if packed_cpu_gemms:
         model.pack_cpu_gemms()
     for module in model.modules():
         if isinstance(module, ProjectionLinear) and module.slice_names[0] in ROW_PARALLEL_MODULES:
             module.all_reduce = all_reduce
+    if checkpoint.extra.get("moe"):  # one all-reduce per MoE block (and OLMoE's q/k norms)
+        wire_moe(model, shard, all_reduce)
     model.graph_problem = "CUDA graphs are not captured under tensor parallel"
     return model

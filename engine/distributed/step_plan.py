@@ -8,8 +8,11 @@ A frame is ``[kind, n, (dtype code, ndim, shape...) * n]`` as int64, then each a
   none) and their weights [S] (float64; `engine/distributed/lora_runs.py`).
 - `UPLOAD`: write an adapter into the pool. Arrays: digest (uint8, ASCII), [slot], pages per module
   [7] then the page ids, per adapted (layer, module) its [layer, module index, rank] (int64 [W, 3]) and
-  scaling (float64 [W]), then A and B of each, float32, then the adapter's side tensors (DoRA
-  magnitudes, lora_B biases, its embedding side: `engine/distributed/adapter_frames.py`).
+  scaling (float64 [W]); per adapted (layer, expert projection) of a MoE adapter its [layer, projection
+  index, rank] (int64 [X, 3]) and scaling (float64 [X]); then A and B of each module, float32; then A
+  [E, r, in] and B [E, out, r] of each expert projection, float32 (whole: every rank cuts its part); then
+  the adapter's side tensors (DoRA magnitudes, lora_B biases, its embedding side:
+  `engine/distributed/adapter_frames.py`).
 - `EVICT`: digest. `STOP`: no arrays.
 """
 
@@ -23,6 +26,8 @@ import torch
 
 from engine.distributed.adapter_frames import decode_side, encode_side
 from engine.lora.adapter_checkpoint import PROJECTIONS, AdapterCheckpoint, LoRAModuleWeights
+from engine.lora.expert_checkpoint import ExpertLoRAWeights
+from engine.lora.expert_pages import EXPERT_PROJS
 from engine.step_inputs import StepInputs
 
 STEP, UPLOAD, EVICT, STOP = 1, 2, 3, 4
@@ -112,6 +117,7 @@ def encode_upload(ckpt: AdapterCheckpoint, slot: int, pages: list[list[int]]) ->
     for w in mods:
         assert w.lora_a is not None and w.lora_b is not None, "filtered above"
         weights += [w.lora_a.float().numpy(), w.lora_b.float().numpy()]
+    expert_meta, expert_scalings, expert_weights = _expert_arrays(ckpt)
     return encode(
         UPLOAD,
         [
@@ -121,16 +127,34 @@ def encode_upload(ckpt: AdapterCheckpoint, slot: int, pages: list[list[int]]) ->
             np.asarray([p for plist in pages for p in plist], dtype=np.int64),
             meta,
             np.asarray([w.scaling for w in mods], dtype=np.float64),
+            expert_meta,
+            expert_scalings,
             *weights,
+            *expert_weights,
             *encode_side(ckpt, mods),
         ],
     )
 
 
+def _expert_arrays(ckpt: AdapterCheckpoint) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    """An adapter's expert LoRA (`engine/lora/expert_checkpoint.py`) as `UPLOAD` arrays: [X, 3] of (layer,
+    projection index, rank), [X] scalings, and each one's A and B (float32)."""
+    ws = [w for w in ckpt.experts if w.lora_a is not None and w.lora_b is not None]
+    meta = [[w.layer, EXPERT_PROJS.index(w.proj), w.rank] for w in ws]
+    arrays: list[np.ndarray] = []
+    for w in ws:
+        assert w.lora_a is not None and w.lora_b is not None, "filtered above"
+        arrays += [w.lora_a.float().numpy(), w.lora_b.float().numpy()]
+    scalings = np.asarray([w.scaling for w in ws], dtype=np.float64)
+    return np.asarray(meta, dtype=np.int64).reshape(-1, 3), scalings, arrays
+
+
 def decode_upload(arrays: list[np.ndarray]) -> tuple[AdapterCheckpoint, int, list[list[int]]]:
     """(the adapter, with the weights it had on rank 0, as float32; its slot; its pages per module)."""
-    digest, slot, counts, flat, meta, scalings, *rest = arrays
-    weights, side = rest[: 2 * len(meta)], rest[2 * len(meta) :]
+    digest, slot, counts, flat, meta, scalings, expert_meta, expert_scalings, *rest = arrays
+    n_mod, n_exp = 2 * len(meta), 2 * len(expert_meta)
+    weights, expert_weights = rest[:n_mod], rest[n_mod : n_mod + n_exp]
+    side = rest[n_mod + n_exp :]
     pages, at = [], 0
     for n in counts.tolist():
         pages.append(flat[at : at + n].tolist())
@@ -139,6 +163,10 @@ def decode_upload(arrays: list[np.ndarray]) -> tuple[AdapterCheckpoint, int, lis
     for i, (layer, m, rank) in enumerate(meta.tolist()):
         a, b = torch.from_numpy(weights[2 * i]), torch.from_numpy(weights[2 * i + 1])
         modules.append(LoRAModuleWeights(layer, PROJECTIONS[m], rank, 0.0, float(scalings[i]), a, b))
+    experts = []
+    for i, (layer, p, rank) in enumerate(expert_meta.tolist()):
+        a, b = torch.from_numpy(expert_weights[2 * i]), torch.from_numpy(expert_weights[2 * i + 1])
+        experts.append(ExpertLoRAWeights(layer, EXPERT_PROJS[p], rank, float(expert_scalings[i]), a, b))
     ckpt = AdapterCheckpoint(
         digest=bytes(digest).decode("ascii"),
         rank=max((w.rank for w in modules), default=0),
@@ -148,6 +176,7 @@ def decode_upload(arrays: list[np.ndarray]) -> tuple[AdapterCheckpoint, int, lis
         size_bytes=0,
         base_model_name=None,
         modules=tuple(modules),
+        experts=tuple(experts),
     )
     return decode_side(side, ckpt), int(slot[0]), pages
 

@@ -81,7 +81,7 @@ def worker_main(spec: WorkerSpec) -> None:
 class _Worker:
     def __init__(self, spec: WorkerSpec) -> None:
         from engine.attention import select_backend
-        from engine.distributed.shard import TensorShard
+        from engine.distributed.setup import rank_shard
         from engine.distributed.shard_model import load_shard
         from engine.model_config import ModelConfig, resolve_dtype
 
@@ -93,7 +93,7 @@ class _Worker:
             torch.cuda.set_device(self.device)
         checkpoint = ModelConfig.from_dir(cfg.model)
         dtype = resolve_dtype(cfg.dtype, checkpoint, self.device)
-        self.shard = TensorShard(spec.rank, spec.world, checkpoint, cfg.fully_sharded_loras)
+        self.shard = rank_shard(spec.rank, spec.world, checkpoint, cfg)
         self.group: ProcessGroup | None = None
         self.model = load_shard(
             checkpoint, self.shard, dtype, self.device, self._all_reduce, cfg.packed_cpu_gemms

@@ -12,11 +12,15 @@ pages are multiplied safely. An expert page is num_layers x num_experts times la
 page (e.g. ~0.4 GiB for gate_up of Qwen3-30B-A3B at page_rank 16 in bfloat16), so the store is not
 allocated up front: its capacity grows (doubling, at most `max_pages` per projection) when an expert
 adapter is uploaded, and models without experts, or serving no expert adapter, pay nothing.
+
+Under tensor parallel each rank's store holds its part only: its experts (expert parallel), or its rows
+of every expert's gate_up B and columns of its down A (`engine/distributed/moe_shard.py`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +28,9 @@ from engine.lora.adapter_checkpoint import AdapterCheckpoint
 from engine.lora.expert_targets import expert_features
 from engine.model_config import ModelConfig
 from kernels.intmath import cdiv
+
+if TYPE_CHECKING:
+    from engine.distributed.shard import TensorShard
 
 EXPERT_PROJS = ("gate_up", "down")
 
@@ -42,11 +49,21 @@ class ExpertPageStore:
     """Growable paged storage of expert LoRA weights on the engine's device (module docstring)."""
 
     def __init__(
-        self, cfg: ModelConfig, max_pages: int, page_rank: int, dtype: torch.dtype, device: torch.device
+        self,
+        cfg: ModelConfig,
+        max_pages: int,
+        page_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        shard: TensorShard | None = None,
     ) -> None:
+        """`cfg`: the rank's (local) config; `shard`: tensor parallel, this rank's part of every adapter's
+        expert LoRA (`engine/distributed/moe_shard.py`: its experts, or its rows of each)."""
         self.cfg, self.max_pages, self.page_rank = cfg, max_pages, page_rank
-        self.dtype, self.device = dtype, device
-        self.num_experts = int(cfg.extra["moe"]["num_experts"])
+        self.dtype, self.device, self.shard = dtype, device, shard
+        moe = cfg.extra["moe"]
+        local = moe.get("local_experts")
+        self.num_experts = int(moe["num_experts"]) if local is None else len(local)
         self.a: dict[str, torch.Tensor] = {}
         self.b: dict[str, torch.Tensor] = {}
         self.capacity = dict.fromkeys(EXPERT_PROJS, 0)
@@ -85,8 +102,12 @@ class ExpertPageStore:
                     self.b[p][page].zero_()
             for w in ckpt.experts:
                 assert w.lora_a is not None and w.lora_b is not None, "uploading an adapter needs its weights"
-                a = w.lora_a.to(self.device, self.dtype)
-                b = w.lora_b.to(self.device, self.dtype)
+                a, b = w.lora_a, w.lora_b
+                if self.shard is not None and self.shard.world > 1:
+                    from engine.distributed.moe_shard import expert_lora
+
+                    a, b = expert_lora(self.shard, w.proj, a, b)
+                a, b = a.to(self.device, self.dtype), b.to(self.device, self.dtype)
                 for j, page in enumerate(pages[w.proj]):
                     lo, hi = j * pr, min((j + 1) * pr, w.rank)
                     if lo >= hi:

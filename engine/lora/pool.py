@@ -133,7 +133,7 @@ class AdapterPool:
         self.resident: dict[str, ResidentAdapter] = {}
         # LoRA on a MoE model's routed experts (pages allocated as expert adapters arrive)
         self.experts = (
-            ExpertPageStore(cfg, num_pages, page_rank, dtype, device) if cfg.extra.get("moe") else None
+            ExpertPageStore(cfg, num_pages, page_rank, dtype, device, shard) if cfg.extra.get("moe") else None
         )
         # Data the compute paths derive from the current residents (e.g. the CPU path's gather indices),
         # keyed by what it depends on; cleared on every upload and eviction so it never goes stale.

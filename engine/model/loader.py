@@ -59,7 +59,7 @@ def load_model(
     with torch.no_grad():
         for source, hf_key, tensor in tensors:
             key = family.checkpoint_key(hf_key)
-            if key is not None and _copy_expert(model, params, key, tensor, hf_key, filled):
+            if key is not None and _copy_expert(model, params, key, tensor, hf_key, filled, shard):
                 continue
             target = None if key is None else _target(key, family.checkpoint_modules)
             if target is None:
@@ -115,9 +115,18 @@ def _target(
     return f"layers.{layer}.{rest}", None
 
 
-def _copy_expert(model, params, key: str, src: torch.Tensor, hf_key: str, filled: set[str]) -> bool:
+def _copy_expert(
+    model,
+    params,
+    key: str,
+    src: torch.Tensor,
+    hf_key: str,
+    filled: set[str],
+    shard: TensorShard | None = None,
+) -> bool:
     """Copy an expert weight of a MoE checkpoint (`engine.model.moe.expert_piece`: the fused 3-D tensor
-    whole, or one expert's projection into its slice) and note it in `filled`; False for other keys."""
+    whole, or one expert's projection into its slice) and note it in `filled`; False for other keys.
+    `shard`: only this rank's part (`engine/distributed/moe_shard.py`: its experts, or their rows)."""
     if ".experts." not in key:
         return False
     from engine.model.moe import expert_piece
@@ -129,6 +138,16 @@ def _copy_expert(model, params, key: str, src: torch.Tensor, hf_key: str, filled
     if name not in params:
         raise CheckpointError(f"unexpected tensor {hf_key!r}")
     dest = params[name]
+    if shard is not None and shard.world > 1:
+        from engine.distributed.moe_shard import expert_tensor
+
+        moe = model.get_submodule(name.rsplit(".", 2)[0])
+        if expert is not None and expert >= moe.gate.weight.shape[0]:
+            raise CheckpointError(f"tensor {hf_key!r}: expert {expert} beyond the config's experts")
+        part = expert_tensor(shard, name.rsplit(".", 1)[1], expert, half, src)
+        if part is None:
+            return True  # another rank's expert
+        expert, src = part
     if expert is not None:
         experts = model.get_submodule(name.rsplit(".", 1)[0])
         if expert >= experts.num_experts:
@@ -150,9 +169,20 @@ def _shard_tensor(model, shard: TensorShard, name: str, slice_idx: int | None, t
 
     owner, _, leaf = name.rpartition(".")
     module = model.get_submodule(owner) if owner else model
+    if (
+        name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight"))
+        and module.weight.numel() < t.numel()
+    ):
+        from engine.distributed.moe_shard import norm_rows  # OLMoE's q/k norms over whole rows
+
+        return norm_rows(shard, name, t)
     if not isinstance(module, ProjectionLinear):
         return t
     names = module.slice_names if slice_idx is None else (module.slice_names[slice_idx],)
+    if ".mlp.shared_expert." in name:
+        from engine.distributed.moe_shard import shared_expert_projection
+
+        return shared_expert_projection(shard, names, leaf, t)
     return shard.projection(names, leaf, t)
 
 

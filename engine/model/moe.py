@@ -9,9 +9,13 @@ For the step's flat token batch `x` [T, H]:
    pairs sorted by expert (and within an expert by adapter) once, one GEMM per projection per expert
    that has tokens, `gu = x_e @ W_gate_up[e].T`, `h = silu(gate) * up`, `y_e = h @ W_down[e].T`, each
    adapter's LoRA delta for that expert added on its rows, and the weighted combine (`index_add_`); on
-   CUDA, for steps without expert LoRA on the layer, the Triton fused-MoE kernel (`kernels/fused_moe.py`).
+   CUDA the Triton fused-MoE kernel (`kernels/fused_moe.py`), with the step's expert LoRA inside it.
 
 Qwen2-MoE adds a shared expert (a dense gated MLP) scaled by `sigmoid(x @ w_shared_gate.T)`.
+
+Under tensor parallel (`engine/distributed/moe_shard.py`) the router is whole on every rank, the experts'
+intermediate dimension split (or, with expert parallel, each rank holds `local_experts` whole and computes
+only their pairs), and the block ends with one all-reduce of the routed and shared partial outputs.
 
 Expert weights are 3-D: `experts.gate_up` [E, 2I, H] (gate rows first) and `experts.down` [E, H, I],
 transformers 5's fused layout; the loader fills them whole from a fused checkpoint or expert by expert
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -104,7 +108,13 @@ class SparseMoE(nn.Module):
         self.top_k, self.norm_topk_prob = int(moe["top_k"]), bool(moe["norm_topk_prob"])
         self.layer = layer
         self.gate = Router(int(moe["num_experts"]), hidden)
-        self.experts = Experts(int(moe["num_experts"]), hidden, int(moe["intermediate_size"]))
+        # expert parallel (`engine/distributed/moe_shard.py`): the global ids of this rank's experts
+        self.local_experts: list[int] | None = moe.get("local_experts")
+        held = int(moe["num_experts"]) if self.local_experts is None else len(self.local_experts)
+        self.experts = Experts(held, hidden, int(moe["intermediate_size"]))
+        self._expert_map: torch.Tensor | None = None
+        # tensor / expert parallel: the one sum over ranks of the block's partial output
+        self.all_reduce: Callable[[torch.Tensor], None] | None = None
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: Router | None = None
         if moe.get("shared_intermediate_size"):
@@ -122,29 +132,51 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoRAStepContext | None = None, fused=None) -> torch.Tensor:
         """The block's output [T, H]: the routed experts with the step's expert LoRA (`lora.experts`,
-        `engine/model/moe_experts.py`), plus Qwen2-MoE's gated shared expert; `fused` is unused. On CUDA a
-        step without expert LoRA on this layer runs the Triton fused-MoE kernel (`triton_experts`)."""
+        `engine/model/moe_experts.py`), plus Qwen2-MoE's gated shared expert; `fused` is unused. On CUDA the
+        routed experts (and their LoRA) run the Triton fused-MoE kernel (`triton_experts`)."""
         weights, ids = self.route(x)
+        if self.local_experts is not None:  # expert parallel: other ranks' experts -> E, dropped
+            ids = self.expert_map(x.device)[ids]
         hook = getattr(lora, "experts", None)
-        if self.uses_triton(x) and (hook is None or not hook.adapts(self.layer)):
-            out = self.triton_experts(x, weights, ids)
+        if self.uses_triton(x) and (hook is None or hasattr(hook, "kernel_lora")):
+            out = self.triton_experts(x, weights, ids, hook)
         else:
             out = experts_forward(self.experts.gate_up, self.experts.down, x, weights, ids, hook, self.layer)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             gate = torch.sigmoid(nn.functional.linear(x, self.shared_expert_gate.weight))
             out.add_(gate * self.shared_expert(x, None))
+        if self.all_reduce is not None:  # the ranks' partial outputs (experts and shared expert) summed
+            self.all_reduce(out)
         return out
 
-    def uses_triton(self, x: torch.Tensor) -> bool:
-        """Whether the routed experts of a step over `x` run the Triton kernel: on CUDA tensors."""
-        return x.is_cuda
+    def expert_map(self, device: torch.device) -> torch.Tensor:
+        """int64 [E]: each global expert's index among this rank's experts, or the local count for an
+        expert another rank holds (`experts_forward` drops those pairs)."""
+        if self._expert_map is None or self._expert_map.device != device:
+            assert self.local_experts is not None, "expert parallel only"
+            held = len(self.local_experts)
+            m = torch.full((self.gate.weight.shape[0],), held, dtype=torch.long)
+            m[self.local_experts] = torch.arange(held)
+            self._expert_map = m.to(device)
+        return self._expert_map
 
-    def triton_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The routed experts' weighted sum [T, H] by `kernels/fused_moe.py` (pairs sorted by expert on the
-        device, one grouped GEMM per projection, no host synchronization)."""
+    def uses_triton(self, x: torch.Tensor) -> bool:
+        """Whether the routed experts of a step over `x` run the Triton kernel: on CUDA tensors, unless
+        under expert parallel (whose pairs of other ranks' experts only `experts_forward` drops)."""
+        return x.is_cuda and self.local_experts is None
+
+    def triton_experts(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, hook: Any = None
+    ) -> torch.Tensor:
+        """The routed experts' weighted sum [T, H] by `kernels/fused_moe.py` (pairs sorted by expert, and by
+        adapter where `hook`, the step's expert LoRA, adapts this layer, on the device; one grouped GEMM
+        per projection with each pair's adapter delta inside; no host synchronization)."""
         from kernels.fused_moe import fused_moe
 
-        return fused_moe(x, self.experts.gate_up, self.experts.down, weights, ids)
+        lora = None
+        if hook is not None and hook.adapts(self.layer):
+            lora = hook.kernel_lora(self.layer, x.shape[0], x.device)
+        return fused_moe(x, self.experts.gate_up, self.experts.down, weights, ids, lora=lora)
 
 
 def is_sparse_layer(cfg: ModelConfig, layer: int) -> bool:

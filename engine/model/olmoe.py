@@ -10,6 +10,7 @@ PEFT's wrapped `q_proj` does. Adapters on the router or experts are refused (`mo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,17 +41,40 @@ class OlmoeAttention(Attention):
         self.q_norm = RMSNorm(cfg.q_size, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.kv_size, cfg.rms_norm_eps)
         self.clip_qkv: float | None = cfg.extra.get("clip_qkv")
+        # tensor parallel (`engine/distributed/moe_shard.py`): this rank holds its heads' part of q and k;
+        # the norms' sums of squares are summed over the ranks (whole q / k widths; replicated KV heads)
+        self.norm_all_reduce: Callable[[torch.Tensor], None] | None = None
+        self.norm_widths = (cfg.q_size, cfg.kv_size)
+        self.kv_replicas = 1.0
 
     def project_qkv(self, x: torch.Tensor, lora: LoRAStepContext | None) -> torch.Tensor:
         """q|k|v with q and k normed in place (then clamped, with v, where `clip_qkv` is set)."""
         assert self.q_norm is not None and self.k_norm is not None
         qkv = self.qkv_proj(x, lora)
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv[:, :q] = self.q_norm(qkv[:, :q])
-        qkv[:, q : q + kv] = self.k_norm(qkv[:, q : q + kv])
+        if self.norm_all_reduce is None:
+            qkv[:, :q] = self.q_norm(qkv[:, :q])
+            qkv[:, q : q + kv] = self.k_norm(qkv[:, q : q + kv])
+        else:
+            self._sharded_norms(qkv, q, kv)
         if self.clip_qkv is not None:
             qkv.clamp_(-self.clip_qkv, self.clip_qkv)
         return qkv
+
+    def _sharded_norms(self, qkv: torch.Tensor, q: int, kv: int) -> None:
+        """q and k normed in place over their whole rows, this rank holding its heads' part of each: one
+        all-reduce of both rows' local sums of squares ([T, 2])."""
+        assert self.q_norm is not None and self.k_norm is not None and self.norm_all_reduce is not None
+        qf, kf = qkv[:, :q].float(), qkv[:, q : q + kv].float()
+        sq = torch.stack([qf.pow(2).sum(-1), kf.pow(2).sum(-1)], dim=1)
+        self.norm_all_reduce(sq)
+        sq[:, 1] /= self.kv_replicas
+        eps = self.q_norm.eps
+        qkv[:, :q] = self.q_norm.weight * (qf * torch.rsqrt(sq[:, :1] / self.norm_widths[0] + eps)).to(
+            qkv.dtype
+        )
+        kn = (kf * torch.rsqrt(sq[:, 1:] / self.norm_widths[1] + self.k_norm.eps)).to(qkv.dtype)
+        qkv[:, q : q + kv] = self.k_norm.weight * kn
 
 
 class OlmoeDecoderLayer(MoEDecoderLayer):

@@ -117,3 +117,40 @@ def test_cli_refuses_router_and_dense_mlp_adapters(case, moe, tmp_path):
     assert re.search(REFUSED[case], " ".join(result.stderr.split())), result.stderr
     listed = CliRunner().invoke(app, ["adapters", "list", "--json"], env=env)
     assert listed.exit_code == 0 and json.loads(listed.stdout) == []
+
+
+@pytest.fixture(scope="module")
+def ep_server(moe, tmp_path_factory):
+    """`serve -tp 2 --enable-expert-parallel --expert-placement round_robin` on the MoE base."""
+    srv = start_server(
+        moe[0],
+        tmp_path_factory.mktemp("moe-ep-data"),
+        tensor_parallel_size=2,
+        enable_expert_parallel=True,
+        expert_placement="round_robin",
+    )
+    yield srv
+    srv.stop()
+
+
+def test_expert_parallel_server_serves_expert_adapter(ep_server, moe):
+    """Under expert parallel an uploaded expert adapter answers PEFT's tokens next to the base model's,
+    and the pool reports its (rank 0's) device memory."""
+    _, dirs, oracle = moe
+    admin = ep_server.admin()
+    files = {"file": ("experts.zip", _zip(dirs["experts"]), "application/zip")}
+    r = admin.post("/admin/api/adapters", data={"name": "ep-bot", "activate": "true"}, files=files)
+    assert r.status_code == 201, r.text
+    base_name = ep_server.state.settings.served_model_name
+    for model, adapter in (("ep-bot", dirs["experts"]), (base_name, None)):
+        body = {"model": model, "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(f"{ep_server.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == oracle.greedy(PROMPT, 6, adapter), model
+
+    def reported() -> bool:
+        pool = admin.get("/admin/api/pool")
+        adapters = pool.json()["adapters"] if pool.status_code == 200 else []
+        return any(a["active_name"] == "ep-bot" and a["memory_bytes"] > 0 for a in adapters)
+
+    assert wait_until(reported, timeout=30)

@@ -189,6 +189,8 @@ def _serve(*args: str, tmp_path: Path) -> tuple[int, str]:
         (["--tensor-parallel-size", "2", "--threads", "1"], "more ranks than the 1 CPUs"),
         # accepted: the start gets past it to the next check
         (["-tp", "2", "--fully-sharded-loras", "--threads", "1"], "more ranks than the 1 CPUs"),
+        (["-tp", "2", "--enable-expert-parallel", "--threads", "1"], "more ranks than the 1 CPUs"),
+        (["-tp", "2", "--expert-placement", "striped"], "--expert-placement must be linear or round_robin"),
     ],
 )
 def test_flags_that_cannot_mean_what_vllm_means_are_refused(args, message, tmp_path) -> None:
