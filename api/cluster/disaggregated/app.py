@@ -44,7 +44,7 @@ def prefill_deployment(settings: ServerSettings, options: ClusterOptions) -> Any
         async def __init__(self) -> None:  # type: ignore[misc]  # Ray Serve awaits an async constructor
             ray_api.log_to_stderr()
             self.replica = EngineReplica(settings, ray_api.replica_id())
-            self.worker = PrefillWorker(self.replica)
+            self.worker = PrefillWorker(self.replica, options.kv_transfer_timeout_s)
             await self.replica.start()
 
         async def generate(self, payload: bytes):

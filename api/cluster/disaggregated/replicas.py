@@ -37,9 +37,14 @@ FETCHING = {"fetching": True}  # a decode call's item once its adapter is reside
 class PrefillWorker:
     """What a prefill replica does, around its `EngineReplica`."""
 
-    def __init__(self, replica: EngineReplica) -> None:
+    def __init__(self, replica: EngineReplica, hold_s: float = 30.0) -> None:
         self.replica = replica
         self.exports = 0
+        # the chunks' ObjectRefs of recent handoffs, kept `hold_s` (the transfer timeout): this replica
+        # owns the objects, and Ray may delete them once its own refs are gone before the ingress's and
+        # the decode replica's borrows of the refs nested in the streamed handoff are registered
+        self.hold_s = hold_s
+        self.held: dict[str, list[Any]] = {}
 
     async def generate(self, payload: bytes) -> AsyncIterator[Any]:
         async for raw in self.replica.generate(payload, None):
@@ -55,7 +60,15 @@ class PrefillWorker:
             yield _item(self.replica.replica_id, delta=encode(first))  # the first token, before the KV
             handoff = await asyncio.to_thread(to_object_store, delta.kv_export)
             self.exports += 1
+            self._hold(handoff)
             yield handoff
+
+    def _hold(self, handoff: Handoff) -> None:
+        """Keep `handoff`'s chunks referenced here for `hold_s` (the decode replica fetches them within the
+        transfer timeout, or the transfer is cancelled)."""
+        key = f"{handoff.request_id}@{handoff.exported_at}"
+        self.held[key] = handoff.chunks
+        asyncio.get_running_loop().call_later(self.hold_s, self.held.pop, key, None)
 
 
 class DecodeWorker:
