@@ -242,6 +242,14 @@ def serve(
             min=0,
         ),
     ] = None,
+    local_prefill_tokens: Annotated[
+        int,
+        typer.Option(
+            help="With --prefill-replicas: prompts of at most this many tokens are prefilled by a decode "
+            "replica itself, with no KV handoff (default 0: every prompt goes to a prefill replica).",
+            min=0,
+        ),
+    ] = 0,
     ray_address: Annotated[
         str | None, typer.Option(help="With --replicas: join this Ray cluster (default: start a local one).")
     ] = None,
@@ -410,6 +418,8 @@ def serve(
     ):
         sock.close()
         fail("--prefill-replicas and --decode-replicas go together, and replace --replicas and autoscaling")
+    if local_prefill_tokens and not disaggregated:
+        fail("--local-prefill-tokens applies to --prefill-replicas/--decode-replicas only")
     if kv_transfer_timeout is not None and not disaggregated:
         sock.close()
         fail("--kv-transfer-timeout applies to --prefill-replicas/--decode-replicas only")
@@ -467,6 +477,7 @@ def serve(
             kv_transfer_timeout_s=(
                 kv_transfer_timeout if kv_transfer_timeout is not None else KV_TRANSFER_TIMEOUT_S
             ),
+            local_prefill_tokens=local_prefill_tokens,
             spread=SpreadPolicy(router_spread_load, router_max_spread, router_contract_after),
             queue=RouterQueue(router_max_ongoing, router_hold_margin),
             wait_for_nodes=wait_for_nodes,

@@ -105,6 +105,9 @@ class ClusterOptions:
     # disaggregated: how long a request's KV handoff may take (the prefill's export reaching the ingress,
     # the decode replica fetching the blocks and its engine importing them) before it is cancelled
     kv_transfer_timeout_s: float = KV_TRANSFER_TIMEOUT_S
+    # disaggregated: a prompt of at most this many tokens is prefilled by the decode replica itself (no
+    # KV handoff, whose hops cost more than such a prefill stalls the running decodes); 0: none is
+    local_prefill_tokens: int = 0
     spread: SpreadPolicy = field(default_factory=SpreadPolicy)
     queue: RouterQueue = field(default_factory=RouterQueue)
     # start even when the alive nodes cannot hold the replicas now (a Ray autoscaler adds nodes on
@@ -139,7 +142,11 @@ class ClusterOptions:
                 raise ValueError("autoscaling (--min/--max-replicas) applies to colocated --replicas only")
             if not 0 < self.kv_transfer_timeout_s <= 3600:
                 raise ValueError("--kv-transfer-timeout must be in (0, 3600] seconds")
-        elif self.replicas < 1:
+            if self.local_prefill_tokens < 0:
+                raise ValueError("--local-prefill-tokens cannot be negative")
+        elif self.local_prefill_tokens:
+            raise ValueError("--local-prefill-tokens applies to --prefill-replicas/--decode-replicas only")
+        if not self.disaggregated and self.replicas < 1:
             raise ValueError("--replicas must be at least 1")
         if self.ingress_replicas < 1:
             raise ValueError("--ingress-replicas must be at least 1")

@@ -20,7 +20,15 @@ router = APIRouter(prefix="/admin/api", tags=["admin"], responses=error_response
 
 
 # what a prefill or decode replica adds to its report (api/cluster/disaggregated/app.py)
-DISAGGREGATED_KEYS = ("role", "kv_exports", "kv_imports", "kv_timeouts", "prepared", "late_loads")
+DISAGGREGATED_KEYS = (
+    "role",
+    "kv_exports",
+    "kv_imports",
+    "kv_timeouts",
+    "prepared",
+    "late_loads",
+    "decode_adds",
+)
 
 
 @router.get("/cluster")

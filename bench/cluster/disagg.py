@@ -4,18 +4,20 @@
 
 One local Ray cluster per setup and run, the setups interleaved (colocated, disaggregated, colocated, …,
 `--runs` times each, the same workload every time), each engine replica at `--threads` thread(s):
-"colocated" is `--replicas 2` (the affinity router), "disaggregated" is `--prefill-replicas 1
---decode-replicas 1`. The model is a random Llama (`bench.common.workload.ModelSpec`, 2,048 positions)
-with `--adapters` random rank-8 adapters. Workload, the same in both: `--streams` steady decode streams
-(short prompts, `--stream-tokens` tokens each, adapters round-robin with the base model, a new request
-as soon as one ends) plus long prompts (`--long-tokens` tokens, `--long-max-tokens` out) arriving as a
-Poisson process at `--long-rate` req/s, for `--seconds`. Driven from this process through the same
-engine clients the HTTP ingress uses (no HTTP). Reported per setup: inter-token latency p50/p99 of the
-steady streams, TTFT p50/p99 of the streams and of the long prompts, output tokens/s, and
-(disaggregated) the KV transfer time per request (`loraplex_kv_transfer_seconds`) and bytes: median and
-min–max over the runs, and the ratios disaggregated / colocated of each run's pair (ITL p99, throughput)
-against the issue's goals. Greedy tokens of every long prompt are compared between the setups of each
-run (same prompts, same seeds). `--json`: every run, the summary and the machine's load averages.
+"colocated" is `--replicas 2` (the affinity router), "disaggregated" is `--prefill-replicas 1 --decode-
+replicas 1 --local-prefill-tokens N` (`--local-prefill-tokens`, default 256: the streams' short prompts run
+whole on the decode replica, the long ones are prefilled on the prefill replica and their KV handed over; 0:
+every prompt is). The model is a random Llama (`bench.common.workload.ModelSpec`, 2,048 positions) with
+`--adapters` random rank-8 adapters. Workload, the same in both: `--streams` steady decode streams (short
+prompts, `--stream-tokens` tokens each, adapters round-robin with the base model, a new request as soon as
+one ends) plus long prompts (`--long-tokens` tokens, `--long-max-tokens` out) arriving as a Poisson process
+at `--long-rate` req/s, for `--seconds`. Driven from this process through the same engine clients the HTTP
+ingress uses (no HTTP). Reported per setup: inter-token latency p50/p99 of the steady streams, TTFT p50/p99
+of the streams and of the long prompts, output tokens/s, and (disaggregated) the KV transfer time per
+request (`loraplex_kv_transfer_seconds`) and bytes: median and min–max over the runs, and the ratios
+disaggregated / colocated of each run's pair (ITL p99, throughput) against the issue's goals. Greedy tokens
+of every long prompt are compared between the setups of each run (same prompts, same seeds). `--json`: every
+run, the summary and the machine's load averages.
 """
 
 from __future__ import annotations
@@ -157,7 +159,13 @@ def run_setup(setup: str, root: Path, args: argparse.Namespace, run: int = 0) ->
     if setup == "colocated":
         options = ClusterOptions(2, num_cpus=args.ray_num_cpus)
     else:
-        options = ClusterOptions(0, num_cpus=args.ray_num_cpus, prefill_replicas=1, decode_replicas=1)
+        options = ClusterOptions(
+            0,
+            num_cpus=args.ray_num_cpus,
+            prefill_replicas=1,
+            decode_replicas=1,
+            local_prefill_tokens=args.local_prefill_tokens,
+        )
     try:
         start_cluster(settings, options)
         result = asyncio.run(_with_client(settings, setup, adapters, args))
@@ -181,7 +189,11 @@ async def _with_client(settings, setup: str, adapters, args) -> SetupResult:
         client = RemoteEngineClient(settings.engine, ENGINE_DEPLOYMENT, affinity=False)
     else:
         client = DisaggregatedClient(
-            settings.engine, PREFILL_DEPLOYMENT, DECODE_DEPLOYMENT, KV_TRANSFER_TIMEOUT_S
+            settings.engine,
+            PREFILL_DEPLOYMENT,
+            DECODE_DEPLOYMENT,
+            KV_TRANSFER_TIMEOUT_S,
+            local_prefill_tokens=args.local_prefill_tokens,
         )
     await client.start()
     try:
@@ -207,6 +219,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="engine threads per replica")
     ap.add_argument("--kv-blocks", type=int, default=1024)
     ap.add_argument("--batched-tokens", type=int, default=512, help="max_num_batched_tokens (prefill chunk)")
+    ap.add_argument("--local-prefill-tokens", type=int, default=256,
+                    help="disaggregated: prompts of at most this many tokens run whole on the decode replica "
+                         "(no KV handoff); 0: every prompt is prefilled on the prefill replica")  # fmt: skip
     ap.add_argument("--ray-num-cpus", type=int, default=2)
     ap.add_argument("--setups", default="colocated,disaggregated", help="comma-separated, run in this order")
     ap.add_argument("--runs", type=int, default=1, help="runs of each setup, interleaved")
@@ -221,6 +236,8 @@ def main(argv: list[str] | None = None) -> None:
         or args.long_tokens + args.long_max_tokens > 2048
     ):
         ap.error("--seconds and --long-rate must be positive, --long-tokens + --long-max-tokens <= 2048")
+    if args.local_prefill_tokens < 0 or args.local_prefill_tokens >= args.long_tokens:
+        ap.error("--local-prefill-tokens must be in [0, --long-tokens): the long prompts are disaggregated")
     if args.runs < 1 or not setups or not set(setups) <= SETUPS:
         ap.error(f"--runs must be at least 1 and --setups name some of {', '.join(sorted(SETUPS))}")
     from bench.common.hog import cpu_summary

@@ -44,7 +44,7 @@ def prefill_deployment(settings: ServerSettings, options: ClusterOptions) -> Any
         async def __init__(self) -> None:  # type: ignore[misc]  # Ray Serve awaits an async constructor
             ray_api.log_to_stderr()
             self.replica = EngineReplica(settings, ray_api.replica_id())
-            self.worker = PrefillWorker(self.replica)
+            self.worker = PrefillWorker(self.replica, options.kv_transfer_timeout_s)
             await self.replica.start()
 
         async def generate(self, payload: bytes):
@@ -89,6 +89,11 @@ def decode_deployment(settings: ServerSettings, options: ClusterOptions) -> Any:
         async def prepare(self, digest: str, name: str, members: list | None = None) -> dict[str, Any]:
             return await self.worker.prepare(digest or None, name or None, members)
 
+        async def generate(self, digest: str, payload: bytes):
+            """A whole request here, prefill included (a short prompt: `local_prefill_tokens`)."""
+            async for item in self.replica.generate(payload, None):
+                yield item
+
         async def decode(self, target: str, handoff: Any, digest: str = ""):
             async for item in self.worker.decode(handoff):
                 yield item
@@ -101,6 +106,7 @@ def decode_deployment(settings: ServerSettings, options: ClusterOptions) -> Any:
                 "kv_timeouts": w.timeouts,
                 "prepared": w.prepared,
                 "late_loads": w.late_loads,
+                "decode_adds": w.decode_adds,
             }
 
         def record_routing_stats(self) -> dict[str, Any]:
@@ -129,7 +135,13 @@ def build_disaggregated_application(settings: ServerSettings, options: ClusterOp
     from api.cluster.disaggregated.client import DisaggregatedClient
 
     def make_client(cfg: EngineConfig) -> DisaggregatedClient:
-        return DisaggregatedClient(cfg, PREFILL_DEPLOYMENT, DECODE_DEPLOYMENT, options.kv_transfer_timeout_s)
+        return DisaggregatedClient(
+            cfg,
+            PREFILL_DEPLOYMENT,
+            DECODE_DEPLOYMENT,
+            options.kv_transfer_timeout_s,
+            local_prefill_tokens=options.local_prefill_tokens,
+        )
 
     prefill = prefill_deployment(settings, options).bind()
     decode = decode_deployment(settings, options).bind()

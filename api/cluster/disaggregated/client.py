@@ -1,6 +1,8 @@
 """`DisaggregatedClient`: the ingress's engine client with separate prefill and decode deployments.
 
-One request (`generate`): the prefill deployment runs it prefill-only (retried once on another replica
+One request (`generate`): a prompt of at most `local_prefill_tokens` tokens runs whole on a decode replica
+(`generate` there, routed as `prepare` is; retried like a prefill), with no handoff. Any other: the
+prefill deployment runs it prefill-only (retried once on another replica
 if it fails before its first token, as `RemoteEngineClient` does); at the same time `prepare` asks the
 decode deployment's router for a replica and makes the adapter resident there. The first token is
 yielded as soon as the prefill samples it; the prefill's `Handoff` then goes to `decode` on the prepared
@@ -44,11 +46,18 @@ ADAPTER_LOAD_TIMEOUT_S = 120.0
 
 class DisaggregatedClient(RemoteEngineClient):
     def __init__(
-        self, config: EngineConfig, prefill: str, decode: str, transfer_timeout_s: float = 30.0, **kwargs: Any
+        self,
+        config: EngineConfig,
+        prefill: str,
+        decode: str,
+        transfer_timeout_s: float = 30.0,
+        local_prefill_tokens: int = 0,
+        **kwargs: Any,
     ) -> None:
         super().__init__(config, prefill, affinity=False, **kwargs)
         self.decode_deployment = decode
         self.transfer_timeout_s = transfer_timeout_s
+        self.local_prefill_tokens = local_prefill_tokens
         self.kv_metrics = KVTransferMetrics()
         self._decode_handle: Any = None
         self._phase = {"prefill": 0, "transfer": 0, "decode": 0}
@@ -100,6 +109,10 @@ class DisaggregatedClient(RemoteEngineClient):
         digest = lora.digest if lora is not None and lora.digest and not lora.mix else ""
         name = lora.name if lora is not None else ""
         members = [(m.digest, m.name) for m, _ in lora.mix if m.digest] if lora is not None else []
+        if self.local_prefill_tokens and len(req.prompt_token_ids) <= self.local_prefill_tokens:
+            async for delta in self._whole(req, digest):
+                yield delta
+            return
         prepared = asyncio.ensure_future(ray_api.call(self._decode_handle, "prepare", digest, name, members))
         self._in_flight += 1
         phase = ["prefill"]  # the request's phase now, for the per-phase gauge
@@ -133,6 +146,18 @@ class DisaggregatedClient(RemoteEngineClient):
             self._leave(phase[0])
             self._in_flight -= 1
 
+    async def _whole(self, req: AddRequest, digest: str) -> AsyncIterator[RequestDelta]:
+        """A short prompt's request, prefill and decode, on one decode replica (no KV handoff)."""
+        self._in_flight += 1
+        self._enter("decode")
+        try:
+            async for out in self._prefill(req, local=digest):
+                assert not isinstance(out, Handoff)
+                yield out
+        finally:
+            self._leave("decode")
+            self._in_flight -= 1
+
     async def _prepared(self, prepared: asyncio.Future) -> str:
         """The decode replica prepared for the request ("" when preparing failed: any replica, which then
         loads the adapter itself)."""
@@ -145,39 +170,46 @@ class DisaggregatedClient(RemoteEngineClient):
             raise EngineDeadError(f"the decode replica refused the adapter: {out['refused']}")
         return "" if out.get("failed") else str(out["replica"])
 
-    async def _prefill(self, req: AddRequest) -> AsyncIterator[RequestDelta | Handoff]:
+    async def _prefill(
+        self, req: AddRequest, local: str | None = None
+    ) -> AsyncIterator[RequestDelta | Handoff]:
         """The prefill's first token delta and its handoff (or a finished delta), retried once on another
-        replica if one fails before the first token."""
-        payload = encode(msgspec.structs.replace(req, prefill_only=True))
+        replica if one fails before the first token. `local` (the adapter digest, "" for none): the whole
+        request on a decode replica instead, all its deltas."""
+        payload = encode(req if local is not None else msgspec.structs.replace(req, prefill_only=True))
+        role = "prefill" if local is None else "decode"
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.retry_window_s
         failed: set[str] = set()
         while True:
             attempt = _Attempt()
             try:
-                async for out in self._prefill_attempt(payload, attempt):
+                async for out in self._prefill_attempt(payload, attempt, local):
                     yield out
                 return
             except _ReplicaFailed as exc:
                 if attempt.started:
-                    raise EngineDeadError(f"the prefill replica failed: {exc}") from exc
+                    raise EngineDeadError(f"the {role} replica failed: {exc}") from exc
                 replica = attempt.replica or f"unknown-{len(failed)}"
                 again = replica in failed
                 failed.add(replica)
                 if (not again and len(failed) > self.retries) or loop.time() > deadline:
-                    raise EngineDeadError(f"the prefill replica failed: {exc}") from exc
-                log.warning("prefill replica %s failed before the first token (%s); retrying", replica, exc)
+                    raise EngineDeadError(f"the {role} replica failed: {exc}") from exc
+                log.warning("%s replica %s failed before the first token (%s); retrying", role, replica, exc)
                 if again:
                     await asyncio.sleep(0.2)
 
     async def _prefill_attempt(
-        self, payload: bytes, attempt: _Attempt
+        self, payload: bytes, attempt: _Attempt, local: str | None = None
     ) -> AsyncIterator[RequestDelta | Handoff]:
-        call = ray_api.stream(self._handle, "generate", None, payload)
+        if local is None:
+            call = ray_api.stream(self._handle, "generate", None, payload)
+        else:  # the whole request on a decode replica
+            call = ray_api.stream(self._decode_handle, "generate", None, local, payload)
         async with contextlib.aclosing(ray_api.iterate(call)) as items:
             while True:
                 # once the first token is out, the handoff must follow within the transfer timeout
-                timeout = self.transfer_timeout_s if attempt.started else None
+                timeout = self.transfer_timeout_s if attempt.started and local is None else None
                 try:
                     raw = await self._next(items, timeout, _ReplicaFailed)
                 except TimeoutError:

@@ -2,7 +2,8 @@
 
 Ray's extension point (named by import path in the deployment's `RequestRouterConfig`, imported by Serve
 in the ingress). `prepare(digest, name)` calls are ranked by `decode_score.rank` (adapter residency,
-free KV blocks, load, from each replica's `record_routing_stats`); `decode(target, handoff)` calls go to
+free KV blocks, load, from each replica's `record_routing_stats`), and so are `generate(digest, payload)`
+calls (a short prompt served whole by a decode replica); `decode(target, handoff)` calls go to
 `target`, the replica the request was prepared on, which holds its adapter by then; should that replica
 be gone, to the best of the others (which loads the adapter itself).
 """
@@ -37,7 +38,7 @@ class DecodeRouter(RequestRouter):
         return [[by_id[v.replica_id]] for v in rank(views, digest, self.weights, prefer)]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        if pending_request.metadata.call_method != "decode":
+        if pending_request.metadata.call_method not in ("decode", "generate"):
             return
         rid = replica_id.unique_id
         self.in_flight[pending_request.metadata.internal_request_id] = rid
@@ -68,11 +69,12 @@ class DecodeRouter(RequestRouter):
 
 
 def _request(pending: PendingRequest | None) -> tuple[str | None, str | None]:
-    """(adapter digest, preferred replica) of a `prepare(digest, name)` or `decode(target, handoff)`."""
+    """(adapter digest, preferred replica) of a `prepare(digest, name)`, `generate(digest, payload)` or
+    `decode(target, handoff)`."""
     if pending is None or not pending.args:
         return None, None
     method, args = pending.metadata.call_method, pending.args
-    if method == "prepare":
+    if method in ("prepare", "generate"):
         return (args[0] if isinstance(args[0], str) and args[0] else None), None
     if method == "decode":
         digest = args[2] if len(args) > 2 and isinstance(args[2], str) else None

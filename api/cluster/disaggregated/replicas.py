@@ -37,9 +37,14 @@ FETCHING = {"fetching": True}  # a decode call's item once its adapter is reside
 class PrefillWorker:
     """What a prefill replica does, around its `EngineReplica`."""
 
-    def __init__(self, replica: EngineReplica) -> None:
+    def __init__(self, replica: EngineReplica, hold_s: float = 30.0) -> None:
         self.replica = replica
         self.exports = 0
+        # the chunks' ObjectRefs of recent handoffs, kept `hold_s` (the transfer timeout): this replica
+        # owns the objects, and Ray may delete them once its own refs are gone before the ingress's and
+        # the decode replica's borrows of the refs nested in the streamed handoff are registered
+        self.hold_s = hold_s
+        self.held: dict[str, list[Any]] = {}
 
     async def generate(self, payload: bytes) -> AsyncIterator[Any]:
         async for raw in self.replica.generate(payload, None):
@@ -55,7 +60,15 @@ class PrefillWorker:
             yield _item(self.replica.replica_id, delta=encode(first))  # the first token, before the KV
             handoff = await asyncio.to_thread(to_object_store, delta.kv_export)
             self.exports += 1
+            self._hold(handoff)
             yield handoff
+
+    def _hold(self, handoff: Handoff) -> None:
+        """Keep `handoff`'s chunks referenced here for `hold_s` (the decode replica fetches them within the
+        transfer timeout, or the transfer is cancelled)."""
+        key = f"{handoff.request_id}@{handoff.exported_at}"
+        self.held[key] = handoff.chunks
+        asyncio.get_running_loop().call_later(self.hold_s, self.held.pop, key, None)
 
 
 class DecodeWorker:
@@ -70,6 +83,7 @@ class DecodeWorker:
         self.ready: set[str] = set()  # adapter digests `prepare` made resident here
         # adapters a decode call had to load itself (not prepared here while the prefill ran)
         self.late_loads = 0
+        self.decode_adds = 0  # adapter calls a decode call made to the engine (none for a prepared one)
 
     async def prepare(
         self, digest: str | None, name: str | None, members: list[tuple[str, str]] | None = None
@@ -158,18 +172,29 @@ class DecodeWorker:
             for member, weight in lora.mix:
                 if member.digest is None:
                     raise AdapterRefused(f"the adapter {member.name!r} has no content digest")
-                loaded = await self._load(member.digest, member.name)
+                loaded = await self._load_for_decode(member.digest, member.name)
                 members.append((LoRARequest(loaded.name, loaded.path, loaded.digest), weight))
             return LoRARequest.weighted(members, name=lora.name)
         if lora.digest is None:
             return lora
-        loaded = await self._load(lora.digest, lora.name)
+        loaded = await self._load_for_decode(lora.digest, lora.name)
         return LoRARequest(loaded.name, loaded.path, loaded.digest)
 
-    async def _load(self, digest: str, name: str | None) -> LoadedAdapter:
-        """Make the adapter `digest` resident here. One deactivated since the prefill admitted the request
-        still loads by its digest (versions are immutable): admitted requests finish on their version."""
+    async def _load_for_decode(self, digest: str, name: str | None) -> LoadedAdapter:
+        """The adapter `digest` for a decode call: one `prepare` made resident here is only looked up
+        (its files here), with no call to the engine, whose step loop would answer it between steps."""
+        prepared = digest in self.ready
+        if not prepared:
+            self.decode_adds += 1
+        return await self._load(digest, name, engine=not prepared)
+
+    async def _load(self, digest: str, name: str | None, engine: bool = True) -> LoadedAdapter:
+        """Make the adapter `digest` resident here (`engine` False: `prepare` already made it so; only
+        its files here are looked up). One deactivated since the prefill admitted the request still loads
+        by its digest (versions are immutable): admitted requests finish on their version."""
         try:
+            if not engine:
+                return await self.replica.resolve(digest, name)
             return await self.replica.load(digest, name)
         except AdapterRefused:
             registry = self.replica.registry

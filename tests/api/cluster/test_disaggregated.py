@@ -1,6 +1,7 @@
 """`loraplex serve --prefill-replicas 1 --decode-replicas 1` on a local Ray cluster (the demo model, 4-token
 KV blocks so prompts span 1 to several blocks): answers equal the colocated server's (`EXPECTED`, which the
-`--replicas` tests check) for the base model and mixed adapters, streaming and not; the prefill side hits
+`--replicas` tests check) for the base model and mixed adapters, streaming and not (a 3-token prompt, at
+`--local-prefill-tokens`, served whole by the decode replica, with no KV handoff); the prefill side hits
 its prefix cache; the decode replica loads each adapter during the prefill, never after; KV-transfer
 metrics; a transfer that stalls (the decode engine stopped) is cancelled past `--kv-transfer-timeout`
 and leaves no block held on either side; the decode replica dying mid-stream ends the stream cleanly,
@@ -29,6 +30,7 @@ from tests.helpers.live_server import wait_until
 
 pytestmark = pytest.mark.slow
 TEXTS = ("a", "hello world", "prefill and decode")  # 3, 13 and 20 prompt tokens: 1, 4 and 5 blocks
+LOCAL = 3  # the cluster's --local-prefill-tokens: "a=" runs whole on the decode replica, no KV handoff
 BODY = {"max_tokens": 32, "temperature": 0, "stop": ["\n"]}
 TIMEOUT = 10.0  # the cluster's --kv-transfer-timeout: long enough for a transfer on a busy 2-core machine
 
@@ -36,7 +38,13 @@ TIMEOUT = 10.0  # the cluster's --kv-transfer-timeout: long enough for a transfe
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     engine = {"block_size": 4}
-    layout = dict(replicas=0, prefill_replicas=1, decode_replicas=1, kv_transfer_timeout_s=TIMEOUT)
+    layout = dict(
+        replicas=0,
+        prefill_replicas=1,
+        decode_replicas=1,
+        kv_transfer_timeout_s=TIMEOUT,
+        local_prefill_tokens=LOCAL,
+    )
     with running_cluster(tmp_path_factory, engine, **layout) as c:
         yield c
 
@@ -82,6 +90,8 @@ def _stream(url: str, adapter: str | None, text: str, **extra) -> tuple[int, str
 
 
 def test_answers_equal_colocated_streaming_and_not(cluster: Cluster) -> None:
+    [pre0] = _describe(PREFILL_DEPLOYMENT)
+    [dec0] = _describe(DECODE_DEPLOYMENT)
     client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
     jobs = [(adapter, text) for text in TEXTS for adapter in (None, *ADAPTERS)]
 
@@ -100,12 +110,20 @@ def test_answers_equal_colocated_streaming_and_not(cluster: Cluster) -> None:
     r = httpx.post(cluster.url + "/v1/adapters/upper/completions", json=BODY | {"prompt": "hello world="})
     served_by = r.headers["x-loraplex-replica"].split(",")
     assert len(served_by) == 2, served_by  # a prefill and a decode replica
+    [dec] = _describe(DECODE_DEPLOYMENT)
+    r = httpx.post(cluster.url + "/v1/adapters/upper/completions", json=BODY | {"prompt": "a="})
+    assert r.json()["choices"][0]["text"] == EXPECTED["upper"]("a")
+    assert r.headers["x-loraplex-replica"].split(",") == [dec["replica"]]  # a short prompt: decode only
     assert wait_until(lambda: _idle(PREFILL_DEPLOYMENT) and _idle(DECODE_DEPLOYMENT), timeout=10)
     [pre] = _describe(PREFILL_DEPLOYMENT)
     [dec] = _describe(DECODE_DEPLOYMENT)
-    assert pre["kv_exports"] >= len(jobs) and dec["kv_imports"] >= len(jobs)
-    # every adapter was made resident by `prepare`, started with the prefill: no decode loaded one after
-    assert dec["prepared"] >= len(jobs) and dec["late_loads"] == 0, dec
+    handed = [job for job in jobs if job[1] != "a"]  # prompts over LOCAL tokens
+    n = 2 * len(handed) + 1
+    assert pre["kv_exports"] - pre0["kv_exports"] == dec["kv_imports"] - dec0["kv_imports"] == n, (pre, dec)
+    # every adapter was made resident by `prepare`, started with the prefill: no decode loaded one after,
+    # nor asked its engine again (its step loop would answer between steps, stalling the running streams)
+    assert dec["prepared"] - dec0["prepared"] == n and dec["late_loads"] == 0, dec
+    assert dec["decode_adds"] == 0, dec
     assert _engine_stats(pre)["prefix_cache_hits"] > 0  # each prompt ran twice: the second hit
     missing = httpx.post(cluster.url + "/v1/completions", json=BODY | {"model": "nope", "prompt": "a="})
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"

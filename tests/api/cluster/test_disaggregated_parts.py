@@ -26,6 +26,32 @@ def test_options_take_one_layout() -> None:
             ClusterOptions(0, prefill_replicas=1, decode_replicas=1, kv_transfer_timeout_s=bad).validate()
 
 
+def test_local_prefill_tokens_apply_to_the_disaggregated_layout_only() -> None:
+    assert ClusterOptions(0, prefill_replicas=1, decode_replicas=1).local_prefill_tokens == 0
+    ClusterOptions(0, prefill_replicas=1, decode_replicas=1, local_prefill_tokens=256).validate()
+    with pytest.raises(ValueError, match="cannot be negative"):
+        ClusterOptions(0, prefill_replicas=1, decode_replicas=1, local_prefill_tokens=-1).validate()
+    with pytest.raises(ValueError, match="--local-prefill-tokens applies"):
+        ClusterOptions(2, local_prefill_tokens=8).validate()
+    ClusterOptions(2).validate()
+
+
+def test_decode_router_ranks_whole_requests_by_their_adapter() -> None:
+    """`generate(digest, payload)` (a short prompt served whole by a decode replica) is ranked by its
+    adapter as `prepare` is; `decode` goes to the replica it was prepared on."""
+    from types import SimpleNamespace
+
+    from api.cluster.disaggregated.decode_router import _request
+
+    def pending(method: str, *args):
+        return SimpleNamespace(metadata=SimpleNamespace(call_method=method), args=list(args))
+
+    assert _request(pending("generate", A, b"payload")) == (A, None)
+    assert _request(pending("generate", "", b"payload")) == (None, None)
+    assert _request(pending("prepare", A, "name")) == (A, None)
+    assert _request(pending("decode", "r1", object(), A)) == (A, "r1")
+
+
 def test_decode_score_prefers_residency_then_free_blocks_then_load() -> None:
     w = DecodeWeights()
     holds = DecodeView("r1", device=frozenset({A}), kv_free=10, kv_total=100)
@@ -84,3 +110,15 @@ def test_cli_refuses_a_transfer_timeout_without_disaggregation(tmp_path) -> None
     result = CliRunner().invoke(app, ["serve", "--port", "0", "--kv-transfer-timeout", "5"], env=env)
     said = " ".join(result.output.split())
     assert result.exit_code == 1 and "--kv-transfer-timeout applies to --prefill-replicas" in said, said
+
+
+def test_cli_refuses_local_prefill_tokens_without_disaggregation(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from api.cli.main import app
+    from tests.api.cluster.conftest import DEMO
+
+    env = {"LORAPLEX_DATA_DIR": str(tmp_path), "LORAPLEX_MODEL": str(DEMO / "base")}
+    result = CliRunner().invoke(app, ["serve", "--port", "0", "--local-prefill-tokens", "64"], env=env)
+    said = " ".join(result.output.split())
+    assert result.exit_code == 1 and "--local-prefill-tokens applies to --prefill-replicas" in said, said
