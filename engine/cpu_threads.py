@@ -107,7 +107,7 @@ class ThreadGovernor:
         self._wall += wall
         self._cpu += time.process_time() - self._c0
         self._steps += 1
-        if self._wall < self.window_s or self._steps < self.window_steps:
+        if self._wall <= 0.0 or self._wall < self.window_s or self._steps < self.window_steps:
             return
         share = self._cpu / (self._wall * self.threads)
         self.last_share = share
