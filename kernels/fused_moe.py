@@ -7,6 +7,8 @@ weighted combine::
     out[t] = Σ_j y[t * k + j]                           combine (fixed order, no atomics)
 
 for every pair p = t * k + j routed to expert e = topk_ids[t, j] with weight w[p] = topk_weights[t, j].
+With expert LoRA (`kernels/moe_lora.py`) the pairs are grouped by (expert, adapter) instead, and each
+adapted pass adds its pairs' `s·(a·Aᵀ)·Bᵀ` (shrunk beforehand) to its accumulators before the epilogue.
 Both passes run the one kernel below; a row block reads one expert's weights, so a step reads only the
 weights of the experts it routes to (decode's cost follows the active parameters, not the total).
 Accumulation is float32 and `y` is kept in float32 for the combine, so the output is rounded once; only
@@ -32,6 +34,8 @@ from kernels._common import (
 )
 from kernels.intmath import next_pow2
 from kernels.moe_align import MoEAlignment, align_pairs
+from kernels.moe_lora import lora_block_r, moe_lora_shrink
+from kernels.moe_lora_meta import MoELoRA, check_lora, group_ids
 from kernels.tuning import resolve_config
 
 _OP = "fused_moe"
@@ -43,19 +47,29 @@ def _fused_moe_kernel(
     w_ptr,  # [E, N_w, K]: gate_up [E, 2I, H] (gate rows, then up rows) in pass 1, down [E, H, I] in pass 2
     out_ptr,  # [T*k, N]: h [T*k, I] in x's dtype in pass 1, y [T*k, H] float32 in pass 2
     sorted_ids_ptr,  # [max_padded] int32: pair ids by expert, sentinel num_pairs = padding
-    block_experts_ptr,  # [num_blocks] int32: the expert of each row block, num_experts = unused
+    block_experts_ptr,  # [num_blocks] int32: each row block's group (its expert without LoRA), unused: >= E*G
     num_padded_ptr,  # [1] int32: rows of sorted_ids in use
     weights_ptr,  # [T*k] float32 routing weights (read only when MUL_WEIGHT)
     n,  # output columns N: I (pass 1) or H (pass 2)
     k_dim,  # reduction length K: H (pass 1) or I (pass 2)
     num_pairs,
     a_row_div,  # pairs per row of a: top_k (pass 1), 1 (pass 2)
-    num_experts,
+    num_groups,  # E * groups: block groups at or past it are unused
+    groups,  # adapter groups per expert (1 without LoRA): group = expert * groups + adapter
     num_n_blocks,
     stride_am,
     stride_we,
     stride_wn,
     stride_om,
+    lv_ptr,  # [T*k, max_pages * R] float32 LoRA shrink of this pass's input (`kernels/moe_lora.py`)
+    lb_ptr,  # [num_pages, E, N_w, R] LoRA B pages of this pass's projection
+    lpages_ptr,  # [groups - 1, max_pages] int32 each adapter's page ids, -1 past its rank
+    rank,  # R
+    max_pages,
+    stride_vm,
+    stride_lbp,
+    stride_lbe,
+    stride_lbn,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -63,15 +77,19 @@ def _fused_moe_kernel(
     MUL_WEIGHT: tl.constexpr,  # out row p times weights[p]
     UPCAST: tl.constexpr,  # tl.dot in float32 (the Triton interpreter's bf16 dot is wrong)
     DOT_PRECISION: tl.constexpr,
+    HAS_LORA: tl.constexpr,  # add the expert LoRA expand v · B[page]ᵀ of each row block's adapter
+    BLOCK_R: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_m = pid // num_n_blocks
     pid_n = pid % num_n_blocks
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    expert = tl.load(block_experts_ptr + pid_m)
-    if expert >= num_experts:
+    group = tl.load(block_experts_ptr + pid_m)
+    if group >= num_groups:
         return
+    expert = group // groups
+    adapter = group % groups
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(sorted_ids_ptr + offs_m)
     mask_m = pairs < num_pairs
@@ -100,6 +118,23 @@ def _fused_moe_kernel(
             if UPCAST:
                 u = u.to(tl.float32)
             acc_up += tl.dot(a, u, input_precision=DOT_PRECISION)
+    if HAS_LORA:  # noqa: SIM102 (a constexpr branch: without LoRA none of this is compiled)
+        if adapter < groups - 1:  # the block's rows are one adapter's: add s · (a · Aᵀ) · Bᵀ page by page
+            offs_r = tl.arange(0, BLOCK_R)
+            mask_r = offs_r < rank
+            b_base = lb_ptr + expert.to(tl.int64) * stride_lbe + offs_n[None, :].to(tl.int64) * stride_lbn
+            b_mask = mask_r[:, None] & mask_n[None, :]
+            v_base = lv_ptr + pairs[:, None].to(tl.int64) * stride_vm + offs_r[None, :]
+            for j in range(0, max_pages):
+                page = tl.load(lpages_ptr + adapter * max_pages + j)
+                if page >= 0:
+                    v = tl.load(v_base + j * rank, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+                    b_ptrs = b_base + page.to(tl.int64) * stride_lbp + offs_r[:, None]
+                    b = tl.load(b_ptrs, mask=b_mask, other=0.0).to(tl.float32)
+                    acc += tl.dot(v, b, input_precision=DOT_PRECISION)
+                    if SILU_MUL:
+                        bu = tl.load(b_ptrs + n * stride_lbn, mask=b_mask, other=0.0).to(tl.float32)
+                        acc_up += tl.dot(v, bu, input_precision=DOT_PRECISION)
     if SILU_MUL:
         acc = acc * tl.sigmoid(acc) * acc_up
     if MUL_WEIGHT:
@@ -141,17 +176,26 @@ def _launch_pass(
     block_k: int,
     num_warps: int,
     num_stages: int,
+    groups: int,
+    lora_v: Tensor,  # with has_lora: the shrink of a ([T*k, max_pages * R] float32), else any tensor
+    lora_b: Tensor,  # with has_lora: [num_pages, E, N_w, R] B pages, else any tensor
+    lora_pages: Tensor,  # with has_lora: [groups - 1, max_pages] int32, else any tensor
+    has_lora: bool,
 ) -> None:
     n, k_dim = out.shape[1], a.shape[1]
     num_n = triton.cdiv(n, block_n)
     grid = (block_experts.shape[0] * num_n,)
+    rank = lora_b.shape[-1] if has_lora else 1
+    lora_strides = (lora_v.stride(0), *lora_b.stride()[:3]) if has_lora else (0, 0, 0, 0)
     _fused_moe_kernel[grid](
         a, w, out, sorted_ids, block_experts, num_padded, weights,
-        n, k_dim, out.shape[0], a_row_div, w.shape[0], num_n,
+        n, k_dim, out.shape[0], a_row_div, w.shape[0] * groups, groups, num_n,
         a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        lora_v, lora_b, lora_pages, rank, lora_pages.shape[-1] if has_lora else 0, *lora_strides,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SILU_MUL=silu_mul, MUL_WEIGHT=not silu_mul,
         UPCAST=a.dtype == torch.bfloat16 and is_interpreted(_fused_moe_kernel),
-        DOT_PRECISION=dot_precision(a.dtype), num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=dot_precision(a.dtype), HAS_LORA=has_lora, BLOCK_R=lora_block_r(rank),
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
 
 
@@ -169,10 +213,12 @@ def fused_moe(
     w_down: Tensor,  # [E, H, I] x.dtype, last dim contiguous
     topk_weights: Tensor,  # [T, k] any float dtype: each token's routing weights
     topk_ids: Tensor,  # [T, k] int32/int64 in [0, E): each token's experts
-    alignment: MoEAlignment | None = None,  # align_pairs(topk_ids, E, BLOCK_M) when built already
+    alignment: MoEAlignment | None = None,  # align_pairs(group_ids(topk_ids, lora), E * groups, BLOCK_M)
+    lora: MoELoRA | None = None,  # the step's expert LoRA on this layer (`kernels/moe_lora.py`)
 ) -> Tensor:
-    """The MoE block's routed output [T, H] in x.dtype (module docstring); same semantics as
-    :func:`kernels.reference.fused_moe_ref`. Launches two passes of one kernel and never synchronizes
+    """The MoE block's routed output [T, H] in x.dtype (module docstring), with each pair's own adapter's
+    LoRA on its expert where `lora` is given; same semantics as :func:`kernels.reference.fused_moe_ref`.
+    Launches two passes of one kernel (and a LoRA shrink before each adapted pass) and never synchronizes
     with the device (ids out of range are not checked on CUDA)."""
     dev = x.device
     check_tensor(_OP, "x", x, ndim=2, dtypes=FLOAT_DTYPES)
@@ -193,11 +239,22 @@ def fused_moe(
     checkable = dev.type == "cpu" and topk_ids.numel() > 0 and not torch.compiler.is_compiling()
     if checkable and not 0 <= int(topk_ids.min()) <= int(topk_ids.max()) < num_experts:  # interpreted
         raise ValueError(f"{_OP}: topk_ids must lie in [0, {num_experts})")
+    if (
+        checkable
+        and lora is not None
+        and not 0 <= int(lora.token_adapter.min()) <= int(lora.token_adapter.max()) <= lora.num_adapters
+    ):
+        raise ValueError(f"{_OP}: lora.token_adapter must lie in [0, {lora.num_adapters}]")
+    groups = 1
+    if lora is not None:
+        sizes = {"gate_up": hidden, "down": inter}, {"gate_up": two_inter, "down": hidden}
+        check_lora(lora, num_tokens, num_experts, *sizes, dev)
+        groups = lora.groups
     cfg = fused_moe_config(num_tokens * top_k, num_experts, hidden, inter)
     if alignment is None:
-        alignment = align_pairs(topk_ids, num_experts, cfg["BLOCK_M"])
-    elif alignment.num_pairs != topk_ids.numel() or alignment.num_experts != num_experts:
-        raise ValueError(f"{_OP}: alignment was built for other pairs or experts")
+        alignment = align_pairs(group_ids(topk_ids, lora), num_experts * groups, cfg["BLOCK_M"])
+    elif alignment.num_pairs != topk_ids.numel() or alignment.num_experts != num_experts * groups:
+        raise ValueError(f"{_OP}: alignment was built for other pairs, experts or adapter groups")
     if num_tokens == 0:
         return torch.empty(0, hidden, dtype=x.dtype, device=dev)
     h = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=dev)
@@ -206,6 +263,18 @@ def fused_moe(
     meta = (alignment.sorted_pair_ids, alignment.block_experts, alignment.num_padded, weights)
     blocks = (alignment.block_m, cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], cfg["num_stages"])
     run = launch(_fused_moe_pass_op, _launch_pass)
-    run(x, w_gate_up, h, *meta, top_k, True, *blocks)
-    run(h, w_down, y, *meta, 1, False, *blocks)
+    run(x, w_gate_up, h, *meta, top_k, True, *blocks, *_lora_args(x, lora, "gate_up", alignment, top_k, cfg))
+    run(h, w_down, y, *meta, 1, False, *blocks, *_lora_args(h, lora, "down", alignment, 1, cfg))
     return y.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+
+
+def _lora_args(
+    a: Tensor, lora: MoELoRA | None, proj: str, alignment: MoEAlignment, a_row_div: int, cfg: dict
+) -> tuple:
+    """The LoRA arguments of `_launch_pass` for projection `proj` over the pass's input `a`: its shrink
+    (launched here) and pages, or placeholders without LoRA on it."""
+    w = getattr(lora, proj) if lora is not None else None
+    if lora is None or w is None:
+        return 1 if lora is None else lora.groups, a, a, alignment.num_padded, False
+    v = moe_lora_shrink(a, w, alignment, a_row_div, lora.groups, cfg["BLOCK_K"])
+    return lora.groups, v, w.b, w.pages, True

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from kernels.intmath import cdiv
 from kernels.lora_meta import LoRABatchMeta
+from kernels.moe_lora_meta import MoELoRA
 
 
 def _adapter_rows(pool: Tensor, pages: Tensor, rank: int) -> Tensor:
@@ -227,11 +228,14 @@ def fused_moe_ref(
     w_down: Tensor,  # [E, H, I]
     topk_weights: Tensor,  # [T, k]
     topk_ids: Tensor,  # [T, k] in [0, E)
+    lora: MoELoRA | None = None,  # each token's adapter's LoRA on the experts (`kernels/moe_lora.py`)
 ) -> Tensor:
     """The routed experts' output of a MoE feed-forward block::
 
-        out[t] = Σ_j topk_weights[t, j] * Wd[e] · (silu(Wg[e] · x[t]) * (Wu[e] · x[t])),  e = topk_ids[t, j]
-        where Wg[e] = w_gate_up[e, :I], Wu[e] = w_gate_up[e, I:], Wd[e] = w_down[e]
+        out[t] = Σ_j topk_weights[t, j] * Wd'[e] · (silu(Wg'[e] · x[t]) * (Wu'[e] · x[t])), e = topk_ids[t, j]
+        where W'[e] · z = W[e] · z + s_a · B_{a,e} · (A_{a,e} · z) with a = lora.token_adapter[t] (a token
+        without an adapter, or a projection without LoRA: W[e] · z), Wg = w_gate_up[:, :I],
+        Wu = w_gate_up[:, I:], Wd = w_down; A_{a,e} / B_{a,e}: adapter a's pages of expert e, concatenated
 
     Experts no token chose are never read. Returns ``[T, H]`` in ``x.dtype``.
     """
@@ -239,8 +243,29 @@ def fused_moe_ref(
     out = torch.zeros(x.shape[0], w_down.shape[1], dtype=torch.float32, device=x.device)
     for e in torch.unique(topk_ids).tolist():
         tokens, choice = (topk_ids == e).nonzero(as_tuple=True)
-        gu = x[tokens].float() @ w_gate_up[e].float().T
+        xe = x[tokens].float()
+        gu = xe @ w_gate_up[e].float().T
+        _expert_lora_ref(lora, "gate_up", e, tokens, xe, gu)
         h = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
-        y = (h @ w_down[e].float().T) * topk_weights[tokens, choice].float().unsqueeze(1)
-        out.index_add_(0, tokens, y)
+        y = h @ w_down[e].float().T
+        _expert_lora_ref(lora, "down", e, tokens, h, y)
+        out.index_add_(0, tokens, y * topk_weights[tokens, choice].float().unsqueeze(1))
     return out.to(x.dtype)
+
+
+def _expert_lora_ref(lora: MoELoRA | None, proj: str, e: int, tokens: Tensor, z: Tensor, y: Tensor) -> None:
+    """`y[i] += s_a · (z[i] · A_{a,e}ᵀ) · B_{a,e}ᵀ` (float32) for the rows of tokens with an adapter a."""
+    w = getattr(lora, proj) if lora is not None else None
+    if lora is None or w is None:
+        return
+    adapters = lora.token_adapter[tokens].long()
+    for a in torch.unique(adapters).tolist():
+        if a >= lora.num_adapters:
+            continue
+        rows = (adapters == a).nonzero().squeeze(1)
+        pages = [p for p in w.pages[a].tolist() if p >= 0]
+        if not pages:
+            continue
+        a_rows = torch.cat([w.a[p, e] for p in pages]).float()  # [rank, in]
+        b_cols = torch.cat([w.b[p, e] for p in pages], dim=1).float()  # [out, rank]
+        y[rows] += float(w.scale[a]) * (z[rows] @ a_rows.T) @ b_cols.T

@@ -2,28 +2,37 @@
 parameters (its MLP as wide as the k experts a token runs), in one run::
 
     python -m bench.offline.moe [--layers 8 --experts 32 --top-k 4 --hidden 512 --expert-inter 256] \\
-        [--batches 1,8,32] [--new-tokens 24] [--rounds 3] [--threads 0] [--device cpu] [--json OUT]
+        [--batches 1,8,32] [--new-tokens 24] [--runs 5] [--threads 0] [--dtype float32] [--moe-block] \\
+        [--json OUT]
 
 Both models are built here with transformers' own configs (random weights, nothing downloaded). Per batch
-size the two engines decode the same prompts alternately, `--rounds` times; the figure is each leg's best
-mean decode-step time (`bench.common.workload.timed_run`), and the ratio MoE / dense (issue 28's goal:
-<= 1.3x), beside the ratio of weight bytes a step reads (a batch reads the union of its rows'
-experts). `--moe-block` adds the MoE block alone against the dense MLP on decode-sized inputs (the
-routed experts through the engine's `SparseMoE`, by `torch._grouped_mm`, and with experts of 2-4 rows
-as `W_e @ seg.T`): where the CPU path's time goes, and two candidate formulations of it.
+size three legs decode the same prompts, interleaved, `--runs` times after a warm-up: the MoE model on the
+engine's CPU expert path (`engine/model/moe_experts.py`: the native streaming kernel for decode-sized
+experts), the same MoE model with that kernel off (`NATIVE_MAX_ROWS = 0`: torch's grouped GEMM, the path
+before it), and the dense model. Figures: each leg's mean decode-step time per run (median and min-max
+over the runs), the ratios MoE / dense per run (issue 28's goal: <= 1.3x; median and min-max), beside the
+ratio of weight bytes a step reads (a batch reads the union of its rows' experts) -- what the step would
+cost if it followed the bytes it must read. `--moe-block` times the MoE block alone (both paths) against
+the dense MLP on decode-sized inputs. The load average (`os.getloadavg`) is recorded before and after.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from bench.common.workload import bench_env, make_prompts, timed_run
+
+LEGS = ("moe", "moe_torch", "dense")  # the engine's MoE path, the same without the native kernel, dense
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,28 +93,35 @@ def build_models(root: Path, shape: MoEShape, seed: int = 0) -> tuple[Path, Path
     return moe_dir, dense_dir
 
 
+def spread(values: list[float]) -> dict:
+    """median, min and max of `values`."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _cell(values: list[float], unit: str = " ms", digits: int = 2) -> str:
+    m = spread(values)
+    return f"{m['median']:.{digits}f}{unit} ({m['min']:.{digits}f}–{m['max']:.{digits}f})"
+
+
 @dataclass(slots=True)
 class DecodePoint:
-    batch: int
-    moe_step_ms: float
-    dense_step_ms: float
+    """Per leg (`LEGS`), the mean decode-step time of each run, ms."""
 
-    @property
-    def ratio(self) -> float:
-        return self.moe_step_ms / self.dense_step_ms
+    batch: int
+    step_ms: dict[str, list[float]]
+
+    def ratios(self, leg: str, over: str = "dense") -> list[float]:
+        """`leg` / `over` per run."""
+        return [a / b for a, b in zip(self.step_ms[leg], self.step_ms[over], strict=True)]
 
 
 @dataclass(slots=True)
 class BlockPoint:
-    """The MoE block alone vs the dense MLP on `rows` decode rows (best of N, ms, all layers): the
-    engine's block (`SparseMoE`), the same routed experts by `torch._grouped_mm` (`grouped_experts`) and
-    with small segments streamed (`streamed_experts`)."""
+    """The MoE block alone (native kernel on, off) vs the dense MLP on `rows` decode rows, all layers,
+    ms per call of each of `runs` interleaved rounds."""
 
     rows: int
-    moe_block_ms: float
-    grouped_mm_ms: float
-    streamed_ms: float
-    dense_mlp_ms: float
+    block_ms: dict[str, list[float]]
 
 
 @dataclass(slots=True)
@@ -114,43 +130,70 @@ class MoEBenchResult:
     device: str
     dtype: str
     threads: int
+    runs: int
     active_params: dict
     total_params: dict
+    load_before: list[float] = field(default_factory=list)
+    load_after: list[float] = field(default_factory=list)
     points: list[DecodePoint] = field(default_factory=list)
     blocks: list[BlockPoint] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         for p, src in zip(d["points"], self.points, strict=True):
-            p["ratio"] = src.ratio
+            p["summary"] = {leg: spread(v) for leg, v in src.step_ms.items()}
+            p["ratio_moe_dense"] = spread(src.ratios("moe"))
+            p["ratio_torch_dense"] = spread(src.ratios("moe_torch"))
+            p["speedup_native"] = spread(src.ratios("moe_torch", "moe"))
         return d
 
     def markdown(self) -> str:
-        s = self.shape
+        s, shape = self.shape, MoEShape(**self.shape)
+        load = (
+            "/".join(f"{v:.1f}" for v in self.load_before)
+            + " -> "
+            + "/".join(f"{v:.1f}" for v in self.load_after)
+        )
         lines = [
             f"MoE: {s['layers']} layers, {s['experts']} experts, top-{s['top_k']}, hidden {s['hidden']}, "
             f"expert inter {s['expert_inter']}; dense: inter {s['top_k'] * s['expert_inter']} "
-            f"({self.device}, {self.dtype}, threads {self.threads})",
+            f"({self.device}, {self.dtype}, threads {self.threads}, {self.runs} runs, load {load})",
             f"active params: MoE {self.active_params['moe'] / 1e6:.2f} M, dense "
             f"{self.active_params['dense'] / 1e6:.2f} M; total: MoE {self.total_params['moe'] / 1e6:.1f} M",
             "",
-            "| decode batch | MoE step | dense step | MoE / dense | weight bytes MoE / dense |",
-            "|---|---|---|---|---|",
+            "| decode batch | MoE step | MoE step, torch GEMMs | dense step | MoE / dense "
+            "| torch GEMMs / dense | native speed-up | weight bytes MoE / dense |",
+            "|---|---|---|---|---|---|---|---|",
         ]
-        shape = MoEShape(**self.shape)
-        lines += [f"| {p.batch} | {p.moe_step_ms:.2f} ms | {p.dense_step_ms:.2f} ms | {p.ratio:.2f}x | "
-                  f"{shape.step_bytes_ratio(p.batch):.2f}x |" for p in self.points]  # fmt: skip
+        for p in self.points:
+            cells = [_cell(p.step_ms[leg]) for leg in LEGS]
+            cells += [_cell(p.ratios("moe"), "x"), _cell(p.ratios("moe_torch"), "x")]
+            cells += [_cell(p.ratios("moe_torch", "moe"), "x"), f"{shape.step_bytes_ratio(p.batch):.2f}x"]
+            lines.append(f"| {p.batch} | " + " | ".join(cells) + " |")
         if self.blocks:
-            head = (
-                "| rows | MoE block | by grouped_mm | streamed small segments | dense MLP | block / dense |"
-            )
-            lines += ["", head + " grouped / dense | streamed / dense |", "|---|---|---|---|---|---|---|---|"]
+            head = "| rows | MoE block | MoE block, torch GEMMs | dense MLP | block / dense | torch / dense |"
+            lines += ["", head, "|---|---|---|---|---|---|"]
             for b in self.blocks:
-                moe = (b.moe_block_ms, b.grouped_mm_ms, b.streamed_ms)
-                cells = [f"{v:.2f} ms" for v in (*moe, b.dense_mlp_ms)]
-                cells += [f"{v / b.dense_mlp_ms:.2f}x" for v in moe]
+                ratio = [
+                    [m / d for m, d in zip(b.block_ms[leg], b.block_ms["dense"], strict=True)]
+                    for leg in LEGS[:2]
+                ]
+                cells = [_cell(b.block_ms[leg]) for leg in LEGS] + [_cell(r, "x") for r in ratio]
                 lines.append(f"| {b.rows} | " + " | ".join(cells) + " |")
         return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def torch_gemms(on: bool) -> Iterator[None]:
+    """With `on`, the CPU expert path without its native kernel (`NATIVE_MAX_ROWS = 0`) inside."""
+    from engine.model import moe_experts
+
+    prev = moe_experts.NATIVE_MAX_ROWS
+    moe_experts.NATIVE_MAX_ROWS = 0 if on else prev
+    try:
+        yield
+    finally:
+        moe_experts.NATIVE_MAX_ROWS = prev
 
 
 def _engine(model: Path, device: str, dtype: str, batch: int):
@@ -169,100 +212,67 @@ def _decode_ms(engine, prompts, new_tokens: int, tag: str) -> float:
     return 1e3 * run.decode_s / max(run.decode_steps, 1)
 
 
-def grouped_experts(moe, x: torch.Tensor) -> torch.Tensor:
-    """`SparseMoE`'s output (routed experts, no shared expert) as one `torch._grouped_mm` per projection
-    over the pairs sorted by expert, instead of a Python loop over the experts: a candidate CPU path."""
-    weights, ids = moe.route(x)
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    tokens = order // moe.top_k
-    offs = torch.cumsum(torch.bincount(flat, minlength=moe.experts.num_experts), 0).to(torch.int32)
-    gu = torch._grouped_mm(x[tokens], moe.experts.gate_up.transpose(1, 2), offs=offs)
-    inter = moe.experts.inter
-    h = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
-    ys = torch._grouped_mm(h, moe.experts.down.transpose(1, 2), offs=offs)
-    ys.mul_(weights.reshape(-1)[order].unsqueeze(1))
-    return torch.zeros_like(x).index_add_(0, tokens, ys)
-
-
-def streamed_experts(moe, x: torch.Tensor, max_rows: int = 4) -> torch.Tensor:
-    """`SparseMoE`'s routed output with the engine's loop, but an expert with at most `max_rows` rows
-    computed as `(W_e @ seg.T).T`: the GEMM library then streams W_e once (a GEMV-like kernel) instead
-    of re-blocking it inside `F.linear`, which at 2-4 rows costs more than the multiply."""
-    weights, ids = moe.route(x)
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    tokens = order // moe.top_k
-    counts = torch.bincount(flat, minlength=moe.experts.num_experts).tolist()
-    xs = x[tokens]
-    ys = torch.empty_like(xs)
-    inter, start = moe.experts.inter, 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        seg, w_gu, w_d = xs[start : start + n], moe.experts.gate_up[e], moe.experts.down[e]
-        small = 1 < n <= max_rows
-        gu = (w_gu @ seg.T).T if small else torch.nn.functional.linear(seg, w_gu)
-        h = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
-        ys[start : start + n] = (w_d @ h.T).T if small else torch.nn.functional.linear(h, w_d)
-        start += n
-    ys.mul_(weights.reshape(-1)[order].unsqueeze(1))
-    return torch.zeros_like(x).index_add_(0, tokens, ys)
-
-
-def _block_ms(moe_model, dense_model, rows: int, repeats: int) -> BlockPoint:
-    """Every layer's MoE block vs every layer's dense MLP on the same random `rows` x `hidden` input."""
+def _block_ms(moe_model, dense_model, rows: int, runs: int, repeats: int = 5) -> BlockPoint:
+    """Every layer's MoE block (both paths) vs every layer's dense MLP on the same random input, runs
+    interleaved; each figure the mean of `repeats` calls."""
     from engine.model.moe import SparseMoE
 
     moe_blocks = [m for m in moe_model.modules() if isinstance(m, SparseMoE)]
     mlps = [layer.mlp for layer in dense_model.layers]
     p = next(moe_model.parameters())
     x = torch.randn(rows, moe_blocks[0].gate.weight.shape[1], dtype=p.dtype, device=p.device) * 0.5
-
-    def best(fn) -> float:
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            if p.device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        return 1e3 * min(times)
-
+    legs = {
+        "moe": lambda: [b(x) for b in moe_blocks],
+        "moe_torch": lambda: [b(x) for b in moe_blocks],
+        "dense": lambda: [m(x, None) for m in mlps],
+    }
+    out = BlockPoint(rows, {leg: [] for leg in LEGS})
     with torch.no_grad():
-        for b in moe_blocks:  # the candidates compute what the block computes
-            torch.testing.assert_close(grouped_experts(b, x), b(x), rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(streamed_experts(b, x), b(x), rtol=1e-4, atol=1e-4)
-        moe_ms = best(lambda: [b(x) for b in moe_blocks])
-        grouped_ms = best(lambda: [grouped_experts(b, x) for b in moe_blocks])
-        streamed_ms = best(lambda: [streamed_experts(b, x) for b in moe_blocks])
-        dense_ms = best(lambda: [m(x, None) for m in mlps])
-    return BlockPoint(rows, moe_ms, grouped_ms, streamed_ms, dense_ms)
+        with torch_gemms(True):
+            want = [b(x) for b in moe_blocks]
+        for b, w in zip(moe_blocks, want, strict=True):  # both paths compute one block
+            torch.testing.assert_close(b(x), w, rtol=1e-3, atol=1e-3)
+        for r in range(runs + 1):
+            for leg, fn in legs.items():
+                with torch_gemms(leg == "moe_torch"):
+                    t0 = time.perf_counter()
+                    for _ in range(repeats):
+                        fn()
+                    if p.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    if r:
+                        out.block_ms[leg].append(1e3 * (time.perf_counter() - t0) / repeats)
+    return out
 
 
 def run_moe_bench(workdir: Path, shape: MoEShape = MoEShape(), batches=(1, 8, 32), new_tokens: int = 24,
-                  rounds: int = 3, device: str = "cpu", dtype: str = "float32", threads: int = 0,
-                  moe_block: bool = False, prompt_len: int = 16) -> MoEBenchResult:  # fmt: skip
-    """Decode step time of the MoE model and the dense model per batch size, legs interleaved."""
+                  runs: int = 5, device: str = "cpu", dtype: str = "float32", moe_block: bool = False,
+                  prompt_len: int = 16) -> MoEBenchResult:  # fmt: skip
+    """Decode step time of the three legs (`LEGS`) per batch size, interleaved, `runs` runs each."""
     moe_dir, dense_dir = build_models(workdir, shape)
     active = {"moe": shape.active_params(True), "dense": shape.active_params(False)}
     total = {"moe": shape.total_params(True), "dense": shape.total_params(False)}
-    result = MoEBenchResult(asdict(shape), device, dtype, torch.get_num_threads(), active, total)
+    result = MoEBenchResult(asdict(shape), device, dtype, torch.get_num_threads(), runs, active, total,
+                            list(os.getloadavg()))  # fmt: skip
     for batch in batches:
         engines = {
-            name: _engine(d, device, dtype, batch) for name, d in (("moe", moe_dir), ("dense", dense_dir))
+            "moe": _engine(moe_dir, device, dtype, batch),
+            "dense": _engine(dense_dir, device, dtype, batch),
         }
+        engines["moe_torch"] = engines["moe"]
         prompts = make_prompts(batch, prompt_len, shape.vocab)
-        best = {k: float("inf") for k in engines}
-        for r in range(rounds + 1):  # round 0 warms up
-            for name, eng in engines.items():
-                ms = _decode_ms(eng, prompts, new_tokens, f"{name}-{batch}-{r}")
+        point = DecodePoint(batch, {leg: [] for leg in LEGS})
+        for r in range(runs + 1):  # run 0 warms up
+            for leg in LEGS:
+                with torch_gemms(leg == "moe_torch"):
+                    ms = _decode_ms(engines[leg], prompts, new_tokens, f"{leg}-{batch}-{r}")
                 if r > 0:
-                    best[name] = min(best[name], ms)
-        result.points.append(DecodePoint(batch, best["moe"], best["dense"]))
+                    point.step_ms[leg].append(ms)
+        result.points.append(point)
         if moe_block:
-            result.blocks.append(_block_ms(engines["moe"].model, engines["dense"].model, batch, 20))
+            result.blocks.append(_block_ms(engines["moe"].model, engines["dense"].model, batch, runs))
         del engines
+    result.load_after = list(os.getloadavg())
     return result
 
 
@@ -274,7 +284,9 @@ def main(argv: list[str] | None = None) -> MoEBenchResult:
     ap.add_argument("--batches", default="1,8,32", help="decode batch sizes, comma-separated")
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--prompt-len", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--runs", "--rounds", type=int, default=5, help="interleaved runs per leg (after a warm-up)"
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -282,12 +294,14 @@ def main(argv: list[str] | None = None) -> MoEBenchResult:
     ap.add_argument("--workdir", type=Path, default=None, help="keep the models here (default: a temp dir)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.runs < 1:
+        ap.error("--runs must be at least 1")
     shape = MoEShape(*(getattr(args, n) for n in ("layers", "experts", "top_k", "hidden", "expert_inter",
                                                   "heads", "kv_heads", "vocab")))  # fmt: skip
     with bench_env(args.threads, args.workdir) as work:
-        result = run_moe_bench(work, shape, tuple(int(b) for b in args.batches.split(",")), args.new_tokens,
-                               args.rounds, args.device, args.dtype, args.threads, args.moe_block,
-                               args.prompt_len)  # fmt: skip
+        batches = tuple(int(b) for b in args.batches.split(","))
+        result = run_moe_bench(work, shape, batches, args.new_tokens, args.runs, args.device, args.dtype,
+                               args.moe_block, args.prompt_len)  # fmt: skip
     print(result.markdown())
     if args.json is not None:
         args.json.write_text(json.dumps(result.to_dict(), indent=2))

@@ -11,6 +11,8 @@ one GEMM pair per page the adapter's rank on p covers (pages are zero beyond the
 rows) of a layer are applied together instead, their pages gathered into two row-vector `bmm`s
 (`add_pairs`). Rows of base
 requests and of adapters without expert LoRA have `row_adapter` = `num_adapters` and are never touched.
+On CUDA the Triton fused-MoE kernel reads the same pages through `kernel_lora` (one layer's page tables
+and scalings, `kernels/moe_lora_meta.py`) and adds the deltas inside its grouped GEMMs.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.lora.expert_pages import ExpertPageStore, ExpertResident
+from engine.lora.expert_pages import EXPERT_PROJS, ExpertPageStore, ExpertResident
 from engine.lora.pool import AdapterPool, ResidentAdapter
 from kernels.intmath import cdiv
+from kernels.moe_lora_meta import ExpertLoRAWeights, MoELoRA
 
 
 class ExpertLoRAStep:
@@ -40,6 +43,7 @@ class ExpertLoRAStep:
             self._runs.append((index[ad.slot], rows))
         self.num_adapters = len(self.adapters)
         self._rows: torch.Tensor | None = None
+        self._kernel: dict[tuple[int, int], MoELoRA] = {}
 
     def __bool__(self) -> bool:
         return self.num_adapters > 0
@@ -56,6 +60,34 @@ class ExpertLoRAStep:
     def adapts(self, layer: int) -> bool:
         """Whether any adapter of the step has expert LoRA in `layer`."""
         return any(ad.ranks[layer] for ad in self.adapters)
+
+    def kernel_lora(self, layer: int, num_rows: int, device: torch.device) -> MoELoRA:
+        """Layer `layer`'s expert LoRA as the fused-MoE kernel reads it (built once per step and layer):
+        each row's adapter, and per projection the layer's view of the pages, each adapter's page ids
+        (ceil(rank / page_rank) of them, -1 after) and scaling (0 where it does not adapt it)."""
+        key = (layer, num_rows)
+        lora = self._kernel.get(key)
+        if lora is not None:
+            return lora
+        store, pr = self.store, self.store.page_rank
+        weights: dict[str, ExpertLoRAWeights | None] = {}
+        for proj in EXPERT_PROJS:
+            ranks = [ad.ranks[layer].get(proj, 0) for ad in self.adapters]
+            if not any(ranks):
+                weights[proj] = None
+                continue
+            lists = [ad.pages[proj][: cdiv(r, pr)] for ad, r in zip(self.adapters, ranks, strict=True)]
+            width = max(len(p) for p in lists)
+            table = torch.tensor([p + [-1] * (width - len(p)) for p in lists], dtype=torch.int32)
+            scale = torch.tensor([ad.scalings[layer].get(proj, 0.0) for ad in self.adapters])
+            weights[proj] = ExpertLoRAWeights(
+                store.a[proj][:, layer], store.b[proj][:, layer], table.to(device), scale.to(device)
+            )
+        lora = MoELoRA(
+            self.row_adapter(num_rows, device), self.num_adapters, weights["gate_up"], weights["down"]
+        )
+        self._kernel[key] = lora
+        return lora
 
     def add(
         self, layer: int, proj: str, expert: int, adapter: int, x: torch.Tensor, out: torch.Tensor

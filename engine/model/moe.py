@@ -9,7 +9,7 @@ For the step's flat token batch `x` [T, H]:
    pairs sorted by expert (and within an expert by adapter) once, one GEMM per projection per expert
    that has tokens, `gu = x_e @ W_gate_up[e].T`, `h = silu(gate) * up`, `y_e = h @ W_down[e].T`, each
    adapter's LoRA delta for that expert added on its rows, and the weighted combine (`index_add_`); on
-   CUDA, for steps without expert LoRA on the layer, the Triton fused-MoE kernel (`kernels/fused_moe.py`).
+   CUDA the Triton fused-MoE kernel (`kernels/fused_moe.py`), with the step's expert LoRA inside it.
 
 Qwen2-MoE adds a shared expert (a dense gated MLP) scaled by `sigmoid(x @ w_shared_gate.T)`.
 
@@ -132,14 +132,14 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoRAStepContext | None = None, fused=None) -> torch.Tensor:
         """The block's output [T, H]: the routed experts with the step's expert LoRA (`lora.experts`,
-        `engine/model/moe_experts.py`), plus Qwen2-MoE's gated shared expert; `fused` is unused. On CUDA a
-        step without expert LoRA on this layer runs the Triton fused-MoE kernel (`triton_experts`)."""
+        `engine/model/moe_experts.py`), plus Qwen2-MoE's gated shared expert; `fused` is unused. On CUDA the
+        routed experts (and their LoRA) run the Triton fused-MoE kernel (`triton_experts`)."""
         weights, ids = self.route(x)
         if self.local_experts is not None:  # expert parallel: other ranks' experts -> E, dropped
             ids = self.expert_map(x.device)[ids]
         hook = getattr(lora, "experts", None)
-        if self.uses_triton(x) and (hook is None or not hook.adapts(self.layer)):
-            out = self.triton_experts(x, weights, ids)
+        if self.uses_triton(x) and (hook is None or hasattr(hook, "kernel_lora")):
+            out = self.triton_experts(x, weights, ids, hook)
         else:
             out = experts_forward(self.experts.gate_up, self.experts.down, x, weights, ids, hook, self.layer)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
@@ -165,12 +165,18 @@ class SparseMoE(nn.Module):
         under expert parallel (whose pairs of other ranks' experts only `experts_forward` drops)."""
         return x.is_cuda and self.local_experts is None
 
-    def triton_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The routed experts' weighted sum [T, H] by `kernels/fused_moe.py` (pairs sorted by expert on the
-        device, one grouped GEMM per projection, no host synchronization)."""
+    def triton_experts(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, hook: Any = None
+    ) -> torch.Tensor:
+        """The routed experts' weighted sum [T, H] by `kernels/fused_moe.py` (pairs sorted by expert, and by
+        adapter where `hook`, the step's expert LoRA, adapts this layer, on the device; one grouped GEMM
+        per projection with each pair's adapter delta inside; no host synchronization)."""
         from kernels.fused_moe import fused_moe
 
-        return fused_moe(x, self.experts.gate_up, self.experts.down, weights, ids)
+        lora = None
+        if hook is not None and hook.adapts(self.layer):
+            lora = hook.kernel_lora(self.layer, x.shape[0], x.device)
+        return fused_moe(x, self.experts.gate_up, self.experts.down, weights, ids, lora=lora)
 
 
 def is_sparse_layer(cfg: ModelConfig, layer: int) -> bool:

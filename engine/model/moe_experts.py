@@ -13,18 +13,24 @@ For x [T, H], each token's top-k expert ids and routing weights, and the step's 
     out[t] = sum_j weight[t, j] * y[pair (t, j)]        (`index_add_` in pair order)
 
 Experts without tokens are never read, so a decode step's cost follows the active experts' weights. The
-grouped GEMM is one `torch._grouped_mm` per projection over the sorted rows on the CPU (it measured
-equal to 0.84x the time of a torch loop over the experts at decode and prefill shapes on a 2-core EPYC,
-docs/benchmarks.md, and gives the loop's bits); elsewhere, or where this torch lacks it, that loop.
+grouped GEMM on the CPU: when no expert has more than `NATIVE_MAX_ROWS` rows (decode steps), the native
+kernel `kernels/moe_gemm_cpu.py`, which streams each active expert's weight once for all of its rows (a
+GEMM library re-blocks the weight inside each small call, or on AMD CPUs MKL takes a slow path: 1.6-2.2x
+slower at decode shapes on a 2-core Zen 4, docs/benchmarks.md); otherwise one `torch._grouped_mm` per
+projection over the sorted rows (0.84x the time of a torch loop over the experts); elsewhere, or where
+this torch lacks it, that loop.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Protocol
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 
 class ExpertLoRAHook(Protocol):
@@ -108,7 +114,16 @@ def _grouped_linear(
     xs: torch.Tensor, w: torch.Tensor, sizes: list[int], counts: torch.Tensor
 ) -> torch.Tensor:
     """`ys[rows of e] = xs[rows of e] @ w[e].T` for the expert-sorted rows `xs` (`sizes[e]` rows each):
-    on the CPU one `torch._grouped_mm` (where this torch has it), else a GEMM per expert with rows."""
+    on the CPU, when no expert has more than `NATIVE_MAX_ROWS` rows (decode), the native streaming kernel
+    (where it builds); else one `torch._grouped_mm` (where this torch has it); else a GEMM per expert with
+    rows (module docstring)."""
+    small = max(sizes, default=0) <= NATIVE_MAX_ROWS and w.is_contiguous()
+    if small and _native_works(xs.device.type, xs.dtype):
+        from kernels.moe_gemm_cpu import grouped_small_gemm
+
+        ys = xs.new_empty(xs.shape[0], w.shape[1])
+        grouped_small_gemm(xs, w, counts, NATIVE_MAX_ROWS, ys)
+        return ys
     if _grouped_mm_works(xs.device.type, xs.dtype):
         offs = torch.cumsum(counts, 0).to(torch.int32)
         return torch._grouped_mm(xs, w.transpose(1, 2), offs=offs)
@@ -119,6 +134,31 @@ def _grouped_linear(
             ys[start : start + n] = nn.functional.linear(xs[start : start + n], w[e])
             start += n
     return ys
+
+
+# experts with at most this many rows of a step run the native kernel on the CPU (`_native_works`)
+NATIVE_MAX_ROWS = 16
+
+
+@functools.cache
+def _native_works(device: str, dtype: torch.dtype) -> bool:
+    """Whether the native small-GEMM kernel (`kernels/moe_gemm_cpu.py`) runs here for `dtype` and agrees
+    with `F.linear` on a small case (float32 / bfloat16 on the CPU, where the library builds)."""
+    if device != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    from kernels.moe_gemm_cpu import grouped_small_gemm
+    from kernels.native_build import NativeBuildError
+
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(5, 40, generator=gen).to(dtype), torch.randn(3, 24, 40, generator=gen).to(dtype)
+    y = a.new_empty(5, 24)
+    try:
+        grouped_small_gemm(a, b, torch.tensor([2, 0, 3]), NATIVE_MAX_ROWS, y)
+    except NativeBuildError as exc:
+        log.warning("native MoE GEMM unavailable, using torch's: %s", exc)
+        return False
+    ref = torch.cat([nn.functional.linear(a[:2], b[0]), nn.functional.linear(a[2:], b[2])])
+    return bool(torch.allclose(y.float(), ref.float(), rtol=1e-2, atol=1e-2))
 
 
 @functools.cache

@@ -14,6 +14,7 @@ import pytest
 
 from engine import LLM, LoRARequest, SamplingParams
 from engine.lora.expert_pages import EXPERT_PROJS
+from engine.model.moe import SparseMoE
 from engine.model_config import ModelConfig
 from tests.helpers.expert_adapters import build_per_expert_adapter
 from tests.helpers.peft_batch import check_requests, cpu_llm
@@ -176,3 +177,26 @@ def test_prefix_cache_and_ngram_speculation_with_expert_adapters(adapters):
         check_requests(llm, dirs, oracle, reqs, NEW)
     stats = llm.engine.get_stats()
     assert stats.prefix_cache_hits > 0 and stats.spec_verifications > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_fused_moe_kernel_applies_expert_lora(arch, adapters, monkeypatch):
+    """The CUDA path's Triton fused-MoE kernel (interpreted on the CPU) with the step's expert LoRA inside
+    its grouped GEMMs: PEFT's tokens for base rows and adapters of ranks 4, 16 (two pages: rank 16 >
+    page_rank 8, down at rank 2) and 2 (down only) in one batch, with chunked prefill; every MoE block ran
+    on the kernel, with LoRA on it."""
+    base, dirs, oracle = adapters[arch]
+    calls: list[bool] = []
+    triton_experts = SparseMoE.triton_experts
+
+    def counted(self, x, weights, ids, hook=None):
+        calls.append(hook is not None and hook.adapts(self.layer))
+        return triton_experts(self, x, weights, ids, hook)
+
+    monkeypatch.setattr(SparseMoE, "uses_triton", lambda self, x: True)
+    monkeypatch.setattr(SparseMoE, "triton_experts", counted)
+    monkeypatch.setattr("engine.model.moe.experts_forward", None)  # the torch path is never taken
+    llm = cpu_llm(base, lora_page_rank=8, max_num_batched_tokens=16)
+    names = ["experts-r4", None, "both-r16", "down-r2-rslora"]
+    check_requests(llm, dirs, oracle, _requests(7, names, 5), 4)
+    assert calls and all(calls)

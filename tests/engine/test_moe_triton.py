@@ -22,9 +22,9 @@ def _on_triton(monkeypatch, calls: list[int]) -> None:
     noting each call's row count in `calls`."""
     triton_experts = SparseMoE.triton_experts
 
-    def counted(self, x, weights, ids):
+    def counted(self, x, weights, ids, hook=None):
         calls.append(x.shape[0])
-        return triton_experts(self, x, weights, ids)
+        return triton_experts(self, x, weights, ids, hook)
 
     monkeypatch.setattr(SparseMoE, "uses_triton", lambda self, x: True)
     monkeypatch.setattr(SparseMoE, "triton_experts", counted)
