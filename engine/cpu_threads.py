@@ -15,6 +15,12 @@ thread (docs/benchmarks.md). One thread has no barrier; it just gets its share o
   at `retry_s` (1 s) and doubles, up to `max_retry_s` (30 s), each time a retry is met by contention
   within `confirm_s`: a short burst from a neighbour costs about a second at one thread, a lasting one
   a failed retry window every 30 s.
+
+Under tensor parallel rank 0's governor decides for every rank: the workers take its thread count from
+each step's plan (`engine/distributed/step_plan.py`), so all ranks change together (the slowest sets the
+pace of every collective). Its `overhead` (the collectives' own cost, `WorkerGroup.collective_cost`) is
+not counted as wall time, while time spent waiting for a descheduled rank is: a contended worker lowers
+rank 0's share as a contended rank 0 does.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -72,6 +79,7 @@ class ThreadGovernor:
         retry_s: float = 1.0,
         max_retry_s: float = 30.0,
         confirm_s: float = 2.0,
+        overhead: Callable[[], float] | None = None,
     ) -> None:
         self.max_threads, self.low, self.high = max_threads, low, high
         self.window_s, self.window_steps = window_s, window_steps
@@ -84,15 +92,22 @@ class ThreadGovernor:
         self._steps = 0
         self._t0 = self._c0 = 0.0
         self._dropped_at = self._raised_at = -math.inf
+        # a running total of seconds per step that are not this process's compute (module docstring)
+        self.overhead = overhead
+        self._o0 = 0.0
 
     def begin(self) -> None:
         self._t0, self._c0 = time.perf_counter(), time.process_time()
+        self._o0 = self.overhead() if self.overhead is not None else 0.0
 
     def end(self) -> None:
-        self._wall += time.perf_counter() - self._t0
+        wall = time.perf_counter() - self._t0
+        if self.overhead is not None:  # clamped: the total restarts with a restarted group
+            wall -= min(max(0.0, self.overhead() - self._o0), wall)
+        self._wall += wall
         self._cpu += time.process_time() - self._c0
         self._steps += 1
-        if self._wall < self.window_s or self._steps < self.window_steps:
+        if self._wall <= 0.0 or self._wall < self.window_s or self._steps < self.window_steps:
             return
         share = self._cpu / (self._wall * self.threads)
         self.last_share = share

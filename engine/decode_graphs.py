@@ -30,6 +30,11 @@ per sequence) and larger batches run eagerly, over the same pool tensors.
 `capture` is how a forward pass is recorded (`engine/graph_capture.py`): `CudaGraphCapture` on a GPU,
 `EagerReplay` (re-run the same pass over the same buffers) where there is no CUDA, so the padded static
 path is testable on CPU.
+
+Under tensor parallel (CPU ranks) every rank keeps its own `DecodeGraphs` over its shard: rank 0 sends the
+workers its largest bucket (`WorkerGroup.use_decode_graphs`), all ranks capture the same keys in the same
+order, and each step's plan says whether the step replays (every rank does) or runs eagerly. CUDA graphs
+are not captured under tensor parallel on GPUs yet (`engine/distributed/shard_model.py`).
 """
 
 from __future__ import annotations
@@ -190,6 +195,12 @@ class DecodeGraphs:
         )
         return self.stats
 
+    def recapture(self) -> GraphStats:
+        """Drop every graph and capture them all again (a restarted tensor-parallel group's workers
+        capture theirs meanwhile, their warm-up passes meeting these)."""
+        self._graphs.clear()
+        return self.capture_all()
+
     def run(self, inp: StepInputs, lora: TritonLoRAContext | None) -> torch.Tensor:
         """The step's logits `[B, V]` (float32), from the graph of its bucket (captured on first use).
         The tensor is a view of the graph's output: read it before the next step."""
@@ -297,6 +308,9 @@ def enable_decode_graphs(runner: ModelRunner, lora: LoRAManager | None, max_batc
     capture: GraphCapture = CudaGraphCapture() if runner.device.type == "cuda" else EagerReplay()
     runner.use_decode_graphs(capture, lora.pool if lora is not None else None, max_batch)
     assert runner.graphs is not None, "use_decode_graphs sets them"
+    if runner.group is not None:  # tensor parallel: every rank captures its own, in step
+        runner.group.use_decode_graphs(runner.graphs)
+        return True
     try:
         runner.graphs.capture_all()
     except Exception:  # a capture that fails must not stop the engine: it serves eagerly instead

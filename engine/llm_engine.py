@@ -71,13 +71,14 @@ class LLMEngine:
             self.tp.group.launch()  # the workers load their shards while this process loads its own
         # False (a server's engine process): a failed worker group is raised out of `step`, not restarted
         self.recover_worker_group = True
-        # under tensor parallel the threads are split over the ranks (and no governor: it would change
-        # only this rank's)
-        if self.tp is None and self.device.type == "cpu":
-            if config.num_threads is None:  # torch's default can exceed an affinity mask or cgroup quota
+        # under tensor parallel the threads are split over the ranks, and rank 0's governor sets every
+        # rank's (the workers take its count from each step's plan: engine/cpu_threads.py)
+        if self.device.type == "cpu":
+            if self.tp is None and config.num_threads is None:  # torch's default can exceed the CPUs
                 torch.set_num_threads(min(torch.get_num_threads(), available_cpus()))
             if config.adaptive_threads and torch.get_num_threads() > 1:
-                self.thread_governor = ThreadGovernor(torch.get_num_threads())
+                cost = self.tp.group.collective_cost if self.tp is not None else None
+                self.thread_governor = ThreadGovernor(torch.get_num_threads(), overhead=cost)
         self.model_config = checkpoint.capped(config.max_model_len)  # what requests may use
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
         self.dtype_reason = dtype_reason(config.dtype, self.model_config, self.device)

@@ -116,8 +116,13 @@ class ModelRunner:
         from engine.distributed.worker_group import WorkerGroupError
 
         assert self.group is not None, "called under tensor parallel only"
-        self.group.send_step(inp, self.group.lora_runs(items) if lora is not None else [])
+        # every rank replays its own decode graph of the step's bucket, or every rank runs eagerly
+        graph = self.graphs is not None and self.graphs.handles(inp, lora)
+        self.group.send_step(inp, self.group.lora_runs(items) if lora is not None else [], graph)
         try:
+            if graph:
+                assert self.graphs is not None, "checked above"
+                return self.graphs.run(inp, lora)  # type: ignore[arg-type]  # handles() checked the type
             return self.model(to_forward_batch(inp, lora, self.device), self.kv_layers, self.backend)
         except WorkerGroupError:
             raise

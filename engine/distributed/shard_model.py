@@ -36,5 +36,6 @@ def load_shard(
             module.all_reduce = all_reduce
     if checkpoint.extra.get("moe"):  # one all-reduce per MoE block (and OLMoE's q/k norms)
         wire_moe(model, shard, all_reduce)
-    model.graph_problem = "CUDA graphs are not captured under tensor parallel"
+    if device.type == "cuda":  # on CPU every rank replays its own (`engine/decode_graphs.py`)
+        model.graph_problem = "CUDA graphs are not captured under tensor parallel on GPUs yet"
     return model

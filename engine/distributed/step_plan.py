@@ -5,7 +5,10 @@ A frame is ``[kind, n, (dtype code, ndim, shape...) * n]`` as int64, then each a
 - `STEP`: one forward pass. Arrays: input_ids [T], positions [T], slot_mapping [T] (int64),
   block_tables [B, M] (int32), seq_lens [B], query_starts [B+1], [num_decodes] (int64), the LoRA
   runs [S, 4] = (first row, end row, pool slot, mix position) of the rows that use an adapter (S = 0:
-  none) and their weights [S] (float64; `engine/distributed/lora_runs.py`).
+  none) and their weights [S] (float64; `engine/distributed/lora_runs.py`), then [threads, graph] (int64):
+  the CPU threads every rank computes this step with (rank 0's count, which its `ThreadGovernor` may
+  change; 0: leave them) and whether the step replays the decode graph of its bucket (1) or runs
+  eagerly (0), as rank 0 does (`engine/decode_graphs.py`).
 - `UPLOAD`: write an adapter into the pool. Arrays: digest (uint8, ASCII), [slot], pages per module
   [7] then the page ids, per adapted (layer, module) its [layer, module index, rank] (int64 [W, 3]) and
   scaling (float64 [W]); per adapted (layer, expert projection) of a MoE adapter its [layer, projection
@@ -14,6 +17,7 @@ A frame is ``[kind, n, (dtype code, ndim, shape...) * n]`` as int64, then each a
   the adapter's side tensors (DoRA magnitudes, lora_B biases, its embedding side:
   `engine/distributed/adapter_frames.py`).
 - `EVICT`: digest. `STOP`: no arrays.
+- `GRAPHS`: [max batch]: capture the decode graphs now, as rank 0 does (`DecodeGraphs.capture_all`).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from engine.lora.expert_checkpoint import ExpertLoRAWeights
 from engine.lora.expert_pages import EXPERT_PROJS
 from engine.step_inputs import StepInputs
 
-STEP, UPLOAD, EVICT, STOP = 1, 2, 3, 4
+STEP, UPLOAD, EVICT, STOP, GRAPHS = 1, 2, 3, 4, 5
 _DTYPES = [np.dtype(t) for t in (np.int64, np.int32, np.float32, np.float64, np.uint8)]
 
 
@@ -68,10 +72,18 @@ class WorkerStep:
     inputs: StepInputs
     lora_runs: np.ndarray  # [S, 4] (start, end, slot, mix position)
     lora_weights: np.ndarray  # [S] float64: each run's weight
+    num_threads: int = 0  # the CPU threads to compute with (0: unchanged)
+    graph: bool = False  # replay the bucket's decode graph (rank 0 does)
 
 
-def encode_step(inp: StepInputs, lora_runs: Sequence[tuple[int, int, int, int, float]]) -> bytes:
-    """`lora_runs`: (start, end, slot, mix position, weight) per run (`lora_runs.step_lora_runs`)."""
+def encode_step(
+    inp: StepInputs,
+    lora_runs: Sequence[tuple[int, int, int, int, float]],
+    num_threads: int = 0,
+    graph: bool = False,
+) -> bytes:
+    """`lora_runs`: (start, end, slot, mix position, weight) per run (`lora_runs.step_lora_runs`);
+    `num_threads`, `graph`: as in the module docstring."""
     runs = np.asarray([r[:4] for r in lora_runs], dtype=np.int64).reshape(-1, 4)
     weights = np.asarray([r[4] for r in lora_runs], dtype=np.float64)
     return encode(
@@ -86,12 +98,13 @@ def encode_step(inp: StepInputs, lora_runs: Sequence[tuple[int, int, int, int, f
             np.asarray([inp.num_decodes], dtype=np.int64),
             runs,
             weights,
+            np.asarray([num_threads, int(graph)], dtype=np.int64),
         ],
     )
 
 
 def decode_step(arrays: list[np.ndarray]) -> WorkerStep:
-    ids, pos, slots, tables, seq_lens, starts, nd, runs, weights = arrays
+    ids, pos, slots, tables, seq_lens, starts, nd, runs, weights, flags = arrays
     inp = StepInputs(
         input_ids=ids.tolist(),
         positions=pos,
@@ -102,7 +115,7 @@ def decode_step(arrays: list[np.ndarray]) -> WorkerStep:
         logits_rows=[],
         num_decodes=int(nd[0]),
     )
-    return WorkerStep(inp, runs, weights)
+    return WorkerStep(inp, runs, weights, int(flags[0]), bool(flags[1]))
 
 
 def _digest(d: str) -> np.ndarray:

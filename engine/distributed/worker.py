@@ -2,10 +2,11 @@
 
 It loads its shard, reports ready on its pipe, joins the process group, and then runs what rank 0 sends
 (`engine/distributed/step_plan.py`): pool uploads (with DoRA, lora_bias and embedding-side tensors) and
-evictions at the slots and pages rank 0 chose, and forward passes (plain, DoRA and mixed adapter rows),
-whose all-reduces meet rank 0's. It computes no logits and samples nothing. Any failure ends the
-process, which closes its sockets, so rank 0's next collective fails at once; a closed pipe (rank 0
-gone) ends it too.
+evictions at the slots and pages rank 0 chose, and forward passes (plain, DoRA and mixed adapter rows;
+a plain decode step replays this rank's decode graph of its bucket where rank 0 replays its own), whose
+all-reduces meet rank 0's, at rank 0's CPU thread count. It computes no logits and samples nothing. Any
+failure ends the process, which closes its sockets, so rank 0's next collective fails at once; a closed
+pipe (rank 0 gone) ends it too.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from engine.distributed.channel import Channel
 from engine.engine_config import EngineConfig
 
 if TYPE_CHECKING:
+    from engine.decode_graphs import DecodeGraphs
     from engine.distributed.group import ProcessGroup
     from engine.lora.pool import AdapterPool
 
@@ -102,6 +104,7 @@ class _Worker:
         self.backend = select_backend(self.device, cfg.attention_backend)
         self.lora_backend: str | None = None
         self.pool: AdapterPool | None = None
+        self.graphs: DecodeGraphs | None = None  # rank 0's `GRAPHS` frame captures them
 
     def allocate(self, num_kv_blocks: int, lora_backend: str | None) -> None:
         """This rank's KV cache (its heads, rank 0's block count) and adapter pool (rank 0's layout;
@@ -163,8 +166,24 @@ class _Worker:
             elif kind == sp.EVICT:
                 assert self.pool is not None, "evictions only come with LoRA enabled"
                 self.pool.evict(sp.decode_evict(arrays))
+            elif kind == sp.GRAPHS:
+                self._capture_graphs(int(arrays[0][0]))
             elif kind == sp.STOP:
                 return
+
+    def _capture_graphs(self, max_batch: int) -> None:
+        """This rank's decode graphs: the buckets and keys rank 0 captures, in its order."""
+        from engine.decode_graphs import DecodeGraphs
+        from engine.graph_capture import CudaGraphCapture, EagerReplay, GraphCapture
+
+        capture: GraphCapture = CudaGraphCapture() if self.device.type == "cuda" else EagerReplay()
+        pool = self.pool if self.lora_backend == "triton" else None
+        block_size = self.spec.config.block_size
+        self.graphs = DecodeGraphs(
+            self.model, self.kv_layers, self.backend, block_size, self.device, capture, pool, max_batch
+        )
+        with torch.inference_mode():
+            self.graphs.capture_all()
 
     @torch.inference_mode()
     def _step(self, step) -> None:
@@ -179,5 +198,11 @@ class _Worker:
             lora = worker_lora_context(
                 self.pool, self.lora_backend, step.lora_runs, step.lora_weights, n, self.device
             )
+        if step.num_threads and step.num_threads != torch.get_num_threads():
+            torch.set_num_threads(step.num_threads)  # rank 0's governor changed them
+        if step.graph:
+            assert self.graphs is not None, "rank 0 sent GRAPHS first"
+            self.graphs.run(step.inputs, lora)  # type: ignore[arg-type]  # handles() checked the type
+            return
         batch = to_forward_batch(step.inputs, lora, self.device)
         self.model(batch, self.kv_layers, self.backend)

@@ -28,7 +28,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from engine.distributed import step_plan as sp
@@ -41,6 +43,9 @@ from engine.lora.adapter_checkpoint import AdapterCheckpoint
 from engine.lora.pool import AdapterPool
 from engine.scheduler.output import ScheduledSequence
 from engine.step_inputs import StepInputs
+
+if TYPE_CHECKING:
+    from engine.decode_graphs import DecodeGraphs
 
 log = logging.getLogger(__name__)
 START_TIMEOUT = 600.0  # seconds a worker may take to load its shard
@@ -67,6 +72,7 @@ class WorkerGroup:
         self.num_kv_blocks = 0
         self.lora_backend: str | None = None
         self.pool: AdapterPool | None = None  # rank 0's pool, whose journal the workers replay
+        self.graphs: DecodeGraphs | None = None  # rank 0's decode graphs (`use_decode_graphs`)
         self._resident: dict[str, tuple[AdapterCheckpoint, int, list[list[int]]]] = {}
         self._procs: list[subprocess.Popen] = []
         self._conns: list[Channel] = []
@@ -128,6 +134,8 @@ class WorkerGroup:
                 self._listener = None
         for ckpt, slot, pages in self._resident.values():  # a restart: the pool as it was
             self._send_upload(ckpt, slot, pages)
+        if self.graphs is not None:  # a restart: the new workers' decode graphs, with rank 0's again
+            self._capture_graphs()
 
     def _send_upload(self, ckpt: AdapterCheckpoint, slot: int, pages: list[list[int]]) -> None:
         """Send one upload; then the all-reduce its DoRA norms may take, which every worker runs as it
@@ -265,10 +273,30 @@ class WorkerGroup:
         adapter, for `items` in flat-batch order (`engine/distributed/lora_runs.py`)."""
         return step_lora_runs(self.pool, items) if self.pool is not None else []
 
-    def send_step(self, inputs: StepInputs, lora_runs: list[LoRARun]) -> None:
-        """Send one forward pass to every worker (after the pool's pending changes)."""
+    def collective_cost(self) -> float:
+        """Seconds rank 0's collectives would have taken with no rank waited for (calls x the quickest):
+        what its `ThreadGovernor` does not count as compute time, while a slow rank's wait it does."""
+        calls = self.collective_calls
+        return calls * self.fastest_collective if calls else 0.0
+
+    def send_step(self, inputs: StepInputs, lora_runs: list[LoRARun], graph: bool = False) -> None:
+        """Send one forward pass to every worker (after the pool's pending changes), with rank 0's CPU
+        thread count (the workers follow its governor) and whether it replays a decode graph (`graph`)."""
         self.flush_pool()
-        self._send(sp.encode_step(inputs, lora_runs))
+        threads = torch.get_num_threads() if self.device.type == "cpu" else 0
+        self._send(sp.encode_step(inputs, lora_runs, threads, graph))
+
+    def use_decode_graphs(self, graphs: DecodeGraphs) -> None:
+        """Capture rank 0's decode `graphs` while every worker captures its own of the same buckets, in
+        the same order (their warm-up passes meet rank 0's all-reduces); again after every restart."""
+        self.graphs = graphs
+        self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        assert self.graphs is not None, "use_decode_graphs set them"
+        self.flush_pool()
+        self._send(sp.encode(sp.GRAPHS, [np.asarray([self.graphs.buckets[-1]], dtype=np.int64)]))
+        self.graphs.recapture()
 
     def _send(self, frame: bytes) -> None:
         if self._group is None:

@@ -80,6 +80,41 @@ def test_governor_decides_per_window_from_measured_shares(restore_threads):
     assert torch.get_num_threads() == 1
 
 
+def test_governor_under_tensor_parallel_does_not_count_the_collectives_cost(restore_threads, monkeypatch):
+    """Rank 0's governor (TP): the collectives' own cost (`overhead`) leaves the step's wall time, so a
+    step that is half all-reduce at full CPU keeps its threads; waiting for a slow rank (not in
+    `overhead`) lowers the share and drops every rank to one thread."""
+    import engine.cpu_threads as ct
+
+    clock = {"wall": 0.0, "cpu": 0.0, "cost": 0.0}
+    monkeypatch.setattr(ct.time, "perf_counter", lambda: clock["wall"])
+    monkeypatch.setattr(ct.time, "process_time", lambda: clock["cpu"])
+    torch.set_num_threads(2)
+    gov = ThreadGovernor(2, window_s=0.0, window_steps=1, overhead=lambda: clock["cost"])
+
+    def step(compute: float, collective: float, waited: float) -> None:  # binary fractions: exact sums
+        gov.begin()
+        clock["wall"] += compute + collective + waited
+        clock["cpu"] += 2 * compute  # both threads busy while computing, idle in the collectives
+        clock["cost"] += collective
+        gov.end()
+
+    step(compute=0.125, collective=0.125, waited=0.0)
+    assert gov.last_share == pytest.approx(1.0) and gov.threads == 2
+    step(compute=0.125, collective=0.125, waited=0.125)  # the other rank was descheduled
+    assert gov.last_share == pytest.approx(0.5) and gov.threads == 1
+    clock["cost"] = 5.0
+    gov.begin()
+    clock["cost"] = 0.0  # the group restarted mid-step, its counters with it: no negative cost
+    clock["wall"] += 0.125
+    clock["cpu"] += 0.125  # one thread, busy
+    gov.end()
+    assert gov.last_share == pytest.approx(1.0)
+    share = gov.last_share
+    step(compute=0.0, collective=0.125, waited=0.0)  # all cost, no compute: no window to judge
+    assert gov.last_share == share and gov.threads == 1
+
+
 def test_engine_uses_the_governor_on_cpu_unless_told_not_to(checkpoint, restore_threads):
     from engine import LLMEngine
 

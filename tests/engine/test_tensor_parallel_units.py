@@ -40,6 +40,10 @@ def test_step_frame_round_trips():
     assert got.inputs.logits_rows == []  # workers compute no logits
     assert got.lora_runs.tolist() == [[1, 3, 4, 0], [1, 2, 6, 1]]
     assert got.lora_weights.tolist() == [1.0, -0.25]
+    assert got.num_threads == 0 and not got.graph  # rank 0's threads unchanged, eager
+    _, arrays = sp.decode(sp.encode_step(inp, [], num_threads=3, graph=True))
+    got = sp.decode_step(arrays)
+    assert got.num_threads == 3 and got.graph and got.lora_runs.shape == (0, 4)
 
 
 def test_upload_frame_round_trips():
