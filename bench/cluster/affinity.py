@@ -220,7 +220,8 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             ray_api.shutdown()
     attainable = attainable_hit_rate(trace, settings.engine.block_size)
-    print(markdown(results, offered, attainable))
+    single = attainable_hit_rate(trace, settings.engine.block_size, settings.engine.num_kv_blocks)
+    print(markdown(results, offered, attainable, single))
     for note in notes:
         print(f"\n{note}")
     if args.json:

@@ -21,6 +21,7 @@ start of the run.
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 
@@ -155,11 +156,13 @@ def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(n)]
 
 
-def attainable_hit_rate(trace: list[Arrival], block_size: int) -> float:
-    """The prefix-hit rate one engine with an unbounded cache would reach on `trace` (served in arrival
-    order): the share of prompt tokens in full blocks whose chained prefix (under the same adapter) an
-    earlier prompt already had. The ceiling any routing can reach."""
-    seen: set[tuple] = set()
+def attainable_hit_rate(trace: list[Arrival], block_size: int, cache_blocks: int | None = None) -> float:
+    """The prefix-hit rate one engine would reach on `trace` (served in arrival order): the share of prompt
+    tokens in full blocks whose chained prefix (under the same adapter) is still cached from an earlier
+    prompt. `cache_blocks` None: an unbounded cache, the ceiling any routing can reach; else a cache of
+    that many blocks evicting the least recently used (a single replica's cache, not counting the blocks
+    its running requests hold, so still an upper bound for that replica)."""
+    cache: OrderedDict[tuple, None] = OrderedDict()
     hit = total = 0
     for a in trace:
         total += len(a.prompt)
@@ -167,9 +170,12 @@ def attainable_hit_rate(trace: list[Arrival], block_size: int) -> float:
         cached = True
         for start in range(0, len(a.prompt) - block_size + 1, block_size):
             key = (key, a.prompt[start : start + block_size])
-            if cached and key in seen:
+            if cached and key in cache:
                 hit += block_size
             else:
                 cached = False
-                seen.add(key)
+                cache[key] = None
+            cache.move_to_end(key)
+            if cache_blocks is not None and len(cache) > cache_blocks:
+                cache.popitem(last=False)
     return hit / total if total else 0.0

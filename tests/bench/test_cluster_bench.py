@@ -61,6 +61,18 @@ def test_attainable_hit_rate_counts_repeated_block_prefixes_per_adapter() -> Non
     assert attainable_hit_rate(other, 16) == 0.0  # another adapter: another cache key
 
 
+def test_a_bounded_cache_evicts_the_least_recently_used_blocks() -> None:
+    from bench.cluster.workload import Arrival
+
+    a, b = tuple(range(3, 19)), tuple(range(40, 56))  # one block each
+    trace = [Arrival(t, "steady", "adapter", 1, 0, p) for t, p in enumerate((a, b, a, b))]
+    assert attainable_hit_rate(trace, 16) == 0.5  # unbounded: the last two hit
+    assert attainable_hit_rate(trace, 16, cache_blocks=2) == 0.5  # both fit
+    assert attainable_hit_rate(trace, 16, cache_blocks=1) == 0.0  # each evicts the other
+    lru = [Arrival(t, "steady", "adapter", 1, 0, p) for t, p in enumerate((a, b, b, a))]
+    assert attainable_hit_rate(lru, 16, cache_blocks=1) == 0.25  # only b's repeat, right after itself
+
+
 def test_routers_are_known_by_name() -> None:
     assert ROUTERS == ("pow2", "multiplex", "ray-prefix", "affinity")
     assert plan("pow2").model_id is False and plan("multiplex").model_id is True
