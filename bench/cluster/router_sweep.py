@@ -207,17 +207,31 @@ def run(reqs: list[Req], replicas: int, weights: RouterWeights, policy: SpreadPo
         if req.burst:
             burst_ttft.append(first - now)
         last = max(last, done)
+    return summary(reps, len(reqs), ttft, burst_ttft, last, placements)
+
+
+def summary(
+    reps: dict[str, Replica],
+    requests: int,
+    ttft: list[float],
+    burst_ttft: list[float],
+    last: float,
+    placements: Placements,
+) -> dict[str, float]:
+    """One simulated run's figures: the replicas' prefix-hit rate and adapter loads per 1k requests, TTFT
+    p50/p99 (all requests, and the burst's p99), throughput (requests over the last completion time), and
+    the placements' spreads and contractions."""
     queries = sum(r.kv.prefix_queries for r in reps.values())
     hits = sum(r.kv.prefix_hits for r in reps.values())
     q = statistics.quantiles(ttft, n=100)
     qb = statistics.quantiles(burst_ttft, n=100)
     return {
         "prefix_hit_rate": hits / queries,
-        "loads_per_1k": 1000 * sum(r.loads for r in reps.values()) / len(reqs),
+        "loads_per_1k": 1000 * sum(r.loads for r in reps.values()) / requests,
         "ttft_p50": q[49],
         "ttft_p99": q[98],
         "burst_ttft_p99": qb[98],
-        "throughput": len(reqs) / last,
+        "throughput": requests / last,
         "spreads": sum(placements.events.spreads.values()),
         "contractions": sum(placements.events.contractions.values()),
     }

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import heapq
 import math
-import statistics
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ from api.cluster.router_score import (
     score,
     share,
 )
-from bench.cluster.router_sweep import BS, Replica, Req, Sim
+from bench.cluster.router_sweep import BS, Replica, Req, Sim, summary
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,19 +181,6 @@ def run_serve(
         peak_serve = max(peak_serve, len(pending))
         peak_engine = max(peak_engine, max(max(0, len(x) - sim.max_seqs) for x in routed.values()))
     assert not pending and len(ttft) == len(reqs)
-    queries = sum(r.kv.prefix_queries for r in reps.values())
-    hits = sum(r.kv.prefix_hits for r in reps.values())
-    q = statistics.quantiles(ttft.values(), n=100)
-    qb = statistics.quantiles([ttft[n] for n, r in enumerate(reqs) if r.burst], n=100)
-    return {
-        "prefix_hit_rate": hits / queries,
-        "loads_per_1k": 1000 * sum(r.loads for r in reps.values()) / len(reqs),
-        "ttft_p50": q[49],
-        "ttft_p99": q[98],
-        "burst_ttft_p99": qb[98],
-        "throughput": len(reqs) / last,
-        "spreads": sum(placements.events.spreads.values()),
-        "contractions": sum(placements.events.contractions.values()),
-        "peak_serve_queue": peak_serve,
-        "peak_engine_waiting": peak_engine,
-    }
+    burst = [ttft[n] for n, r in enumerate(reqs) if r.burst]
+    figures = summary(reps, len(reqs), list(ttft.values()), burst, last, placements)
+    return figures | {"peak_serve_queue": peak_serve, "peak_engine_waiting": peak_engine}
