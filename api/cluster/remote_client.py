@@ -23,8 +23,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterable
-from typing import Any, cast
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any, TypeVar, cast
 
 from api.cluster import ray_api, router_stats
 from api.cluster.replica import decode_item
@@ -33,6 +33,8 @@ from api.engine_client import EngineDeadError, EngineUnavailableError, ServerShu
 from api.engine_protocol import AddRequest, EngineStatsMsg, Ready, RequestDelta, decode_from_engine, encode
 from api.errors import APIError
 from engine.engine_config import EngineConfig
+
+T = TypeVar("T")
 
 log = logging.getLogger("loraplex.cluster")
 
@@ -157,30 +159,40 @@ class RemoteEngineClient:
             raise EngineUnavailableError("no engine replica is ready")
         payload = encode(req)
         model_id = req.lora.digest if self.affinity and req.lora is not None else None
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.retry_window_s
-        failed: set[str] = set()  # replicas that failed this request before its first token
         self._in_flight += 1
         try:
-            while True:
-                attempt = _Attempt()
-                try:
-                    async for delta in self._attempt(payload, model_id, attempt):
-                        yield delta
-                    return
-                except _ReplicaFailed as exc:
-                    if attempt.started:
-                        raise EngineDeadError(f"the engine replica failed: {exc}") from exc
-                    replica = attempt.replica or f"unknown-{len(failed)}"  # died before saying who it is
-                    again = replica in failed
-                    failed.add(replica)
-                    if (not again and len(failed) > self.retries) or loop.time() > deadline:
-                        raise EngineDeadError(f"the engine replica failed: {exc}") from exc
-                    log.warning("replica %s failed before the first token (%s); retrying", replica, exc)
-                    if again:  # Ray has not routed around it yet (Serve's health check takes seconds)
-                        await asyncio.sleep(0.2)
+            async for delta in self._retried(lambda attempt: self._attempt(payload, model_id, attempt)):
+                yield delta
         finally:
             self._in_flight -= 1
+
+    async def _retried(
+        self, attempts: Callable[[_Attempt], AsyncIterator[T]], role: str = "engine"
+    ) -> AsyncIterator[T]:
+        """What `attempts(attempt)` yields, tried again (on the replica Ray picks next) when it fails with
+        `_ReplicaFailed` before yielding anything: up to `retries` other replicas, and a replica that
+        already failed it again after 0.2 s (Serve has not routed around it yet), within
+        `retry_window_s`. A failure after the first item, or past those bounds, is `EngineDeadError`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.retry_window_s
+        failed: set[str] = set()  # replicas that failed this request before its first item
+        while True:
+            attempt = _Attempt()
+            try:
+                async for item in attempts(attempt):
+                    yield item
+                return
+            except _ReplicaFailed as exc:
+                if attempt.started:
+                    raise EngineDeadError(f"the {role} replica failed: {exc}") from exc
+                replica = attempt.replica or f"unknown-{len(failed)}"  # died before saying who it is
+                again = replica in failed
+                failed.add(replica)
+                if (not again and len(failed) > self.retries) or loop.time() > deadline:
+                    raise EngineDeadError(f"the {role} replica failed: {exc}") from exc
+                log.warning("%s replica %s failed before the first token (%s); retrying", role, replica, exc)
+                if again:  # Ray has not routed around it yet (Serve's health check takes seconds)
+                    await asyncio.sleep(0.2)
 
     async def _attempt(
         self, payload: bytes, model_id: str | None, attempt: _Attempt

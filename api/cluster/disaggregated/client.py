@@ -178,26 +178,8 @@ class DisaggregatedClient(RemoteEngineClient):
         request on a decode replica instead, all its deltas."""
         payload = encode(req if local is not None else msgspec.structs.replace(req, prefill_only=True))
         role = "prefill" if local is None else "decode"
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.retry_window_s
-        failed: set[str] = set()
-        while True:
-            attempt = _Attempt()
-            try:
-                async for out in self._prefill_attempt(payload, attempt, local):
-                    yield out
-                return
-            except _ReplicaFailed as exc:
-                if attempt.started:
-                    raise EngineDeadError(f"the {role} replica failed: {exc}") from exc
-                replica = attempt.replica or f"unknown-{len(failed)}"
-                again = replica in failed
-                failed.add(replica)
-                if (not again and len(failed) > self.retries) or loop.time() > deadline:
-                    raise EngineDeadError(f"the {role} replica failed: {exc}") from exc
-                log.warning("%s replica %s failed before the first token (%s); retrying", role, replica, exc)
-                if again:
-                    await asyncio.sleep(0.2)
+        async for out in self._retried(lambda attempt: self._prefill_attempt(payload, attempt, local), role):
+            yield out
 
     async def _prefill_attempt(
         self, payload: bytes, attempt: _Attempt, local: str | None = None
