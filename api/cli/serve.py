@@ -16,6 +16,7 @@ from api.cli.output import fail, stderr
 from api.cluster.options import (
     CONTRACT_AFTER_S,
     HOLD_MARGIN,
+    KV_STAGINGS,
     KV_TRANSFER_TIMEOUT_S,
     MAX_SPREAD,
     SPREAD_LOAD,
@@ -242,6 +243,13 @@ def serve(
             min=0,
         ),
     ] = None,
+    kv_staging: Annotated[
+        str | None,
+        typer.Option(
+            help="With --prefill-replicas: how a decode replica hands the fetched KV blocks to its engine: "
+            "'shm' (a shared-memory file the engine copies from; default) or 'zmq' (inline in the message).",
+        ),
+    ] = None,
     local_prefill_tokens: Annotated[
         int,
         typer.Option(
@@ -420,6 +428,9 @@ def serve(
         fail("--prefill-replicas and --decode-replicas go together, and replace --replicas and autoscaling")
     if local_prefill_tokens and not disaggregated:
         fail("--local-prefill-tokens applies to --prefill-replicas/--decode-replicas only")
+    if kv_staging is not None and (not disaggregated or kv_staging not in KV_STAGINGS):
+        sock.close()
+        fail(f"--kv-staging is one of {', '.join(KV_STAGINGS)}, with --prefill-replicas/--decode-replicas")
     if kv_transfer_timeout is not None and not disaggregated:
         sock.close()
         fail("--kv-transfer-timeout applies to --prefill-replicas/--decode-replicas only")
@@ -478,6 +489,7 @@ def serve(
                 kv_transfer_timeout if kv_transfer_timeout is not None else KV_TRANSFER_TIMEOUT_S
             ),
             local_prefill_tokens=local_prefill_tokens,
+            kv_staging=kv_staging or KV_STAGINGS[0],
             spread=SpreadPolicy(router_spread_load, router_max_spread, router_contract_after),
             queue=RouterQueue(router_max_ongoing, router_hold_margin),
             wait_for_nodes=wait_for_nodes,

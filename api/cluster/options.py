@@ -54,6 +54,7 @@ class RouterQueue:
 
 
 KV_TRANSFER_TIMEOUT_S = 30.0  # `--kv-transfer-timeout`'s default
+KV_STAGINGS = ("shm", "zmq")  # `--kv-staging`'s choices, the default first
 
 # hot-adapter spreading (`SpreadPolicy`): the defaults measured by `bench/cluster/affinity.py`
 SPREAD_LOAD, MAX_SPREAD, CONTRACT_AFTER_S = 0.5, 4, 10.0
@@ -108,6 +109,9 @@ class ClusterOptions:
     # disaggregated: a prompt of at most this many tokens is prefilled by the decode replica itself (no
     # KV handoff, whose hops cost more than such a prefill stalls the running decodes); 0: none is
     local_prefill_tokens: int = 0
+    # disaggregated: how a decode replica hands the fetched KV blocks to its engine: "shm" (a file in
+    # host shared memory the engine copies from) or "zmq" (the bytes inline in the import message)
+    kv_staging: str = "shm"
     spread: SpreadPolicy = field(default_factory=SpreadPolicy)
     queue: RouterQueue = field(default_factory=RouterQueue)
     # start even when the alive nodes cannot hold the replicas now (a Ray autoscaler adds nodes on
@@ -142,6 +146,8 @@ class ClusterOptions:
                 raise ValueError("autoscaling (--min/--max-replicas) applies to colocated --replicas only")
             if not 0 < self.kv_transfer_timeout_s <= 3600:
                 raise ValueError("--kv-transfer-timeout must be in (0, 3600] seconds")
+            if self.kv_staging not in KV_STAGINGS:
+                raise ValueError(f"--kv-staging must be one of {', '.join(KV_STAGINGS)}")
             if self.local_prefill_tokens < 0:
                 raise ValueError("--local-prefill-tokens cannot be negative")
         elif self.local_prefill_tokens:

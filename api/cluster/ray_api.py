@@ -296,9 +296,9 @@ async def call(handle: Any, method: str, *args: Any) -> Any:
     return await getattr(handle, method).remote(*args)
 
 
-async def broadcast(handle: Any, method: str, timeout_s: float) -> list[Any]:
-    """`method()` on every live replica; a failed replica's entry is its exception."""
-    return await handle.broadcast(method).results_async(timeout_s=timeout_s, return_exceptions=True)
+async def broadcast(handle: Any, method: str, timeout_s: float, *args: Any) -> list[Any]:
+    """`method(*args)` on every live replica; a failed replica's entry is its exception."""
+    return await handle.broadcast(method, *args).results_async(timeout_s=timeout_s, return_exceptions=True)
 
 
 def broadcast_sync(handle: Any, method: str, timeout_s: float, *args: Any) -> list[Any]:

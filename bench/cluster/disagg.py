@@ -165,6 +165,7 @@ def run_setup(setup: str, root: Path, args: argparse.Namespace, run: int = 0) ->
             prefill_replicas=1,
             decode_replicas=1,
             local_prefill_tokens=args.local_prefill_tokens,
+            kv_staging="zmq" if setup == "disaggregated-zmq" else args.kv_staging,
         )
     try:
         start_cluster(settings, options)
@@ -222,6 +223,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--local-prefill-tokens", type=int, default=256,
                     help="disaggregated: prompts of at most this many tokens run whole on the decode replica "
                          "(no KV handoff); 0: every prompt is prefilled on the prefill replica")  # fmt: skip
+    ap.add_argument("--kv-staging", default="shm", choices=("shm", "zmq"),
+                    help="disaggregated: how a decode replica hands KV blocks to its engine")  # fmt: skip
     ap.add_argument("--ray-num-cpus", type=int, default=2)
     ap.add_argument("--setups", default="colocated,disaggregated", help="comma-separated, run in this order")
     ap.add_argument("--runs", type=int, default=1, help="runs of each setup, interleaved")

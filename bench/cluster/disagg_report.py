@@ -8,7 +8,8 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-SETUPS = {"colocated", "disaggregated"}
+# "disaggregated-zmq": disaggregated with `--kv-staging zmq` (the KV bytes inline to the decode engine)
+SETUPS = {"colocated", "disaggregated", "disaggregated-zmq"}
 
 
 @dataclass(slots=True)
@@ -74,7 +75,8 @@ def pairs(results: list[SetupResult]) -> list[tuple[SetupResult, SetupResult]]:
     by_run: dict[int, dict[str, SetupResult]] = {}
     for r in results:
         by_run.setdefault(r.run, {})[r.setup] = r
-    return [(d["colocated"], d["disaggregated"]) for d in by_run.values() if len(d.keys() & SETUPS) == 2]
+    both = {"colocated", "disaggregated"}
+    return [(d["colocated"], d["disaggregated"]) for d in by_run.values() if both <= d.keys()]
 
 
 def ratios(results: list[SetupResult]) -> dict[str, list[float]]:

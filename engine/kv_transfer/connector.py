@@ -48,9 +48,14 @@ class KVBlocks(msgspec.Struct):
     num_blocks: int
     num_tokens: int
     chunks: list[bytes] = msgspec.field(default_factory=list)
+    # connector "shm": the blocks are in this host-local file instead (laid out as one "host" chunk)
+    path: str | None = None
 
     @property
     def nbytes(self) -> int:
+        """Bytes of K/V these blocks carry (in `chunks`, or staged at `path`)."""
+        if self.path is not None:
+            return self.num_blocks * self.layout.block_bytes()
         return sum(len(c) for c in self.chunks)
 
 
@@ -77,11 +82,21 @@ class KVConnector(ABC):
 
 
 def make_connector(name: str) -> KVConnector:
-    """The connector called `name`: "host" (host bytes, one piece) or "host-layers" (one per layer)."""
+    """The connector called `name`: "host" (host bytes, one piece), "host-layers" (one per layer) or
+    "shm" (a file in host shared memory, for two engines on one host)."""
     from engine.kv_transfer.host_copy import HostCopyConnector
+    from engine.kv_transfer.shm_stage import ShmStageConnector
 
     if name == "host":
         return HostCopyConnector(per_layer=False)
     if name == "host-layers":
         return HostCopyConnector(per_layer=True)
-    raise ValueError(f"unknown KV connector {name!r}; choose 'host' or 'host-layers'")
+    if name == "shm":
+        return ShmStageConnector()
+    raise ValueError(f"unknown KV connector {name!r}; choose 'host', 'host-layers' or 'shm'")
+
+
+def receiver_for(blocks: KVBlocks, mine: KVConnector) -> KVConnector:
+    """The connector that reads `blocks` on the receiving side: the one they name when it differs
+    from this engine's own (a byte connector's blocks staged in shared memory by the decode replica)."""
+    return mine if blocks.connector == mine.name else make_connector(blocks.connector)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.kv_transfer.connector import KVBlocks, KVConnector, KVLayout
+from engine.kv_transfer.connector import KVBlocks, KVConnector, KVLayout, receiver_for
 from engine.kv_transfer.state import KVExport, TransferState
 from engine.outputs import Logprob
 from engine.sequence import Sequence
@@ -112,7 +112,9 @@ def place_blocks(engine: LLMEngine, seq: Sequence, export: KVExport, connector: 
         return False
     block_ids, first = placed
     try:
-        connector.receive(export.blocks, engine.runner.kv_cache, block_ids[first:], first)
+        receiver_for(export.blocks, connector).receive(
+            export.blocks, engine.runner.kv_cache, block_ids[first:], first
+        )
     except Exception:
         engine.kv.free(seq)
         raise

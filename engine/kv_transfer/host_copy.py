@@ -58,7 +58,7 @@ def check_layout(blocks: KVBlocks, kv_cache: torch.Tensor) -> None:
     if blocks.layout != mine:
         raise ValueError(f"the KV blocks' layout {blocks.layout} does not match this engine's {mine}")
     want = kv_cache.shape[0] if blocks.connector == "host-layers" else 1
-    if blocks.connector not in ("host", "host-layers") or len(blocks.chunks) != want:
+    if blocks.connector not in ("host", "host-layers") or len(blocks.chunks) != want or blocks.path:
         raise ValueError(f"KV blocks from connector {blocks.connector!r} with {len(blocks.chunks)} chunks")
     if blocks.nbytes != blocks.num_blocks * mine.block_bytes():
         raise ValueError(

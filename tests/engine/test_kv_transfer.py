@@ -9,6 +9,7 @@ import pytest
 
 from engine import LLMEngine, LoRARequest, SamplingParams
 from engine.kv_transfer import KV_TRANSFER_FINISH, KVExport
+from engine.kv_transfer.shm_stage import unstage
 from engine.kv_transfer.state import decode_export, encode_export
 from tests.helpers.tiny_adapters import ADAPTER_SPECS, build_adapter
 
@@ -58,6 +59,7 @@ def _disaggregated(pre: LLMEngine, dec: LLMEngine, reqs, params) -> tuple[dict, 
         export = decode_export(encode_export(out.kv_export))
         assert isinstance(export, KVExport)
         assert dec.import_request(export)
+        unstage(export.blocks.path)  # "shm": the engine copied the staged file; its writer removes it
         pre.release_kv_transfer(rid)
     done |= _drain(dec)
     return done, first
@@ -70,7 +72,7 @@ def _assert_idle(*engines: LLMEngine) -> None:
         assert eng.kv.num_requests() == 0
 
 
-@pytest.mark.parametrize("connector", ["host", "host-layers"])
+@pytest.mark.parametrize("connector", ["host", "host-layers", "shm"])
 def test_greedy_equals_one_engine_mixed_adapters(setup, connector):
     base, dirs = setup
     rng = random.Random(7)
@@ -227,4 +229,21 @@ def test_structured_output_and_text_continue_on_the_decode_side(checkpoint):
         w, g = want[rid].outputs[0], got[rid].outputs[0]
         assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason), rid
     json.loads(got["j0"].outputs[0].text)
+    _assert_idle(pre, dec)
+
+
+def test_staged_file_gone_refuses_the_import_and_frees_its_blocks(setup):
+    """A "shm" import whose staged file was removed first (the transfer timed out on the decode replica)
+    is refused with a clear error, its blocks freed: the pool's counters back to zero."""
+    base, _ = setup
+    pre, dec = _engine(base, kv_connector="shm"), _engine(base)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    pre.add_request("g", list(range(3, 20)), params, prefill_only=True)
+    export = _drain(pre)["g"].kv_export
+    pre.release_kv_transfer("g")
+    unstage(export.blocks.path)
+    with pytest.raises(ValueError, match="gone"):
+        dec.import_request(export)
+    dec.abort_request(["g"])
+    _drain(dec)
     _assert_idle(pre, dec)

@@ -51,8 +51,15 @@ def prefill_deployment(settings: ServerSettings, options: ClusterOptions) -> Any
             async for item in self.worker.generate(payload):
                 yield item
 
+        def release_handoff(self, key: str) -> bool:
+            return self.worker.release(key)
+
         def describe(self) -> dict[str, Any]:
-            return self.replica.describe() | {"role": "prefill", "kv_exports": self.worker.exports}
+            return self.replica.describe() | {
+                "role": "prefill",
+                "kv_exports": self.worker.exports,
+                "kv_held": len(self.worker.held),
+            }
 
         def record_routing_stats(self) -> dict[str, Any]:
             return self.replica.routing_stats(pool_capacity(settings.engine))
@@ -83,7 +90,7 @@ def decode_deployment(settings: ServerSettings, options: ClusterOptions) -> Any:
         async def __init__(self) -> None:  # type: ignore[misc]  # Ray Serve awaits an async constructor
             ray_api.log_to_stderr()
             self.replica = EngineReplica(settings, ray_api.replica_id())
-            self.worker = DecodeWorker(self.replica, options.kv_transfer_timeout_s)
+            self.worker = DecodeWorker(self.replica, options.kv_transfer_timeout_s, options.kv_staging)
             await self.replica.start()
 
         async def prepare(self, digest: str, name: str, members: list | None = None) -> dict[str, Any]:

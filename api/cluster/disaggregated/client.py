@@ -57,6 +57,7 @@ class DisaggregatedClient(RemoteEngineClient):
         super().__init__(config, prefill, affinity=False, **kwargs)
         self.decode_deployment = decode
         self.transfer_timeout_s = transfer_timeout_s
+        self._releases: set[asyncio.Future] = set()  # `_release` calls in flight
         self.local_prefill_tokens = local_prefill_tokens
         self.kv_metrics = KVTransferMetrics()
         self._decode_handle: Any = None
@@ -259,6 +260,7 @@ class DisaggregatedClient(RemoteEngineClient):
                     self.kv_metrics.bytes.inc(int(raw.get("bytes", 0)))
                     self.kv_metrics.seconds.observe(loop.time() - t0)
                     on_transferred()
+                    self._release(handoff)
                     continue
                 try:
                     delta = self._delta(raw, attempt, EngineDeadError)
@@ -270,6 +272,14 @@ class DisaggregatedClient(RemoteEngineClient):
                     yield delta
                     if delta.finish_reason is not None:
                         return
+
+    def _release(self, handoff: Handoff) -> None:
+        """Tell the prefill replicas that `handoff`'s blocks are imported: the one holding its chunks'
+        refs drops them now rather than after the transfer timeout (in the background; a lost message
+        leaves that timeout as the bound)."""
+        task = asyncio.ensure_future(ray_api.broadcast(self._handle, "release_handoff", 10.0, handoff.key))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     # ---- stream items -----------------------------------------------------------------------------
     async def _next(self, items: AsyncIterator[Any], timeout: float | None, failure: type[Exception]) -> Any:

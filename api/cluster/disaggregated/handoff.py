@@ -10,14 +10,17 @@ ends), and lost with their owner, the prefill replica, should it die first.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from api.cluster import ray_api
 from engine.kv_transfer import KVBlocks, KVExport, TransferState
+from engine.kv_transfer.shm_stage import stage
 from engine.kv_transfer.state import decode_export, decode_state, encode_export
 from engine.lora_request import LoRARequest
 
@@ -31,6 +34,11 @@ class Handoff:
     nbytes: int
     exported_at: float  # time.time() on the prefill replica when its engine exported the blocks
 
+    @property
+    def key(self) -> str:
+        """Names this handoff on its prefill replica (`PrefillWorker.release`)."""
+        return f"{self.request_id}@{self.exported_at}"
+
 
 _encoder = msgspec.msgpack.Encoder()
 _blocks = msgspec.msgpack.Decoder(KVBlocks)
@@ -40,7 +48,8 @@ def to_object_store(export_bytes: bytes) -> Handoff:
     """Put the chunks of the engine's encoded `KVExport` in the object store; the rest stays inline."""
     export = decode_export(export_bytes)
     blocks = export.blocks
-    refs = [ray_api.put(c) for c in blocks.chunks]
+    # as uint8 arrays: Ray hands them out as zero-copy views of the store on one node (bytes: copied)
+    refs = [ray_api.put(np.frombuffer(c, dtype=np.uint8)) for c in blocks.chunks]
     meta = msgspec.structs.replace(blocks, chunks=[])
     return Handoff(
         export.state.request_id,
@@ -52,15 +61,25 @@ def to_object_store(export_bytes: bytes) -> Handoff:
     )
 
 
-async def from_object_store(handoff: Handoff, timeout_s: float, lora: LoRARequest | None) -> bytes:
-    """The encoded `KVExport` for this replica's engine: chunks fetched, the adapter's path this
-    replica's own (`lora`). `TimeoutError` or `ray_api.TransferFailed` when the chunks do not come."""
+async def from_object_store(
+    handoff: Handoff, timeout_s: float, lora: LoRARequest | None, staging: str = "zmq"
+) -> tuple[bytes, str | None]:
+    """The encoded `KVExport` for this replica's engine, with the adapter's path this replica's own
+    (`lora`), and the path of the shared-memory file holding its blocks (None: they are inline).
+    `staging` "shm": the chunks are written to a shared-memory file in a worker thread, the export
+    names it (connector "shm"), and the caller removes it (`unstage`) once the engine is done with it;
+    "zmq": the chunks' bytes are in the export. `TimeoutError` or `ray_api.TransferFailed` when the
+    chunks do not come."""
     chunks = await ray_api.get(handoff.chunks, timeout_s)
     state: TransferState = decode_state(handoff.state)
     if lora is not None:
         state = msgspec.structs.replace(state, lora=lora)
-    blocks = msgspec.structs.replace(_blocks.decode(handoff.blocks), chunks=[bytes(c) for c in chunks])
-    return encode_export(KVExport(state, blocks))
+    meta = _blocks.decode(handoff.blocks)
+    if staging == "shm":
+        blocks = await asyncio.to_thread(stage, meta.layout, meta.num_blocks, meta.num_tokens, chunks)
+        return encode_export(KVExport(state, blocks)), blocks.path
+    blocks = msgspec.structs.replace(meta, chunks=[bytes(c) for c in chunks])
+    return encode_export(KVExport(state, blocks)), None
 
 
 def adapter_of(handoff: Handoff) -> LoRARequest | None:

@@ -27,6 +27,7 @@ from api.cluster.disaggregated.handoff import Handoff, adapter_of, from_object_s
 from api.cluster.replica import AdapterRefused, EngineReplica, LoadedAdapter, _item, decode_item
 from api.engine_client import EngineDeadError, EngineUnavailableError
 from api.engine_protocol import RequestDelta, decode_from_engine, encode
+from engine.kv_transfer.shm_stage import shm_available, unstage
 from engine.lora_request import LoRARequest
 from lora_registry.errors import NotFound
 
@@ -64,19 +65,36 @@ class PrefillWorker:
             yield handoff
 
     def _hold(self, handoff: Handoff) -> None:
-        """Keep `handoff`'s chunks referenced here for `hold_s` (the decode replica fetches them within the
-        transfer timeout, or the transfer is cancelled)."""
-        key = f"{handoff.request_id}@{handoff.exported_at}"
-        self.held[key] = handoff.chunks
-        asyncio.get_running_loop().call_later(self.hold_s, self.held.pop, key, None)
+        """Keep `handoff`'s chunks referenced here until the decode replica's engine acknowledged their
+        import (`release`), at most `hold_s` (the transfer timeout: by then it is cancelled anyway)."""
+        self.held[handoff.key] = handoff.chunks
+        asyncio.get_running_loop().call_later(self.hold_s, self.held.pop, handoff.key, None)
+
+    def release(self, key: str) -> bool:
+        """Drop this replica's refs of the handoff `key` (its blocks were imported); False when it does
+        not hold them (another prefill replica's, or released already)."""
+        return self.held.pop(key, None) is not None
+
+
+@contextlib.asynccontextmanager
+async def _unstaged(path: str | None) -> AsyncIterator[None]:
+    """Remove the staged blocks' file on leaving (the engine has copied them, refused them, or the
+    request ended)."""
+    try:
+        yield
+    finally:
+        unstage(path)
 
 
 class DecodeWorker:
     """What a decode replica does, around its `EngineReplica`."""
 
-    def __init__(self, replica: EngineReplica, transfer_timeout_s: float) -> None:
+    def __init__(self, replica: EngineReplica, transfer_timeout_s: float, staging: str = "shm") -> None:
         self.replica = replica
         self.transfer_timeout_s = transfer_timeout_s
+        # how the fetched blocks reach this replica's engine: "shm" (a shared-memory file the engine
+        # copies from; none of their bytes on this event loop or the engine's socket) or "zmq" (inline)
+        self.staging = staging if staging != "shm" or shm_available() else "zmq"
         self.imports = 0  # handoffs whose blocks this replica fetched
         self.timeouts = 0  # transfers cancelled past `transfer_timeout_s`
         self.prepared = 0
@@ -130,7 +148,7 @@ class DecodeWorker:
         timeout = self.transfer_timeout_s
         stalled = {"timeout": f"the KV transfer did not complete within {timeout:g} s; it was cancelled"}
         try:
-            export = await from_object_store(handoff, timeout, mine)
+            export, staged = await from_object_store(handoff, timeout, mine, self.staging)
         except TimeoutError:
             self.timeouts += 1
             yield stalled
@@ -141,7 +159,7 @@ class DecodeWorker:
         self.imports += 1
         deltas = client.import_generate(handoff.request_id, export)
         try:
-            async with contextlib.aclosing(deltas):
+            async with contextlib.aclosing(deltas), _unstaged(staged):
                 try:
                     ack = await asyncio.wait_for(anext(deltas), max(0.0, t0 + timeout - time.monotonic()))
                 except TimeoutError:
@@ -151,6 +169,7 @@ class DecodeWorker:
                 if not ack.imported:  # the engine refused the import: its error ends the request
                     yield _item(rid, delta=encode(ack))
                     return
+                unstage(staged)  # the engine copied the blocks into its cache before acknowledging
                 yield {"transfer_s": time.monotonic() - t0, "bytes": handoff.nbytes}
                 async for delta in deltas:
                     yield _item(rid, delta=encode(delta))

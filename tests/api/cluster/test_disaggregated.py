@@ -11,6 +11,7 @@ mid-prefill is retried or answered with the retryable 503, never a hang."""
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import signal
@@ -158,6 +159,10 @@ def test_kv_transfer_metrics(cluster: Cluster) -> None:
     assert set(by_role) == {"prefill", "decode"}
     assert by_role["prefill"]["kv_exports"] >= 1 and by_role["decode"]["kv_imports"] >= 1
     assert by_role["decode"]["late_loads"] == 0 and "kv_timeouts" in by_role["decode"]
+    # the prefill replica dropped the handoff's chunk refs at the decode side's ack, well before the
+    # transfer timeout that bounds them otherwise; the decode replica removed its staged file
+    assert wait_until(lambda: _describe(PREFILL_DEPLOYMENT)[0]["kv_held"] == 0, timeout=TIMEOUT / 2)
+    assert not glob.glob("/dev/shm/loraplex-kv-*")
 
 
 def test_stalled_transfer_is_cancelled_and_releases_everything(cluster: Cluster) -> None:

@@ -122,3 +122,34 @@ def test_cli_refuses_local_prefill_tokens_without_disaggregation(tmp_path) -> No
     result = CliRunner().invoke(app, ["serve", "--port", "0", "--local-prefill-tokens", "64"], env=env)
     said = " ".join(result.output.split())
     assert result.exit_code == 1 and "--local-prefill-tokens applies to --prefill-replicas" in said, said
+
+
+def test_prefill_worker_releases_held_chunks_on_ack_else_after_the_timeout() -> None:
+    """`PrefillWorker` keeps a handoff's chunk refs until `release` (the decode side acknowledged the
+    import), and drops them after `hold_s` when no release comes."""
+    import asyncio
+
+    from api.cluster.disaggregated.handoff import Handoff
+    from api.cluster.disaggregated.replicas import PrefillWorker
+
+    async def run() -> None:
+        worker = PrefillWorker(replica=None, hold_s=0.2)  # type: ignore[arg-type]  # unused here
+        acked, lost = (Handoff(rid, b"", b"", [object()], 1, 1.5) for rid in ("a", "b"))
+        worker._hold(acked)
+        worker._hold(lost)
+        assert set(worker.held) == {acked.key, lost.key}
+        assert worker.release(acked.key) and not worker.release(acked.key)
+        assert not worker.release("other@1.0")  # another prefill replica's
+        assert set(worker.held) == {lost.key}
+        await asyncio.sleep(0.4)
+        assert worker.held == {}
+
+    asyncio.run(run())
+
+
+def test_kv_staging_option() -> None:
+    layout = dict(prefill_replicas=1, decode_replicas=1)
+    assert ClusterOptions(0, **layout).kv_staging == "shm"
+    ClusterOptions(0, kv_staging="zmq", **layout).validate()
+    with pytest.raises(ValueError, match="--kv-staging"):
+        ClusterOptions(0, kv_staging="nfs", **layout).validate()
