@@ -121,7 +121,7 @@ def _read_then_copy(
 ) -> None:
     """Read the whole file to host memory, then copy its blocks `first, ...` in, one layer at a time."""
     buf = torch.empty(size, dtype=torch.uint8)
-    if os.preadv(fd, [memoryview(buf.numpy())], 0) != size:
+    if os.preadv(fd, [buf.numpy().data], 0) != size:
         raise ValueError("the staged KV file ended early")
     layers, two, _, bs, heads, dim = kv_cache.shape
     src = buf.view(kv_cache.dtype).view(layers, two, num_blocks, bs, heads, dim)

@@ -153,3 +153,17 @@ def test_kv_staging_option() -> None:
     ClusterOptions(0, kv_staging="zmq", **layout).validate()
     with pytest.raises(ValueError, match="--kv-staging"):
         ClusterOptions(0, kv_staging="nfs", **layout).validate()
+
+
+@pytest.mark.parametrize("flags", [["--kv-staging", "shm"], ["--prefill-replicas", "1", "--decode-replicas",
+                                                            "1", "--kv-staging", "nfs"]])  # fmt: skip
+def test_cli_refuses_a_bad_or_misplaced_kv_staging(tmp_path, flags: list[str]) -> None:
+    from typer.testing import CliRunner
+
+    from api.cli.main import app
+    from tests.api.cluster.conftest import DEMO
+
+    env = {"LORAPLEX_DATA_DIR": str(tmp_path), "LORAPLEX_MODEL": str(DEMO / "base")}
+    result = CliRunner().invoke(app, ["serve", "--port", "0", *flags], env=env)
+    said = " ".join(result.output.split())
+    assert result.exit_code == 1 and "--kv-staging is one of shm, zmq" in said, said
