@@ -3,7 +3,8 @@
 Prefill replica: `to_object_store(export bytes)` splits the engine's `KVExport` into its state (small,
 inline) and its block chunks (one piece or one per layer, as the engine's connector sent them), each put
 in the object store by this replica. Decode replica: `from_object_store(handoff, timeout)` fetches the
-chunks (zero-copy on one node, Ray's transfer across nodes) and rebuilds the export for its engine.
+chunks (zero-copy on one node, Ray's transfer across nodes) and rebuilds the export for its engine,
+the blocks inline or (`staging` "shm") written to a shared-memory file its engine reads them from.
 The objects are freed once no process holds their refs (the ingress drops its handoff when the request
 ends), and lost with their owner, the prefill replica, should it die first.
 """
@@ -20,7 +21,7 @@ import numpy as np
 
 from api.cluster import ray_api
 from engine.kv_transfer import KVBlocks, KVExport, TransferState
-from engine.kv_transfer.shm_stage import stage
+from engine.kv_transfer.shm_stage import stage, unstage
 from engine.kv_transfer.state import decode_export, decode_state, encode_export
 from engine.lora_request import LoRARequest
 
@@ -48,6 +49,10 @@ def to_object_store(export_bytes: bytes) -> Handoff:
     """Put the chunks of the engine's encoded `KVExport` in the object store; the rest stays inline."""
     export = decode_export(export_bytes)
     blocks = export.blocks
+    if blocks.path is not None:  # an engine configured with the "shm" connector: its file, as one chunk
+        with open(blocks.path, "rb") as f:
+            blocks = msgspec.structs.replace(blocks, connector="host", chunks=[f.read()], path=None)
+        unstage(export.blocks.path)
     # as uint8 arrays: Ray hands them out as zero-copy views of the store on one node (bytes: copied)
     refs = [ray_api.put(np.frombuffer(c, dtype=np.uint8)) for c in blocks.chunks]
     meta = msgspec.structs.replace(blocks, chunks=[])
