@@ -36,7 +36,7 @@ def stage(
     """Write `chunks` (a byte connector's, in order) to a new shared-memory file; the "shm" blocks for it.
     ValueError (and no file left) when they do not hold `num_blocks` blocks of `layout`."""
     want = num_blocks * layout.block_bytes()
-    fd, path = tempfile.mkstemp(prefix=PREFIX, dir=SHM_DIR)
+    fd, path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", dir=SHM_DIR)
     try:
         with os.fdopen(fd, "wb") as f:
             for c in chunks:
@@ -55,6 +55,24 @@ def unstage(path: str | None) -> None:
     if path is not None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+
+def sweep_orphans() -> int:
+    """Remove staged files whose writer (the pid in their name) is gone, e.g. a decode replica that died
+    mid-transfer; returns how many. A decode replica runs it as it starts."""
+    removed = 0
+    for name in os.listdir(SHM_DIR):
+        pid = name.removeprefix(PREFIX).split("-", 1)[0]
+        if not name.startswith(PREFIX) or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            unstage(os.path.join(SHM_DIR, name))
+            removed += 1
+        except PermissionError:  # alive, another user's
+            pass
+    return removed
 
 
 class ShmStageConnector(KVConnector):

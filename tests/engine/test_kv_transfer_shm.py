@@ -10,7 +10,7 @@ import torch
 
 from engine.kv_transfer.connector import KVLayout, make_connector
 from engine.kv_transfer.host_copy import HostCopyConnector
-from engine.kv_transfer.shm_stage import SHM_DIR, shm_available, stage, unstage
+from engine.kv_transfer.shm_stage import PREFIX, SHM_DIR, shm_available, stage, sweep_orphans, unstage
 
 pytestmark = pytest.mark.skipif(not shm_available(), reason="no /dev/shm on this host")
 
@@ -101,3 +101,21 @@ def test_stage_refuses_chunks_of_the_wrong_size_and_leaves_no_file():
     with pytest.raises(ValueError, match="bytes"):
         stage(layout, 2, 8, [b"\0" * (2 * layout.block_bytes() - 4)])
     assert set(os.listdir(SHM_DIR)) <= listing
+
+
+def test_sweep_removes_the_files_of_dead_writers_only():
+    """A decode replica that died mid-transfer leaves its staged file; the next one to start removes it,
+    never a live writer's."""
+    import subprocess
+
+    proc = subprocess.Popen(["true"])  # its pid, once reaped, is no live writer's
+    proc.wait()
+    orphan = os.path.join(SHM_DIR, f"{PREFIX}{proc.pid}-test")
+    open(orphan, "wb").close()
+    mine = make_connector("shm").send("r", _cache(8), [1], 4)
+    try:
+        assert sweep_orphans() >= 1
+        assert not os.path.exists(orphan) and os.path.exists(mine.path)
+    finally:
+        unstage(orphan)
+        unstage(mine.path)

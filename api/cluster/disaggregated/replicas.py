@@ -27,7 +27,7 @@ from api.cluster.disaggregated.handoff import Handoff, adapter_of, from_object_s
 from api.cluster.replica import AdapterRefused, EngineReplica, LoadedAdapter, _item, decode_item
 from api.engine_client import EngineDeadError, EngineUnavailableError
 from api.engine_protocol import RequestDelta, decode_from_engine, encode
-from engine.kv_transfer.shm_stage import shm_available, unstage
+from engine.kv_transfer.shm_stage import shm_available, sweep_orphans, unstage
 from engine.lora_request import LoRARequest
 from lora_registry.errors import NotFound
 
@@ -95,6 +95,8 @@ class DecodeWorker:
         # how the fetched blocks reach this replica's engine: "shm" (a shared-memory file the engine
         # copies from; none of their bytes on this event loop or the engine's socket) or "zmq" (inline)
         self.staging = staging if staging != "shm" or shm_available() else "zmq"
+        if self.staging == "shm":
+            sweep_orphans()  # the files of a replica that died mid-transfer (this one may replace it)
         self.imports = 0  # handoffs whose blocks this replica fetched
         self.timeouts = 0  # transfers cancelled past `transfer_timeout_s`
         self.prepared = 0
