@@ -410,19 +410,12 @@ def serve(
         fail(str(exc))
     scaling_flags = (max_replicas, min_replicas, target_ongoing_requests)
     disaggregated = prefill_replicas is not None or decode_replicas is not None
-    if disaggregated and (
-        prefill_replicas is None
-        or decode_replicas is None
-        or replicas is not None
-        or any(v is not None for v in scaling_flags)
-    ):
+    problem = _cluster_flags_problem(
+        replicas, scaling_flags, prefill_replicas, decode_replicas, local_prefill_tokens, kv_transfer_timeout
+    )
+    if problem is not None:
         sock.close()
-        fail("--prefill-replicas and --decode-replicas go together, and replace --replicas and autoscaling")
-    if local_prefill_tokens and not disaggregated:
-        fail("--local-prefill-tokens applies to --prefill-replicas/--decode-replicas only")
-    if kv_transfer_timeout is not None and not disaggregated:
-        sock.close()
-        fail("--kv-transfer-timeout applies to --prefill-replicas/--decode-replicas only")
+        fail(problem)
     cluster = replicas is not None or disaggregated or any(v is not None for v in scaling_flags)
     if cluster:  # each scaling flag alone: refused later
         sock.close()  # Ray Serve's proxy listens itself: this was only the check
@@ -487,6 +480,30 @@ def serve(
         # A server that ran exits inside `run` (after `on_stopped`), without interpreter teardown.
         run(settings, log_level=log_level, on_stopped=on_stopped, sock=sock, on_serving=on_serving)
     err.print("loraplex stopped")
+
+
+def _cluster_flags_problem(
+    replicas: int | None,
+    scaling_flags: tuple[object, ...],
+    prefill_replicas: int | None,
+    decode_replicas: int | None,
+    local_prefill_tokens: int,
+    kv_transfer_timeout: float | None,
+) -> str | None:
+    """Why the replica flags given do not go together (None: they do): disaggregation takes both
+    `--prefill-replicas` and `--decode-replicas` and neither `--replicas` nor autoscaling
+    (`scaling_flags`: the autoscaling flags, None where not given); its own flags need it."""
+    disaggregated = prefill_replicas is not None or decode_replicas is not None
+    scaling = any(v is not None for v in scaling_flags)
+    whole = prefill_replicas is not None and decode_replicas is not None
+    if disaggregated and (not whole or replicas is not None or scaling):
+        return "--prefill-replicas and --decode-replicas go together, and replace --replicas and autoscaling"
+    only = "applies to --prefill-replicas/--decode-replicas only"
+    if local_prefill_tokens and not disaggregated:
+        return f"--local-prefill-tokens {only}"
+    if kv_transfer_timeout is not None and not disaggregated:
+        return f"--kv-transfer-timeout {only}"
+    return None
 
 
 def _serve_replicas(settings, layout, on_serving: Callable[[], None]) -> None:
