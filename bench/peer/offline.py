@@ -224,6 +224,7 @@ def run_peer(
             eng.lora.shutdown()
     for leg, rs in runs.items():
         result.seconds[leg] = min(s for s, _ in rs)
+        result.all_s[leg] = [s for s, _ in rs]
     for leg in per_req:
         if f"vllm_{leg}" in runs:
             result.agree[leg] = agreement(runs[leg][0][1], runs[f"vllm_{leg}"][0][1])

@@ -24,6 +24,7 @@ class PeerResult:
     model: str = "random Llama"  # what both engines ran (`--arch`)
     expert_adapters: int = 0  # MoE: adapters with expert LoRA (legs `experts`, `vllm_experts`)
     seconds: dict[str, float] = field(default_factory=dict)  # leg -> best seconds
+    all_s: dict[str, list[float]] = field(default_factory=dict)  # leg -> seconds of every run, in order
     start_s: dict[str, float] = field(default_factory=dict)  # engine -> start-up seconds
     agree: dict[str, float] = field(default_factory=dict)  # "mixed"/"base"/... -> fraction of equal requests
     load_avg: list[float] = field(default_factory=list)
