@@ -16,7 +16,7 @@ distribution p_i after the accepted prefix and d_1..d_i (row 0: after the real t
   s_i is distributed as normalize(max(0, p_i - q)). A seeded request emits, moreover, the very tokens
   it emits without speculation, whatever k was: position t's token is the sampler's token for (seed, t)
   given the same prefix, so tests and users can compare engines, loads and k freely. Unseeded rows use
-  the same rule (one code path; the cost is one noise vector per row instead of per sequence).
+  the same rule with the engine generator's noise (one `exponential_` over the verified rows).
 Log-probabilities are reported under the raw (untempered) distribution, as the sampler does.
 
 p_i is the distribution the sampler would draw from at that position: each row's logits are processed

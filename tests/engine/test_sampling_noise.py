@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampling_noise import exponential_noise, position_key, row_keys
+from engine.sampling_noise import exponential_noise, position_key, sample_rows
 
 
 def test_noise_is_deterministic_and_exponential():
@@ -23,9 +23,13 @@ def test_noise_is_deterministic_and_exponential():
     assert abs(adjacent) < 0.01 and abs(rows) < 0.01
 
 
-def test_keys_of_seeded_rows_do_not_depend_on_the_generator():
-    a = row_keys([3, None, 3], [0, 0, 1], torch.Generator().manual_seed(1), torch.device("cpu"))
-    b = row_keys([3, None, 3], [0, 0, 1], torch.Generator().manual_seed(2), torch.device("cpu"))
-    assert a[0] == b[0] == position_key(3, 0) and a[2] == b[2] == position_key(3, 1)
-    assert a[1] != b[1] and a[0] != a[2]
-    assert position_key(3, 0) != position_key(4, 0)
+def test_seeded_rows_do_not_depend_on_the_generator():
+    probs = torch.full((3, 500), 1.0 / 500)  # uniform: the sampled token is the noise's argmin
+    seeds, positions = [3, None, 3], [0, 0, 1]
+    a = sample_rows(probs, seeds, positions, torch.Generator().manual_seed(1))
+    b = sample_rows(probs, seeds, positions, torch.Generator().manual_seed(2))
+    for row in (0, 2):  # the seeded rows: their (seed, position) noise, whatever the generator
+        want = exponential_noise(torch.tensor([position_key(3, positions[row])]), 500).argmin().item()
+        assert a[row] == b[row] == want
+    assert a[1] != b[1]  # the unseeded row follows the engine's generator
+    assert a[0] != a[2] and position_key(3, 0) != position_key(4, 0)
