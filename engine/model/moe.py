@@ -136,7 +136,9 @@ class SparseMoE(nn.Module):
         the routed experts (and their LoRA) run the Triton fused-MoE kernel (`triton_experts`); on the CPU a
         decode step without expert LoRA in this layer runs routing and experts as one native call."""
         hook = getattr(lora, "experts", None)
-        if fused_decode_applies(x, self.experts.gate_up, self.experts.down, hook, self.layer):
+        if not self.uses_triton(x) and fused_decode_applies(
+            x, self.experts.gate_up, self.experts.down, hook, self.layer
+        ):
             out = self.fused_cpu_experts(x)
         else:
             out = self.routed_experts(x, hook)
@@ -178,22 +180,26 @@ class SparseMoE(nn.Module):
         return self._expert_map
 
     def uses_triton(self, x: torch.Tensor) -> bool:
-        """Whether the routed experts of a step over `x` run the Triton kernel: on CUDA tensors, unless
-        under expert parallel (whose pairs of other ranks' experts only `experts_forward` drops)."""
-        return x.is_cuda and self.local_experts is None
+        """Whether the routed experts of a step over `x` run the Triton kernel: on CUDA tensors (under
+        expert parallel too: it drops the pairs of other ranks' experts, `local_subset`)."""
+        return x.is_cuda
 
     def triton_experts(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, hook: Any = None
     ) -> torch.Tensor:
         """The routed experts' weighted sum [T, H] by `kernels/fused_moe.py` (pairs sorted by expert, and by
         adapter where `hook`, the step's expert LoRA, adapts this layer, on the device; one grouped GEMM
-        per projection with each pair's adapter delta inside; no host synchronization)."""
+        per projection with each pair's adapter delta inside; no host synchronization). Under expert parallel
+        `ids` are this rank's indices, the local count for another rank's expert (those pairs add nothing)."""
         from kernels.fused_moe import fused_moe
 
         lora = None
         if hook is not None and hook.adapts(self.layer):
             lora = hook.kernel_lora(self.layer, x.shape[0], x.device)
-        return fused_moe(x, self.experts.gate_up, self.experts.down, weights, ids, lora=lora)
+        local = self.local_experts is not None
+        return fused_moe(
+            x, self.experts.gate_up, self.experts.down, weights, ids, lora=lora, local_subset=local
+        )
 
 
 def is_sparse_layer(cfg: ModelConfig, layer: int) -> bool:
