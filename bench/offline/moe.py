@@ -257,10 +257,11 @@ def _block_ms(moe_model, dense_model, rows: int, runs: int, repeats: int = 5) ->
     with torch.no_grad():
         with torch_gemms(True):
             want = [b(x) for b in moe_blocks]
+        tol = 1e-3 if p.dtype == torch.float32 else 3e-2  # bfloat16: the paths round at other points
         for leg in LEGS[:2]:  # every path computes one block
             with leg_path(leg):
                 for b, w in zip(moe_blocks, want, strict=True):
-                    torch.testing.assert_close(b(x), w, rtol=1e-3, atol=1e-3)
+                    torch.testing.assert_close(b(x), w, rtol=tol, atol=tol)
         for r in range(runs + 1):
             for leg, fn in legs.items():
                 with leg_path(leg):
