@@ -1,5 +1,6 @@
-"""Parts of building an `LLMEngine` that are a computation of their own: the KV cache's size, the
-end-of-sequence ids, the LoRA manager, and starting the tensor-parallel workers."""
+"""Parts of building an `LLMEngine` that are a computation of their own: the CPU thread governor, this
+rank's model, the KV cache's size, the end-of-sequence ids, the LoRA manager, and starting the
+tensor-parallel workers."""
 
 from __future__ import annotations
 
@@ -9,14 +10,53 @@ from typing import Any
 
 import torch
 
+from engine.cpu_threads import ThreadGovernor, available_cpus
 from engine.distributed.setup import TensorParallel
+from engine.distributed.shard_model import load_shard
 from engine.distributed.worker_group import WorkerGroup
 from engine.engine_config import EngineConfig
 from engine.lora.dora import ProjectionBaseWeights
 from engine.lora.manager import LoRAManager
+from engine.model.decoder import DecoderForCausalLM
+from engine.model.loader import load_model
 from engine.model_config import ModelConfig, resolve_lora_dtype
 from engine.model_runner import kv_block_bytes
 from kernels.intmath import cdiv
+
+
+def cpu_thread_governor(
+    config: EngineConfig, device: torch.device, tp: TensorParallel | None
+) -> ThreadGovernor | None:
+    """On a CPU: cap torch's default thread count at the available CPUs (one rank, no `num_threads`),
+    and the thread governor when `adaptive_threads` and more than one thread (under tensor parallel rank
+    0's governor sets every rank's, with the group's collective cost); None elsewhere."""
+    if device.type != "cpu":
+        return None
+    if tp is None and config.num_threads is None:  # torch's default can exceed the CPUs
+        torch.set_num_threads(min(torch.get_num_threads(), available_cpus()))
+    if config.adaptive_threads and torch.get_num_threads() > 1:
+        cost = tp.group.collective_cost if tp is not None else None
+        return ThreadGovernor(torch.get_num_threads(), overhead=cost)
+    return None
+
+
+def load_rank_model(
+    config: EngineConfig,
+    checkpoint: ModelConfig,
+    tp: TensorParallel | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[DecoderForCausalLM, ModelConfig]:
+    """(this rank's model, its config capped at `max_model_len`): the whole model at one rank (its CPU
+    GEMMs packed when `packed_cpu_gemms`), else rank 0's shard, whose projections all-reduce over
+    the group."""
+    if tp is None:
+        model = load_model(checkpoint, dtype, device)
+        if config.packed_cpu_gemms:
+            model.pack_cpu_gemms()
+        return model, checkpoint.capped(config.max_model_len)
+    shard = load_shard(checkpoint, tp.shard, dtype, device, tp.group.all_reduce, config.packed_cpu_gemms)
+    return shard, tp.shard.local_config().capped(config.max_model_len)
 
 
 def num_kv_blocks(

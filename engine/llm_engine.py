@@ -16,14 +16,19 @@ from typing import Any
 import torch
 
 from engine import engine_kv_transfer, request_admission
-from engine.cpu_threads import ThreadGovernor, available_cpus
 from engine.decode_graphs import enable_decode_graphs
 from engine.distributed.setup import tensor_parallel
-from engine.distributed.shard_model import load_shard
 from engine.distributed.worker_group import WorkerGroupError
 from engine.engine_adapters import EngineAdapters
 from engine.engine_config import EngineConfig
-from engine.engine_setup import eos_token_ids, make_lora_manager, num_kv_blocks, start_worker_group
+from engine.engine_setup import (
+    cpu_thread_governor,
+    eos_token_ids,
+    load_rank_model,
+    make_lora_manager,
+    num_kv_blocks,
+    start_worker_group,
+)
 from engine.engine_stats import StepCounters, engine_stats
 from engine.kv_cache import KVCacheManager
 from engine.kv_cache.cache_events import CacheEvents
@@ -31,7 +36,6 @@ from engine.kv_transfer import KVExport, make_connector
 from engine.lora.manager import LoRAInfo, LoRAManager, LoRAPoolStats
 from engine.lora_request import LoRARequest
 from engine.metrics import EngineStats
-from engine.model.loader import load_model
 from engine.model_config import ModelConfig, dtype_reason, resolve_dtype
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
@@ -61,7 +65,6 @@ class LLMEngine:
                 raise ValueError(f"num_threads must be >= 1, got {config.num_threads}")
             torch.set_num_threads(config.num_threads)
         self.device = config.resolve_device()
-        self.thread_governor = None
         checkpoint = ModelConfig.from_dir(config.model)
         self.tp = tensor_parallel(config, checkpoint, self.device)  # None: one rank
         if self.tp is not None:
@@ -73,32 +76,13 @@ class LLMEngine:
         self.recover_worker_group = True
         # under tensor parallel the threads are split over the ranks, and rank 0's governor sets every
         # rank's (the workers take its count from each step's plan: engine/cpu_threads.py)
-        if self.device.type == "cpu":
-            if self.tp is None and config.num_threads is None:  # torch's default can exceed the CPUs
-                torch.set_num_threads(min(torch.get_num_threads(), available_cpus()))
-            if config.adaptive_threads and torch.get_num_threads() > 1:
-                cost = self.tp.group.collective_cost if self.tp is not None else None
-                self.thread_governor = ThreadGovernor(torch.get_num_threads(), overhead=cost)
+        self.thread_governor = cpu_thread_governor(config, self.device, self.tp)
         self.model_config = checkpoint.capped(config.max_model_len)  # what requests may use
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
         self.dtype_reason = dtype_reason(config.dtype, self.model_config, self.device)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         # this rank's shapes (the KV cache's heads): the whole model's at one rank, else rank 0's shard's
-        self.rank_config = self.model_config
-        if self.tp is None:
-            self.model = load_model(checkpoint, self.dtype, self.device)
-            if config.packed_cpu_gemms:
-                self.model.pack_cpu_gemms()
-        else:
-            self.rank_config = self.tp.shard.local_config().capped(config.max_model_len)
-            self.model = load_shard(
-                checkpoint,
-                self.tp.shard,
-                self.dtype,
-                self.device,
-                self.tp.group.all_reduce,
-                config.packed_cpu_gemms,
-            )
+        self.model, self.rank_config = load_rank_model(config, checkpoint, self.tp, self.dtype, self.device)
         self.num_kv_blocks = num_kv_blocks(
             config, self.rank_config, self.model_config, self.dtype, self.device
         )

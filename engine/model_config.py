@@ -55,6 +55,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None
     extra: dict[str, Any] = field(default_factory=dict)
+    o_bias: bool = False  # a bias on o_proj (Llama's and Qwen3's `attention_bias`; not Qwen2's)
+    mlp_bias: bool = False  # biases on gate/up/down (Llama's `mlp_bias`)
     context_cap: int | None = None  # `EngineConfig.max_model_len` (vLLM's --max-model-len); see `capped`
 
     @property

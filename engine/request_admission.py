@@ -11,8 +11,6 @@ import time
 from collections import abc
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from engine.kv_cache import KVCacheManager
 from engine.lora_request import LoRARequest
 from engine.output_processor import SequenceText
@@ -93,12 +91,8 @@ def admit_request(
     arrival = time.monotonic() if arrival_time is None else arrival_time
     seqs = []
     for i, choice in enumerate(params.choices()):
-        gen = None
-        if choice.seed is not None:
-            gen = torch.Generator(device=engine.device)
-            gen.manual_seed(choice.seed)
         seq_id = request_id if (params.best_of or params.n) == 1 else f"{request_id}#{i}"
-        seqs.append(Sequence(seq_id, ids, choice, arrival, priority, lora_request, lora_key, gen, limit))
+        seqs.append(Sequence(seq_id, ids, choice, arrival, priority, lora_request, lora_key, limit))
         seqs[-1].lora_keys = lora_keys
         engine.structured.attach(seqs[-1])
     texts = [sequence_text(engine.tokenizer, engine.config.detokenize, params) for _ in seqs]

@@ -5,9 +5,11 @@ First the per-request logits processing (`engine/logits_processing.py`: bad word
 greedy rows take argmax of the processed logits. Other rows divide by temperature, drop tokens under
 `min_p` × the top probability, keep the top-k logits and the smallest set of tokens whose probability mass
 reaches top_p, and draw from the renormalized distribution with the Gumbel/exponential trick
-`argmax(p / q), q ~ Exp(1)`. A request with a `seed` draws its `q` from its own generator, so its tokens do
-not depend on the rest of the batch. Log-probabilities are reported under the raw (unprocessed,
-untempered) distribution, as vLLM's default `raw_logprobs` does.
+`argmax(p / q), q ~ Exp(1)`. A request with a `seed` takes the `q` of each output position from a
+counter-based stream (`engine/sampling_noise.py`): its token at position t depends only on (seed, t) and
+that position's distribution, not on the rest of the batch, speculation, preemption or KV handoffs.
+Log-probabilities are reported under the raw (unprocessed, untempered) distribution, as vLLM's default
+`raw_logprobs` does.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from engine.logits_processing import apply_min_p, process_logits
 from engine.outputs import Logprob
+from engine.sampling_noise import sample_rows
 from engine.scheduler.output import SampledToken
 from engine.sequence import Sequence
 
@@ -77,12 +80,8 @@ class Sampler:
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
             scaled = _filter_top_k_top_p(scaled, top_k, top_p)
         probs = scaled.softmax(dim=-1)
-        q = torch.empty_like(probs)
-        q.exponential_(generator=self.generator)
-        for i, r in enumerate(reqs):
-            if r.generator is not None:
-                q[i].exponential_(generator=r.generator)
-        return (probs / q).argmax(dim=-1)
+        seeds = [p.seed for p in params]
+        return sample_rows(probs, seeds, [r.num_output_tokens for r in reqs], self.generator)
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -10,8 +10,6 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from engine.lora_request import LoRARequest
 from engine.outputs import Logprob
 from engine.sampling_params import SamplingParams
@@ -52,7 +50,6 @@ class Sequence:
     priority: int = 0
     lora_request: LoRARequest | None = None
     lora_key: str | None = None  # content digest of the adapter (of a mix: `mix_key`); prefix-cache key
-    generator: torch.Generator | None = None
     max_total_tokens: int = 0  # prompt + max_tokens, capped by the model's context
     lora_keys: tuple[str, ...] = ()  # digests of every adapter its rows use (a mix's members), once known
 

@@ -36,6 +36,7 @@ from kernels.intmath import next_pow2
 from kernels.moe_align import MoEAlignment, align_pairs
 from kernels.moe_lora import lora_block_r, moe_lora_shrink
 from kernels.moe_lora_meta import MoELoRA, check_lora, group_ids
+from kernels.moe_tiles import block_pairs, load_rows
 from kernels.tuning import resolve_config
 
 _OP = "fused_moe"
@@ -90,10 +91,7 @@ def _fused_moe_kernel(
         return
     expert = group // groups
     adapter = group % groups
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_ids_ptr + offs_m)
-    mask_m = pairs < num_pairs
-    rows = tl.where(mask_m, pairs // a_row_div, 0).to(tl.int64)
+    pairs, mask_m, rows = block_pairs(sorted_ids_ptr, pid_m, num_pairs, a_row_div, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < n
     w_base = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
@@ -102,11 +100,7 @@ def _fused_moe_kernel(
     for k0 in range(0, k_dim, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k_dim
-        a = tl.load(
-            a_ptr + rows[:, None] * stride_am + offs_k[None, :],
-            mask=mask_m[:, None] & mask_k[None, :],
-            other=0.0,
-        )
+        a = load_rows(a_ptr, rows, mask_m, stride_am, offs_k, mask_k)
         w_mask = mask_k[:, None] & mask_n[None, :]
         w = tl.load(w_base + offs_k[:, None], mask=w_mask, other=0.0)
         if UPCAST:

@@ -25,6 +25,7 @@ from kernels._common import dot_precision, is_interpreted, launch
 from kernels.intmath import next_pow2
 from kernels.moe_align import MoEAlignment
 from kernels.moe_lora_meta import ExpertLoRAWeights
+from kernels.moe_tiles import block_pairs, load_rows
 
 
 @triton.jit
@@ -69,10 +70,7 @@ def _moe_lora_shrink_kernel(
     page = tl.load(pages_ptr + adapter * max_pages + j)
     if page < 0:
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_ids_ptr + offs_m)
-    mask_m = pairs < num_pairs
-    rows = tl.where(mask_m, pairs // a_row_div, 0).to(tl.int64)
+    pairs, mask_m, rows = block_pairs(sorted_ids_ptr, pid_m, num_pairs, a_row_div, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < rank
     base = la_ptr + page.to(tl.int64) * stride_lp + expert.to(tl.int64) * stride_le
@@ -80,11 +78,7 @@ def _moe_lora_shrink_kernel(
     for k0 in range(0, k_dim, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k_dim
-        a = tl.load(
-            a_ptr + rows[:, None] * stride_am + offs_k[None, :],
-            mask=mask_m[:, None] & mask_k[None, :],
-            other=0.0,
-        )
+        a = load_rows(a_ptr, rows, mask_m, stride_am, offs_k, mask_k)
         w = tl.load(
             base + offs_r[None, :] * stride_lr + offs_k[:, None],
             mask=mask_k[:, None] & mask_r[None, :],

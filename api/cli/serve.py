@@ -1,7 +1,8 @@
 """`loraplex serve MODEL` (or `--model MODEL`): the OpenAI-compatible server, admin API and admin UI.
 
 `vllm serve`'s flags mean here what they mean there (README, "Coming from vLLM"); those that are not
-engine settings are read by `api.cli.vllm_flags`.
+engine settings are read by `api.cli.vllm_flags`. The options are declared in `api.cli.serve_flags`
+(server and engine) and `api.cli.serve_cluster_flags` (Ray Serve).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from typing import Annotated
 
 import typer
 
+from api.cli import serve_cluster_flags as cluster_flags
+from api.cli import serve_flags as flags
 from api.cli.output import fail, stderr
 from api.cluster.options import (
     CONTRACT_AFTER_S,
@@ -46,286 +49,65 @@ def serve(
             help="Base model: a local HF directory, or a llama.cpp .gguf file (dequantized at load).",
         ),
     ] = None,
-    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
-    device: Annotated[str | None, typer.Option(help="auto, cpu or cuda.")] = None,
-    dtype: Annotated[str | None, typer.Option(help="auto, float32, bfloat16 or float16.")] = None,
-    served_model_name: Annotated[str | None, typer.Option(help="Model id of the base model.")] = None,
-    require_api_key: Annotated[bool, typer.Option(help="Require an API key for inference.")] = False,
-    api_key: Annotated[
-        str | None,
-        typer.Option(
-            envvar="VLLM_API_KEY",
-            help="vLLM's --api-key: one static key for inference (every model), beside the registry's "
-            "keys; implies --require-api-key.",
-        ),
-    ] = None,
-    lora_modules: Annotated[
-        list[str] | None,
-        typer.Option(
-            help='vLLM\'s --lora-modules: name=path or {"name": ..., "path": ...}, several after one flag; '
-            "each is registered (a new version if its content is new) and activated before serving.",
-        ),
-    ] = None,
-    enable_lora: Annotated[
-        bool, typer.Option("--enable-lora", help="Accepted for vLLM: LoRA is always on in loraplex.")
-    ] = False,
-    max_cpu_loras: Annotated[
-        int | None, typer.Option(help="Adapters kept in the host-memory tier (vLLM's meaning).", min=1)
-    ] = None,
-    max_model_len: Annotated[
-        int | None, typer.Option(help="Cap on prompt + output tokens (default: the model's context).", min=2)
-    ] = None,
-    gpu_memory_utilization: Annotated[
-        float | None,
-        typer.Option(
-            help="CUDA: fraction of the device's memory this server may use; the KV cache gets what the "
-            "model leaves of it (default: 90% of free memory). Accepted and unused on CPU.",
-            min=0.0,
-            max=1.0,
-        ),
-    ] = None,
-    enable_prefix_caching: Annotated[
-        bool | None,
-        typer.Option(
-            "--enable-prefix-caching/--no-enable-prefix-caching",
-            help="Reuse cached prompt prefixes (default on).",
-        ),
-    ] = None,
-    chat_template: Annotated[
-        str | None, typer.Option(help="Jinja chat template, as a file or inline, in place of the model's.")
-    ] = None,
-    tokenizer: Annotated[
-        Path | None, typer.Option(help="Tokenizer directory (default: the model's own).")
-    ] = None,
-    seed: Annotated[int | None, typer.Option(help="Engine random seed (default 0).")] = None,
-    max_num_batched_tokens: Annotated[
-        int | None, typer.Option(help="Most tokens in one engine step.", min=1)
-    ] = None,
-    enable_auto_tool_choice: Annotated[
-        bool,
-        typer.Option(
-            "--enable-auto-tool-choice", help="Accepted for vLLM: tool_choice auto is always available."
-        ),
-    ] = False,
-    tool_call_parser: Annotated[
-        str | None,
-        typer.Option(
-            help='How tool calls are read: json (a reply that is {"name", "arguments"}); others refused.'
-        ),
-    ] = None,
-    max_seqs_per_client: Annotated[
-        int | None,
-        typer.Option(
-            help="Engine sequences one API key (or, without keys, one client address) is guaranteed at "
-            "once (default: half of the engine's max_num_seqs); beyond it a client borrows idle capacity, "
-            "first come, first served.",
-            min=1,
-        ),
-    ] = None,
-    max_loras: Annotated[int | None, typer.Option(help="Distinct adapters in one step.")] = None,
-    max_lora_rank: Annotated[int | None, typer.Option(help="Largest adapter rank accepted.")] = None,
-    max_num_seqs: Annotated[int | None, typer.Option(help="Sequences in the running batch.")] = None,
-    num_kv_blocks: Annotated[
-        int | None, typer.Option(help="KV cache blocks (default: sized by memory).")
-    ] = None,
-    threads: Annotated[int | None, typer.Option(help="Engine CPU threads (default: torch's).")] = None,
-    lora_backend: Annotated[
-        str | None, typer.Option(help="auto, native or torch (CPU), triton (CUDA): how LoRA is applied.")
-    ] = None,
-    lora_dtype: Annotated[
-        str | None, typer.Option(help="Adapter pool dtype: auto (= --dtype), float32, float16 or bfloat16.")
-    ] = None,
-    speculative: Annotated[
-        str | None,
-        typer.Option(help="Speculative decoding: ngram (prompt lookup) or draft:PATH (default: off)."),
-    ] = None,
-    num_speculative_tokens: Annotated[
-        int | None, typer.Option(help="With --speculative: most tokens proposed per step (1-16).")
-    ] = None,
-    cuda_graphs: Annotated[
-        bool | None,
-        typer.Option(
-            "--cuda-graphs/--eager",
-            help="CUDA: replay plain decode steps from captured graphs (default), or run every step eagerly.",
-        ),
-    ] = None,
-    tensor_parallel_size: Annotated[
-        int | None,
-        typer.Option(
-            "--tensor-parallel-size",
-            "-tp",
-            help="Shard the model over N ranks (vLLM's meaning): CUDA: N GPUs; CPU: N processes sharing "
-            "--threads. A rank that dies or hangs restarts the engine (requests in flight get a 503).",
-            min=1,
-        ),
-    ] = None,
-    fully_sharded_loras: Annotated[
-        bool | None,
-        typer.Option(
-            "--fully-sharded-loras",
-            help="vLLM's flag: with --tensor-parallel-size N, LoRA A is sharded by rank too (one all-gather "
-            "of the shrink output per projection; CPU only).",
-        ),
-    ] = None,
-    enable_expert_parallel: Annotated[
-        bool | None,
-        typer.Option(
-            "--enable-expert-parallel",
-            help="vLLM's flag: with --tensor-parallel-size N on a mixture-of-experts model, each rank holds "
-            "only its experts (whole) and their slices of every adapter; attention stays tensor-parallel.",
-        ),
-    ] = None,
-    expert_placement: Annotated[
-        str | None,
-        typer.Option(
-            "--expert-placement",
-            help="With --enable-expert-parallel: linear (rank r holds a contiguous range of experts, "
-            "default) or round_robin (expert e on rank e % N).",
-        ),
-    ] = None,
-    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
-    shutdown_grace: Annotated[
-        float | None,
-        typer.Option(
-            envvar="LORAPLEX_SHUTDOWN_GRACE",
-            help="Seconds requests in flight get to finish on SIGTERM/Ctrl-C before they end with a "
-            "retryable 503 (default 30).",
-            min=0,
-            max=3600,
-        ),
-    ] = None,
-    replicas: Annotated[
-        int | None,
-        typer.Option(
-            help="Serve with N engine replicas on Ray Serve (see --router); with --max-replicas, the "
-            "number to start with.",
-            min=1,
-        ),
-    ] = None,
-    min_replicas: Annotated[
-        int | None,
-        typer.Option(help="Autoscaling (with --max-replicas): fewest engine replicas (default 1).", min=1),
-    ] = None,
-    max_replicas: Annotated[
-        int | None,
-        typer.Option(
-            help="Autoscale the engine replicas on Ray Serve up to this many (--replicas: how many to start "
-            "with, default --min-replicas).",
-            min=1,
-        ),
-    ] = None,
-    target_ongoing_requests: Annotated[
-        float | None,
-        typer.Option(
-            help="Autoscaling: requests running or queued per replica that Serve aims at (default: "
-            "--max-num-seqs).",
-            min=0,
-        ),
-    ] = None,
-    prefill_replicas: Annotated[
-        int | None,
-        typer.Option(
-            help="Prefill/decode disaggregation on Ray Serve: P prefill replicas (with --decode-replicas).",
-            min=1,
-        ),
-    ] = None,
-    decode_replicas: Annotated[
-        int | None,
-        typer.Option(help="With --prefill-replicas: D decode replicas that continue each prefill.", min=1),
-    ] = None,
-    kv_transfer_timeout: Annotated[
-        float | None,
-        typer.Option(
-            help="With --prefill-replicas: seconds a request's KV handoff (export, fetch, import) may take "
-            "before it is cancelled and the request ends with the retryable 503 (default 30).",
-            min=0,
-        ),
-    ] = None,
-    local_prefill_tokens: Annotated[
-        int,
-        typer.Option(
-            help="With --prefill-replicas: prompts of at most this many tokens are prefilled by a decode "
-            "replica itself, with no KV handoff (default 0: every prompt goes to a prefill replica).",
-            min=0,
-        ),
-    ] = 0,
-    ray_address: Annotated[
-        str | None, typer.Option(help="With --replicas: join this Ray cluster (default: start a local one).")
-    ] = None,
-    ray_num_cpus: Annotated[
-        int | None, typer.Option(help="With --replicas: CPUs of the local Ray cluster.", min=1)
-    ] = None,
-    cpus_per_replica: Annotated[
-        float,
-        typer.Option(help="With --replicas: Ray CPUs each engine replica reserves (default 0).", min=0),
-    ] = 0.0,
-    gpus_per_replica: Annotated[
-        float,
-        typer.Option(help="With --replicas: Ray GPUs each engine replica reserves (e.g. 1).", min=0),
-    ] = 0.0,
-    ingress_replicas: Annotated[
-        int, typer.Option(help="With --replicas: HTTP ingress replicas (default 1).", min=1)
-    ] = 1,
-    wait_for_nodes: Annotated[
-        bool,
-        typer.Option(
-            help="With --replicas: start even when the Ray cluster's nodes cannot hold the engine replicas "
-            "now (a Ray autoscaler adds nodes on demand); by default such a start is refused."
-        ),
-    ] = False,
-    router: Annotated[
-        str,
-        typer.Option(
-            help="With --replicas: 'affinity' scores prefix cache, adapter residency and load (default); "
-            "'multiplex' is Ray Serve's multiplexing by adapter only."
-        ),
-    ] = "affinity",
-    router_w_prefix: Annotated[
-        float, typer.Option(help="--router affinity: weight of the predicted prefix hit.", min=0)
-    ] = W_PREFIX,
-    router_w_adapter: Annotated[
-        float, typer.Option(help="--router affinity: weight of the adapter's residency.", min=0)
-    ] = W_ADAPTER,
-    router_w_load: Annotated[
-        float, typer.Option(help="--router affinity: weight of the replica's load.", min=0)
-    ] = W_LOAD,
-    router_spread_load: Annotated[
-        float,
-        typer.Option(
-            help="--router affinity: a hot adapter spreads to one more replica once its own load (share "
-            "of a replica's KV budget or max-num-seqs) reaches this on every replica it is on.",
-            min=0.01,
-        ),
-    ] = SPREAD_LOAD,
-    router_max_spread: Annotated[
-        int, typer.Option(help="--router affinity: the most replicas one adapter spreads to.", min=1)
-    ] = MAX_SPREAD,
-    router_contract_after: Annotated[
-        float,
-        typer.Option(
-            help="--router affinity: seconds a spread adapter's load must stay low before it leaves a "
-            "replica.",
-            min=0,
-        ),
-    ] = CONTRACT_AFTER_S,
-    router_max_ongoing: Annotated[
-        int | None,
-        typer.Option(
-            help="--router affinity: requests one engine replica takes before Ray Serve queues the rest "
-            "(default 8 x --max-num-seqs: the engines' waiting queues hold the backlog, which the router's "
-            "load term sees).",
-            min=1,
-        ),
-    ] = None,
-    router_hold_margin: Annotated[
-        float,
-        typer.Option(
-            help="--router affinity: a request is offered only to replicas scored at most this below the "
-            "best one; Serve holds it for them while they are full.",
-            min=0,
-        ),
-    ] = HOLD_MARGIN,
+    host: flags.Host = "127.0.0.1",
+    port: flags.Port = 8000,
+    device: flags.Device = None,
+    dtype: flags.Dtype = None,
+    served_model_name: flags.ServedModelName = None,
+    require_api_key: flags.RequireApiKey = False,
+    api_key: flags.ApiKey = None,
+    lora_modules: flags.LoraModules = None,
+    enable_lora: flags.EnableLora = False,
+    max_cpu_loras: flags.MaxCpuLoras = None,
+    max_model_len: flags.MaxModelLen = None,
+    gpu_memory_utilization: flags.GpuMemoryUtilization = None,
+    enable_prefix_caching: flags.EnablePrefixCaching = None,
+    chat_template: flags.ChatTemplate = None,
+    tokenizer: flags.Tokenizer = None,
+    seed: flags.Seed = None,
+    max_num_batched_tokens: flags.MaxNumBatchedTokens = None,
+    enable_auto_tool_choice: flags.EnableAutoToolChoice = False,
+    tool_call_parser: flags.ToolCallParser = None,
+    max_seqs_per_client: flags.MaxSeqsPerClient = None,
+    max_loras: flags.MaxLoras = None,
+    max_lora_rank: flags.MaxLoraRank = None,
+    max_num_seqs: flags.MaxNumSeqs = None,
+    num_kv_blocks: flags.NumKvBlocks = None,
+    threads: flags.Threads = None,
+    lora_backend: flags.LoraBackend = None,
+    lora_dtype: flags.LoraDtype = None,
+    speculative: flags.Speculative = None,
+    num_speculative_tokens: flags.NumSpeculativeTokens = None,
+    cuda_graphs: flags.CudaGraphs = None,
+    tensor_parallel_size: flags.TensorParallelSize = None,
+    fully_sharded_loras: flags.FullyShardedLoras = None,
+    enable_expert_parallel: flags.EnableExpertParallel = None,
+    expert_placement: flags.ExpertPlacement = None,
+    log_level: flags.LogLevel = "info",
+    shutdown_grace: flags.ShutdownGrace = None,
+    replicas: cluster_flags.Replicas = None,
+    min_replicas: cluster_flags.MinReplicas = None,
+    max_replicas: cluster_flags.MaxReplicas = None,
+    target_ongoing_requests: cluster_flags.TargetOngoingRequests = None,
+    prefill_replicas: cluster_flags.PrefillReplicas = None,
+    decode_replicas: cluster_flags.DecodeReplicas = None,
+    kv_transfer_timeout: cluster_flags.KvTransferTimeout = None,
+    local_prefill_tokens: cluster_flags.LocalPrefillTokens = 0,
+    ray_address: cluster_flags.RayAddress = None,
+    ray_num_cpus: cluster_flags.RayNumCpus = None,
+    cpus_per_replica: cluster_flags.CpusPerReplica = 0.0,
+    gpus_per_replica: cluster_flags.GpusPerReplica = 0.0,
+    ingress_replicas: cluster_flags.IngressReplicas = 1,
+    wait_for_nodes: cluster_flags.WaitForNodes = False,
+    router: cluster_flags.Router = "affinity",
+    router_w_prefix: cluster_flags.RouterWPrefix = W_PREFIX,
+    router_w_adapter: cluster_flags.RouterWAdapter = W_ADAPTER,
+    router_w_load: cluster_flags.RouterWLoad = W_LOAD,
+    router_spread_load: cluster_flags.RouterSpreadLoad = SPREAD_LOAD,
+    router_max_spread: cluster_flags.RouterMaxSpread = MAX_SPREAD,
+    router_contract_after: cluster_flags.RouterContractAfter = CONTRACT_AFTER_S,
+    router_max_ongoing: cluster_flags.RouterMaxOngoing = None,
+    router_hold_margin: cluster_flags.RouterHoldMargin = HOLD_MARGIN,
 ) -> None:
     """Start the server: one resident base model, every active adapter of the registry.
 
@@ -410,19 +192,12 @@ def serve(
         fail(str(exc))
     scaling_flags = (max_replicas, min_replicas, target_ongoing_requests)
     disaggregated = prefill_replicas is not None or decode_replicas is not None
-    if disaggregated and (
-        prefill_replicas is None
-        or decode_replicas is None
-        or replicas is not None
-        or any(v is not None for v in scaling_flags)
-    ):
+    problem = _cluster_flags_problem(
+        replicas, scaling_flags, prefill_replicas, decode_replicas, local_prefill_tokens, kv_transfer_timeout
+    )
+    if problem is not None:
         sock.close()
-        fail("--prefill-replicas and --decode-replicas go together, and replace --replicas and autoscaling")
-    if local_prefill_tokens and not disaggregated:
-        fail("--local-prefill-tokens applies to --prefill-replicas/--decode-replicas only")
-    if kv_transfer_timeout is not None and not disaggregated:
-        sock.close()
-        fail("--kv-transfer-timeout applies to --prefill-replicas/--decode-replicas only")
+        fail(problem)
     cluster = replicas is not None or disaggregated or any(v is not None for v in scaling_flags)
     if cluster:  # each scaling flag alone: refused later
         sock.close()  # Ray Serve's proxy listens itself: this was only the check
@@ -487,6 +262,30 @@ def serve(
         # A server that ran exits inside `run` (after `on_stopped`), without interpreter teardown.
         run(settings, log_level=log_level, on_stopped=on_stopped, sock=sock, on_serving=on_serving)
     err.print("loraplex stopped")
+
+
+def _cluster_flags_problem(
+    replicas: int | None,
+    scaling_flags: tuple[object, ...],
+    prefill_replicas: int | None,
+    decode_replicas: int | None,
+    local_prefill_tokens: int,
+    kv_transfer_timeout: float | None,
+) -> str | None:
+    """Why the replica flags given do not go together (None: they do): disaggregation takes both
+    `--prefill-replicas` and `--decode-replicas` and neither `--replicas` nor autoscaling
+    (`scaling_flags`: the autoscaling flags, None where not given); its own flags need it."""
+    disaggregated = prefill_replicas is not None or decode_replicas is not None
+    scaling = any(v is not None for v in scaling_flags)
+    whole = prefill_replicas is not None and decode_replicas is not None
+    if disaggregated and (not whole or replicas is not None or scaling):
+        return "--prefill-replicas and --decode-replicas go together, and replace --replicas and autoscaling"
+    only = "applies to --prefill-replicas/--decode-replicas only"
+    if local_prefill_tokens and not disaggregated:
+        return f"--local-prefill-tokens {only}"
+    if kv_transfer_timeout is not None and not disaggregated:
+        return f"--kv-transfer-timeout {only}"
+    return None
 
 
 def _serve_replicas(settings, layout, on_serving: Callable[[], None]) -> None:

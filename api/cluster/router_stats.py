@@ -10,7 +10,7 @@ out of loraplex's reach; the router publishes here what the ingress needs from i
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -63,6 +63,16 @@ def _copy(d: dict) -> dict:
     return {}
 
 
+def _counters(label: str, rows: Iterable[tuple[str, str, dict]]) -> Iterator[CounterMetricFamily]:
+    """One counter family per (name, doc, counts) row, a sample per key of `counts` (a snapshot of it,
+    sorted) under the label `label`."""
+    for name, doc, counts in rows:
+        family = CounterMetricFamily(name, doc, labels=[label])
+        for key, n in sorted(_copy(counts).items()):
+            family.add_metric([key], n)
+        yield family
+
+
 class RouterCollector(Collector):
     """The router's families for `/metrics` (nothing until Ray has built the router)."""
 
@@ -79,11 +89,7 @@ class RouterCollector(Collector):
                 stats.predicted_cached,
             ),
         )
-        for name, doc, counts in per_replica:
-            family = CounterMetricFamily(name, doc, labels=["replica"])
-            for replica, n in sorted(_copy(counts).items()):
-                family.add_metric([replica], n)
-            yield family
+        yield from _counters("replica", per_replica)
         events = stats.placements.events
         per_adapter = (
             ("loraplex_router_adapter_spreads", "Hot adapters spread to one more replica", events.spreads),
@@ -98,11 +104,7 @@ class RouterCollector(Collector):
                 events.rebalances,
             ),
         )
-        for name, doc, counts in per_adapter:
-            family = CounterMetricFamily(name, doc, labels=["adapter"])
-            for adapter, n in sorted(_copy(counts).items()):
-                family.add_metric([adapter], n)
-            yield family
+        yield from _counters("adapter", per_adapter)
         gauge = GaugeMetricFamily(
             "loraplex_router_adapter_replicas", "Replicas each adapter is placed on now", labels=["adapter"]
         )

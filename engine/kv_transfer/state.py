@@ -2,8 +2,9 @@
 
 `TransferState` is everything the decode side needs besides the KV: the prompt, the tokens the prefill
 sampled (the first one), their log-probabilities, the sampling parameters, the adapter (its content
-digest keys the prefix cache on both sides), and the seeded generator's state after the first draw, so
-that seeded sampling continues exactly as one engine would have. A structured-output request's grammar
+digest keys the prefix cache on both sides). A seeded request needs no generator state: its noise is a
+function of `params.seed` (the choice's seed) and the output position (`engine/sampling_noise.py`), so
+the decode side continues the same stream as one engine would have. A structured-output request's grammar
 state is the tokens accepted so far: the decode side compiles the same spec (cached) and replays them.
 """
 
@@ -32,7 +33,6 @@ class TransferState(msgspec.Struct):
     num_cached_tokens: int = 0  # prompt tokens the prefill side found in its prefix cache
     cumulative_logprob: float = 0.0
     logprobs: list[LogprobEntry] | None = None
-    generator_state: bytes | None = None  # torch.Generator.get_state() of a seeded request
 
 
 class KVExport(msgspec.Struct):

@@ -2,7 +2,8 @@
 
 `DecoderForCausalLM` is a pre-norm decoder stack (embeddings, layers of attention and a gated MLP, final
 RMSNorm, LM head), which is Llama's; a family subclasses what differs (`engine/model/family.py`), e.g.
-Granite's multipliers. Variants that are configuration, not code: q/k/v bias (Qwen2), RMSNorm of each
+Granite's multipliers. Variants that are configuration, not code: q/k/v bias (Qwen2), o and MLP biases
+(Llama's `attention_bias`, `mlp_bias`), RMSNorm of each
 q and k head before RoPE (Qwen3), a tied LM head, RoPE scaling and partial rotary (`rope.py`).
 
 On the CPU (`engine/model/cpu_fused.py`) the small ops between the projections are fused native calls
@@ -58,7 +59,7 @@ class Attention(nn.Module):
             layer,
             bias=cfg.qkv_bias,
         )
-        self.o_proj = ProjectionLinear(cfg.q_size, ("o_proj",), (cfg.hidden_size,), layer)
+        self.o_proj = ProjectionLinear(cfg.q_size, ("o_proj",), (cfg.hidden_size,), layer, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rope = rope
@@ -108,8 +109,9 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         inter = cfg.intermediate_size
-        self.gate_up_proj = ProjectionLinear(cfg.hidden_size, ("gate_proj", "up_proj"), (inter, inter), layer)
-        self.down_proj = ProjectionLinear(inter, ("down_proj",), (cfg.hidden_size,), layer)
+        names, bias = ("gate_proj", "up_proj"), cfg.mlp_bias
+        self.gate_up_proj = ProjectionLinear(cfg.hidden_size, names, (inter, inter), layer, bias=bias)
+        self.down_proj = ProjectionLinear(inter, ("down_proj",), (cfg.hidden_size,), layer, bias=bias)
         self.inter = inter
 
     def forward(self, x: torch.Tensor, lora: LoRAStepContext | None, fused: FusedStep | None = None):

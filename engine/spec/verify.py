@@ -5,12 +5,19 @@ distribution p_i after the accepted prefix and d_1..d_i (row 0: after the real t
 
 - Greedy: accept the longest prefix with d_{i+1} == argmax p_i, then emit argmax p_a at the first
   mismatch a (or the bonus argmax p_k when all k were accepted): exactly the greedy tokens.
-- Sampling (rejection sampling with a point-mass draft q_i = delta(d_{i+1}), as n-gram and greedy
-  draft proposals are): accept d_{i+1} with probability p_i(d_{i+1}); at the first rejection draw from
-  normalize(max(0, p_i - q_i)) = p_i with d_{i+1} removed; after k acceptances draw the bonus from p_k.
-  Every emitted token is then distributed exactly as under p (temperature, top-k, top-p applied to p).
-A request with a `seed` draws its uniforms and its sample from its own generator. Log-probabilities are
-reported under the raw (untempered) distribution, as the sampler does.
+- Sampling (the proposals are point masses, as n-gram and greedy draft proposals are): row i samples
+  s_i = argmax(p_i / q_i), with q_i the Exp(1) noise of its output position (`engine/sampling_noise.py`:
+  a function of (seed, position) for a seeded request, fresh random noise per row otherwise). Accept the
+  longest prefix with d_{i+1} == s_i, then emit s_a at the first mismatch a (or the bonus s_k).
+  Exactness: the noise of different rows is independent, so given the emitted prefix (which fixes the
+  context of row a) s_a is a draw from p_a whatever happened at rows < a; each emitted token is therefore
+  distributed exactly as under p (temperature, min_p, top-k, top-p applied). It is the rejection rule
+  for a point-mass draft q = delta(d): accept with probability p_i(d) = P(s_i = d), and on rejection
+  s_i is distributed as normalize(max(0, p_i - q)). A seeded request emits, moreover, the very tokens
+  it emits without speculation, whatever k was: position t's token is the sampler's token for (seed, t)
+  given the same prefix, so tests and users can compare engines, loads and k freely. Unseeded rows use
+  the same rule with the engine generator's noise (one `exponential_` over the verified rows).
+Log-probabilities are reported under the raw (untempered) distribution, as the sampler does.
 
 p_i is the distribution the sampler would draw from at that position: each row's logits are processed
 first (`engine/logits_processing.py`: penalties, `logit_bias`, `min_tokens`, bad words) with the row's
@@ -25,6 +32,7 @@ import torch
 from engine.logits_processing import DraftHistory, apply_min_p, process_logits
 from engine.outputs import Logprob
 from engine.sampler import _filter_top_k_top_p
+from engine.sampling_noise import sample_rows
 from engine.scheduler.output import SampledToken
 from engine.sequence import Sequence
 
@@ -93,51 +101,30 @@ def _accept_sampled(
     which: list[int],
     generator: torch.Generator,
 ) -> list[list[int]]:
-    """Rejection sampling (module docstring) for sequences `which`, all at once (two host syncs).
+    """Position-noise acceptance (module docstring) for sequences `which`, all at once (one host sync).
 
     probs [R, V]: the target's processed probabilities, rows of sequence i at starts[i]:starts[i+1].
-    Row j of a sequence verifies its proposal d_{j+1} (the last row has none: the bonus token). A seeded
-    sequence draws its uniforms and its sample's noise from its own generator, in that order.
+    Row j of a sequence is its output position `num_output_tokens + j`; it samples with that position's
+    noise (`engine/sampling_noise.py`) and accepts d_{j+1} iff the sample is d_{j+1}.
     """
     dev = probs.device
     rows = torch.tensor([r for i in which for r in range(starts[i], starts[i + 1])], device=dev)
-    p = probs.index_select(0, rows)  # [R', V]
-    proposal = [t for i in which for t in [*drafts[i], -1]]  # -1: the bonus row proposes nothing
-    prop = torch.tensor(proposal, dtype=torch.int64, device=dev)
-    p_prop = p.gather(1, prop.clamp(min=0)[:, None]).squeeze(1).masked_fill(prop < 0, 0.0)
-    u = torch.empty(len(proposal), device=dev)
-    q = torch.empty(len(which), p.shape[1], device=dev)
-    u.uniform_(generator=generator)
-    q.exponential_(generator=generator)
-    lo = 0
-    for j, i in enumerate(which):
+    seeds: list[int | None] = []
+    positions: list[int] = []
+    for i in which:
         n = len(drafts[i]) + 1
-        gen = seqs[i].generator
-        if gen is not None:  # reproducible whatever else is in the batch
-            u[lo : lo + n].uniform_(generator=gen)
-            q[j].exponential_(generator=gen)
-        lo += n
-    accept = (u < p_prop).tolist()  # bonus rows: never (p_prop = 0)
-    final_rows, rejected = [], []
+        seeds += [seqs[i].params.seed] * n
+        positions += range(seqs[i].num_output_tokens, seqs[i].num_output_tokens + n)
+    picks = sample_rows(probs.index_select(0, rows), seeds, positions, generator).tolist()
+    out = []
     lo = 0
     for i in which:
         n = len(drafts[i]) + 1
-        a = accept[lo : lo + n].index(False)
-        final_rows.append(lo + a)
-        rejected.append(drafts[i][a] if a < n - 1 else -1)
+        a = 0
+        while a < n - 1 and picks[lo + a] == drafts[i][a]:
+            a += 1
+        out.append(drafts[i][:a] + [picks[lo + a]])
         lo += n
-    target = p.index_select(0, torch.tensor(final_rows, device=dev))
-    rej = torch.tensor(rejected, dtype=torch.int64, device=dev)
-    # normalize(max(0, p - delta(d))): p without the rejected proposal (nothing removed for a bonus row)
-    keep = torch.ones_like(target).scatter_(1, rej.clamp(min=0)[:, None], 0.0)
-    keep[rej < 0] = 1.0
-    picks = ((target * keep) / q).argmax(dim=-1).tolist()
-    out = []
-    lo = 0
-    for j, i in enumerate(which):
-        a = final_rows[j] - lo
-        out.append(drafts[i][:a] + [picks[j]])
-        lo += len(drafts[i]) + 1
     return out
 
 

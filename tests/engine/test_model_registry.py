@@ -62,3 +62,27 @@ def test_each_architecture_is_one_family_entry(arch):
 def test_new_family_config_errors_are_clear(arch, extra, message):
     with pytest.raises(ModelConfigError, match=message):
         ModelConfig.from_dict({"architectures": [arch], **TINY, **extra})
+
+
+@pytest.mark.parametrize(
+    ("arch", "biased"),
+    [
+        ("LlamaForCausalLM", {"q_proj", "o_proj", "gate_proj", "down_proj"}),
+        ("Qwen3ForCausalLM", {"q_proj", "o_proj"}),  # transformers' Qwen3: no MLP bias
+        ("Qwen2ForCausalLM", {"q_proj"}),  # Qwen2: q/k/v bias only, whatever attention_bias says
+    ],
+)
+def test_attention_and_mlp_bias_by_family(arch, biased):
+    """`attention_bias` and `mlp_bias` give the projections transformers gives them a bias (the
+    weights: `tests/engine/test_tensor_parallel_cases.py`)."""
+    cfg = ModelConfig.from_dict({"architectures": [arch], **TINY, "attention_bias": True, "mlp_bias": True})
+    with torch.device("meta"):
+        model = model_family(arch).build(cfg)
+    layer = model.layers[0]
+    projections = (
+        layer.self_attn.qkv_proj,
+        layer.self_attn.o_proj,
+        layer.mlp.gate_up_proj,
+        layer.mlp.down_proj,
+    )
+    assert {p.slice_names[0] for p in projections if p.bias is not None} == biased

@@ -128,12 +128,15 @@ def test_logprobs_of_accepted_tokens_equal_non_speculative(engines):
 
 
 def test_seeded_sampling_is_reproducible_with_speculation(engines):
-    _, spec = engines
+    """Twice on the speculating engine, and on the plain one: the same tokens (noise per position)."""
+    plain, spec = engines
     params = SamplingParams(max_tokens=20, temperature=0.8, top_k=20, seed=1234, n=3)
     a, _ = _run(spec, PROMPTS, params)
     b, _ = _run(spec, PROMPTS, params)
-    for x, y in zip(a, b, strict=True):
-        assert [c.token_ids for c in x.outputs] == [c.token_ids for c in y.outputs]
+    c, _ = _run(plain, PROMPTS, params)
+    for x, y, z in zip(a, b, c, strict=True):
+        assert [t.token_ids for t in x.outputs] == [t.token_ids for t in y.outputs]
+        assert [t.token_ids for t in x.outputs] == [t.token_ids for t in z.outputs]
     _assert_clean(spec)
 
 

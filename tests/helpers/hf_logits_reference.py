@@ -15,6 +15,7 @@ from transformers import (
     TemperatureLogitsWarper,
 )
 
+from engine.sampling_noise import exponential_noise, position_key
 from engine.sampling_params import SamplingParams
 
 
@@ -56,8 +57,8 @@ def reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 def reference_decode(oracle, adapter_dir, prompt: list[int], p: SamplingParams, eos: Seq[int]) -> list[int]:
     """HF + PEFT (`oracle`: a `PeftGreedyOracle`), one token at a time: processors, then argmax (greedy)
-    or argmax(probs / q) with q the seeded generator's Exp(1) draws, as the engine draws them."""
-    gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
+    or argmax(probs / q) with q the Exp(1) noise of (seed, position), as the engine draws it
+    (`engine/sampling_noise.py`; sampled cases are seeded)."""
     out: list[int] = []
     while len(out) < p.max_tokens:
         logits = oracle.logits(prompt + out, adapter_dir)[-1]
@@ -65,7 +66,8 @@ def reference_decode(oracle, adapter_dir, prompt: list[int], p: SamplingParams, 
         if p.greedy:
             tok = int(row.argmax())
         else:
-            q = torch.empty_like(row).exponential_(generator=gen)
+            assert p.seed is not None, "a sampled reference decode is seeded"
+            q = exponential_noise(torch.tensor([position_key(p.seed, len(out))]), row.shape[-1])[0]
             tok = int((reference_probs(row, p) / q).argmax())
         out.append(tok)
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in eos):
