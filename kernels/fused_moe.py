@@ -206,12 +206,16 @@ def fused_moe(
     w_gate_up: Tensor,  # [E, 2I, H] x.dtype: gate rows 0..I-1, up rows I..2I-1; last dim contiguous
     w_down: Tensor,  # [E, H, I] x.dtype, last dim contiguous
     topk_weights: Tensor,  # [T, k] any float dtype: each token's routing weights
-    topk_ids: Tensor,  # [T, k] int32/int64 in [0, E): each token's experts
+    topk_ids: Tensor,  # [T, k] int32/int64 in [0, E) ([0, E] with local_subset): each token's experts
     alignment: MoEAlignment | None = None,  # align_pairs(group_ids(topk_ids, lora), E * groups, BLOCK_M)
     lora: MoELoRA | None = None,  # the step's expert LoRA on this layer (`kernels/moe_lora.py`)
+    local_subset: bool = False,  # expert parallel: id E marks another rank's expert, whose pairs add nothing
 ) -> Tensor:
     """The MoE block's routed output [T, H] in x.dtype (module docstring), with each pair's own adapter's
     LoRA on its expert where `lora` is given; same semantics as :func:`kernels.reference.fused_moe_ref`.
+    With `local_subset` the weights are one rank's experts (expert parallel) and pairs with id E (an expert
+    of another rank) are sorted into a group past the last, which neither pass runs: this rank's partial
+    sum (`alignment` is then built here).
     Launches two passes of one kernel (and a LoRA shrink before each adapted pass) and never synchronizes
     with the device (ids out of range are not checked on CUDA)."""
     dev = x.device
@@ -231,8 +235,11 @@ def fused_moe(
     check_runnable(_OP, dev, is_interpreted(_fused_moe_kernel))
     num_tokens, top_k = topk_ids.shape
     checkable = dev.type == "cpu" and topk_ids.numel() > 0 and not torch.compiler.is_compiling()
-    if checkable and not 0 <= int(topk_ids.min()) <= int(topk_ids.max()) < num_experts:  # interpreted
-        raise ValueError(f"{_OP}: topk_ids must lie in [0, {num_experts})")
+    top = num_experts + int(local_subset)
+    if checkable and not 0 <= int(topk_ids.min()) <= int(topk_ids.max()) < top:  # interpreted
+        raise ValueError(f"{_OP}: topk_ids must lie in [0, {top})")
+    if local_subset and alignment is not None:
+        raise ValueError(f"{_OP}: local_subset builds its own alignment")
     if (
         checkable
         and lora is not None
@@ -246,13 +253,18 @@ def fused_moe(
         groups = lora.groups
     cfg = fused_moe_config(num_tokens * top_k, num_experts, hidden, inter)
     if alignment is None:
-        alignment = align_pairs(group_ids(topk_ids, lora), num_experts * groups, cfg["BLOCK_M"])
+        alignment = align_pairs(group_ids(topk_ids, lora), top * groups, cfg["BLOCK_M"])
+        # the dropped pairs' groups (>= E * groups) count as unused blocks in both passes and the shrink
+        alignment.num_experts = num_experts * groups
     elif alignment.num_pairs != topk_ids.numel() or alignment.num_experts != num_experts * groups:
         raise ValueError(f"{_OP}: alignment was built for other pairs, experts or adapter groups")
     if num_tokens == 0:
         return torch.empty(0, hidden, dtype=x.dtype, device=dev)
     h = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=dev)
-    y = torch.empty(num_tokens * top_k, hidden, dtype=torch.float32, device=dev)
+    # dropped pairs' rows of y are never written: zeros for the combine
+    y = (torch.zeros if local_subset else torch.empty)(
+        num_tokens * top_k, hidden, dtype=torch.float32, device=dev
+    )
     weights = topk_weights.reshape(-1).to(torch.float32)
     meta = (alignment.sorted_pair_ids, alignment.block_experts, alignment.num_padded, weights)
     blocks = (alignment.block_m, cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"], cfg["num_stages"])

@@ -38,7 +38,7 @@ from torch import nn
 from engine.model.decoder import MLP, DecoderForCausalLM, DecoderLayer
 from engine.model.family import LLAMA_LORA_TARGETS, LoRATarget
 from engine.model.linear import LoRAStepContext
-from engine.model.moe_experts import experts_forward
+from engine.model.moe_experts import experts_forward, fused_decode_applies
 from engine.model.rope import RotaryEmbedding
 from engine.model_config import ModelConfig, ModelConfigError
 
@@ -132,22 +132,41 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoRAStepContext | None = None, fused=None) -> torch.Tensor:
         """The block's output [T, H]: the routed experts with the step's expert LoRA (`lora.experts`,
-        `engine/model/moe_experts.py`), plus Qwen2-MoE's gated shared expert; `fused` is unused. On CUDA the
-        routed experts (and their LoRA) run the Triton fused-MoE kernel (`triton_experts`)."""
-        weights, ids = self.route(x)
-        if self.local_experts is not None:  # expert parallel: other ranks' experts -> E, dropped
-            ids = self.expert_map(x.device)[ids]
+        `engine/model/moe_experts.py`), plus Qwen2-MoE's gated shared expert; `fused` is unused. On CUDA
+        the routed experts (and their LoRA) run the Triton fused-MoE kernel (`triton_experts`); on the CPU a
+        decode step without expert LoRA in this layer runs routing and experts as one native call."""
         hook = getattr(lora, "experts", None)
-        if self.uses_triton(x) and (hook is None or hasattr(hook, "kernel_lora")):
-            out = self.triton_experts(x, weights, ids, hook)
+        if not self.uses_triton(x) and fused_decode_applies(
+            x, self.experts.gate_up, self.experts.down, hook, self.layer
+        ):
+            out = self.fused_cpu_experts(x)
         else:
-            out = experts_forward(self.experts.gate_up, self.experts.down, x, weights, ids, hook, self.layer)
+            out = self.routed_experts(x, hook)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             gate = torch.sigmoid(nn.functional.linear(x, self.shared_expert_gate.weight))
             out.add_(gate * self.shared_expert(x, None))
         if self.all_reduce is not None:  # the ranks' partial outputs (experts and shared expert) summed
             self.all_reduce(out)
         return out
+
+    def fused_cpu_experts(self, x: torch.Tensor) -> torch.Tensor:
+        """`route` + the routed experts' weighted sum [T, H] in one call (`kernels/moe_fused_cpu.py`);
+        under expert parallel only this rank's experts' pairs add to it."""
+        from kernels.moe_fused_cpu import fused_moe_cpu
+
+        emap = None if self.local_experts is None else self.expert_map(x.device)
+        return fused_moe_cpu(x, self.gate.weight, self.experts.gate_up, self.experts.down, self.top_k,
+                             self.norm_topk_prob, emap)  # fmt: skip
+
+    def routed_experts(self, x: torch.Tensor, hook: Any) -> torch.Tensor:
+        """The routed experts' weighted sum [T, H] op by op: `route`, then the Triton kernel (CUDA) or
+        `experts_forward` with the step's expert LoRA `hook`."""
+        weights, ids = self.route(x)
+        if self.local_experts is not None:  # expert parallel: other ranks' experts -> E, dropped
+            ids = self.expert_map(x.device)[ids]
+        if self.uses_triton(x) and (hook is None or hasattr(hook, "kernel_lora")):
+            return self.triton_experts(x, weights, ids, hook)
+        return experts_forward(self.experts.gate_up, self.experts.down, x, weights, ids, hook, self.layer)
 
     def expert_map(self, device: torch.device) -> torch.Tensor:
         """int64 [E]: each global expert's index among this rank's experts, or the local count for an
@@ -161,22 +180,26 @@ class SparseMoE(nn.Module):
         return self._expert_map
 
     def uses_triton(self, x: torch.Tensor) -> bool:
-        """Whether the routed experts of a step over `x` run the Triton kernel: on CUDA tensors, unless
-        under expert parallel (whose pairs of other ranks' experts only `experts_forward` drops)."""
-        return x.is_cuda and self.local_experts is None
+        """Whether the routed experts of a step over `x` run the Triton kernel: on CUDA tensors (under
+        expert parallel too: it drops the pairs of other ranks' experts, `local_subset`)."""
+        return x.is_cuda
 
     def triton_experts(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, hook: Any = None
     ) -> torch.Tensor:
         """The routed experts' weighted sum [T, H] by `kernels/fused_moe.py` (pairs sorted by expert, and by
         adapter where `hook`, the step's expert LoRA, adapts this layer, on the device; one grouped GEMM
-        per projection with each pair's adapter delta inside; no host synchronization)."""
+        per projection with each pair's adapter delta inside; no host synchronization). Under expert parallel
+        `ids` are this rank's indices, the local count for another rank's expert (those pairs add nothing)."""
         from kernels.fused_moe import fused_moe
 
         lora = None
         if hook is not None and hook.adapts(self.layer):
             lora = hook.kernel_lora(self.layer, x.shape[0], x.device)
-        return fused_moe(x, self.experts.gate_up, self.experts.down, weights, ids, lora=lora)
+        local = self.local_experts is not None
+        return fused_moe(
+            x, self.experts.gate_up, self.experts.down, weights, ids, lora=lora, local_subset=local
+        )
 
 
 def is_sparse_layer(cfg: ModelConfig, layer: int) -> bool:

@@ -18,7 +18,9 @@ kernel `kernels/moe_gemm_cpu.py`, which streams each active expert's weight once
 GEMM library re-blocks the weight inside each small call, or on AMD CPUs MKL takes a slow path: 1.6-2.2x
 slower at decode shapes on a 2-core Zen 4, docs/benchmarks.md); otherwise one `torch._grouped_mm` per
 projection over the sorted rows (0.84x the time of a torch loop over the experts); elsewhere, or where
-this torch lacks it, that loop.
+this torch lacks it, that loop. A CPU decode step of at most `NATIVE_MAX_ROWS` tokens whose layer has no
+expert LoRA skips all of this: `fused_decode_applies` sends the whole block, routing included, to one native
+call (`kernels/moe_fused_cpu.py`; the ~20 torch ops' dispatch cost more than the GEMMs at batch 1).
 """
 
 from __future__ import annotations
@@ -159,6 +161,51 @@ def _native_works(device: str, dtype: torch.dtype) -> bool:
         return False
     ref = torch.cat([nn.functional.linear(a[:2], b[0]), nn.functional.linear(a[2:], b[2])])
     return bool(torch.allclose(y.float(), ref.float(), rtol=1e-2, atol=1e-2))
+
+
+# CPU decode steps (at most NATIVE_MAX_ROWS tokens, no expert LoRA in the layer) run routing and experts as
+# one native call (`fused_decode_applies`); False: the op-by-op path above (bench/offline/moe.py's leg)
+FUSED_DECODE = True
+
+
+def fused_decode_applies(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, lora: ExpertLoRAHook | None, layer: int
+) -> bool:
+    """Whether the routed block over `x` runs `kernels/moe_fused_cpu.py`'s one call: on the CPU, 1 to
+    `NATIVE_MAX_ROWS` tokens (so no expert gets more rows), float32 / bfloat16 where it builds, contiguous
+    weights, and no expert LoRA in `layer` (its per-(expert, adapter) runs stay on the op-by-op path)."""
+    if not FUSED_DECODE or x.device.type != "cpu" or not 0 < x.shape[0] <= NATIVE_MAX_ROWS:
+        return False
+    if x.stride(1) != 1 or not (gate_up.is_contiguous() and down.is_contiguous()):
+        return False
+    return (lora is None or not lora.adapts(layer)) and _fused_works(x.dtype)
+
+
+@functools.cache
+def _fused_works(dtype: torch.dtype) -> bool:
+    """Whether the fused decode kernel builds here for `dtype` (float32 / bfloat16) and agrees with the
+    op-by-op path on a small case."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return False
+    from kernels.moe_fused_cpu import fused_moe_cpu
+    from kernels.native_build import NativeBuildError
+
+    gen = torch.Generator().manual_seed(0)
+    x, router = torch.randn(3, 40, generator=gen).to(dtype), torch.randn(6, 40, generator=gen).to(dtype)
+    gate_up, down = (
+        torch.randn(6, 16, 40, generator=gen).to(dtype),
+        torch.randn(6, 40, 8, generator=gen).to(dtype),
+    )
+    try:
+        got = fused_moe_cpu(x, router, gate_up, down, 2, True)
+    except NativeBuildError as exc:
+        log.warning("native fused MoE unavailable, using the op-by-op path: %s", exc)
+        return False
+    probs = torch.softmax(nn.functional.linear(x, router).float(), dim=-1)
+    weights, ids = torch.topk(probs, 2, dim=-1)
+    weights = (weights / weights.sum(dim=-1, keepdim=True)).to(dtype)
+    ref = experts_forward(gate_up, down, x, weights, ids)
+    return bool(torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-1))
 
 
 @functools.cache

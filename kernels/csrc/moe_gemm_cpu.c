@@ -16,7 +16,7 @@
  * `moe_gemm_isa_supported(level)` in the generic build says which the CPU runs.
  */
 #include "cpu_isa.h"
-#include "vec8.h"
+#include "moe_gemm_block.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,57 +32,8 @@
 #define CAT3(a, b, c) CAT3_(a, b, c)
 #define ENTRY(t) CAT3(moe_gemm, t, MOE_ISA)
 
-#define COL_BLOCK 32 /* output columns of one work unit */
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
-
-static inline float s_f32(const float *p) { return *p; }
-static inline void put_f32(float *p, float f) { *p = f; }
-
-/* DEFINE_GEMM(T, LOAD, SCALAR, PUT): the kernels for element type T (activations and weights alike). */
-#define DEFINE_GEMM(T, LOAD, SCALAR, PUT)                                                                    \
-    /* ys[0:NR, o0:o1] for NR (1..4) rows x (row stride ldx) against weight rows w[o] (K elements each):  \
-     * OB = 8 / NR weight rows at a time (OB x NR <= 8 independent accumulators, lane j = i * NR + r). */    \
-    ALWAYS_INLINE void T##_block(const T *x, int64_t ldx, const T *w, int64_t K, int64_t o0, int64_t o1,     \
-                                 T *y, int64_t ldy, const int NR) {                                          \
-        const int OB = NR == 1 ? 8 : NR == 2 ? 4 : 2;                                                        \
-        int64_t k8 = K & ~(int64_t)7;                                                                        \
-        for (int64_t o = o0; o < o1; o += OB) {                                                              \
-            const T *wr[8];                                                                                  \
-            for (int i = 0; i < OB; i++) wr[i] = w + (o + i < o1 ? o + i : o1 - 1) * K;                      \
-            v8f s[8] = {{0}};                                                                                \
-            for (int64_t k = 0; k < k8; k += 8) {                                                            \
-                v8f xv[4];                                                                                   \
-                for (int r = 0; r < NR; r++) xv[r] = LOAD(x + r * ldx + k);                                  \
-                for (int i = 0; i < OB; i++) {                                                               \
-                    v8f a = LOAD(wr[i] + k);                                                                 \
-                    for (int r = 0; r < NR; r++) s[i * NR + r] += a * xv[r];                                 \
-                }                                                                                            \
-            }                                                                                                \
-            v8f h = v8_hsum8x8(s);                                                                           \
-            for (int i = 0; i < OB && o + i < o1; i++) {                                                     \
-                for (int r = 0; r < NR; r++) {                                                               \
-                    float acc = h[i * NR + r];                                                               \
-                    for (int64_t k = k8; k < K; k++) acc += SCALAR(wr[i] + k) * SCALAR(x + r * ldx + k);     \
-                    PUT(y + r * ldy + o + i, acc);                                                           \
-                }                                                                                            \
-            }                                                                                                \
-        }                                                                                                    \
-    }                                                                                                        \
-    /* One work unit: all n rows of one expert, output columns [o0, o1), four rows at a time (the weight   \
-     * block stays in L1 across the row groups). */                                                          \
-    static void T##_unit(const T *x, int64_t ldx, const T *w, int64_t K, int64_t o0, int64_t o1, T *y,     \
-                         int64_t ldy, int64_t n) {                                                           \
-        for (int64_t r = 0; r < n; r += 4) {                                                                 \
-            const T *xr = x + r * ldx;                                                                       \
-            T *yr = y + r * ldy;                                                                             \
-            switch (n - r >= 4 ? 4 : (int)(n - r)) {                                                         \
-            case 4: T##_BLOCK(xr, ldx, w, K, o0, o1, yr, ldy, 4); break;                                     \
-            case 3: T##_BLOCK(xr, ldx, w, K, o0, o1, yr, ldy, 3); break;                                     \
-            case 2: T##_BLOCK(xr, ldx, w, K, o0, o1, yr, ldy, 2); break;                                     \
-            default: T##_BLOCK(xr, ldx, w, K, o0, o1, yr, ldy, 1); break;                                    \
-            }                                                                                                \
-        }                                                                                                    \
-    }                                                                                                        \
+/* DEFINE_GEMM(T): the grouped GEMM entry for element type T. */
+#define DEFINE_GEMM(T)                                                                                       \
     int ENTRY(T)(const T *xs, int64_t ldx, const T *w, int64_t stride_e, int64_t O, int64_t K,              \
                  const int64_t *counts, int64_t E, T *ys, int64_t ldy, int64_t max_rows, int nthreads) {     \
         int64_t *start = malloc(sizeof(int64_t) * (size_t)(E + 1));                                          \
@@ -115,43 +66,8 @@ static inline void put_f32(float *p, float f) { *p = f; }
         return 0;                                                                                            \
     }
 
-typedef uint16_t bf16;
-#define float_BLOCK float_block
-#ifdef __AVX512BF16__
-#include <immintrin.h>
-/* The bfloat16 block with AVX-512 BF16: vdpbf16ps multiplies 32 bfloat16 pairs exactly and adds them, two
- * at a time, into 16 float32 lanes; the tail (K not a multiple of 32) is a masked load of zeros. */
-static inline __m512bh dp_load(const uint16_t *p, __mmask32 m) { return (__m512bh)_mm512_maskz_loadu_epi16(m, p); }
-ALWAYS_INLINE void bf16_dp_block(const bf16 *x, int64_t ldx, const bf16 *w, int64_t K, int64_t o0, int64_t o1,
-                                 bf16 *y, int64_t ldy, const int NR) {
-    const int OB = NR == 1 ? 8 : NR == 2 ? 4 : 2;
-    const __mmask32 all = ~(__mmask32)0, tail = (__mmask32)((1ull << (K & 31)) - 1);
-    int64_t k32 = K & ~(int64_t)31;
-    for (int64_t o = o0; o < o1; o += OB) {
-        const bf16 *wr[8];
-        for (int i = 0; i < OB; i++) wr[i] = w + (o + i < o1 ? o + i : o1 - 1) * K;
-        __m512 s[8];
-        for (int j = 0; j < 8; j++) s[j] = _mm512_setzero_ps();
-        for (int64_t k = 0; k <= K; k += 32) {
-            __mmask32 m = k < k32 ? all : tail;
-            if (!m) break;
-            __m512bh xv[4];
-            for (int r = 0; r < NR; r++) xv[r] = dp_load(x + r * ldx + k, m);
-            for (int i = 0; i < OB; i++) {
-                __m512bh a = dp_load(wr[i] + k, m);
-                for (int r = 0; r < NR; r++) s[i * NR + r] = _mm512_dpbf16_ps(s[i * NR + r], a, xv[r]);
-            }
-        }
-        for (int i = 0; i < OB && o + i < o1; i++)
-            for (int r = 0; r < NR; r++) v1_store_bf16(y + r * ldy + o + i, _mm512_reduce_add_ps(s[i * NR + r]));
-    }
-}
-#define bf16_BLOCK bf16_dp_block
-#else
-#define bf16_BLOCK bf16_block
-#endif
-DEFINE_GEMM(float, v8_load_f32, s_f32, put_f32)
-DEFINE_GEMM(bf16, v8_load_bf16, v1_load_bf16, v1_store_bf16)
+DEFINE_GEMM(float)
+DEFINE_GEMM(bf16)
 
 #if MOE_ISA_LEVEL == 0
 int moe_gemm_isa_supported(int level) { return loraplex_isa_supported(level, 1); }

@@ -10,7 +10,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from bench.offline.moe import LEGS, MoEShape, build_models, main, torch_gemms
+from bench.offline.moe import LEGS, MoEShape, build_models, main, op_by_op, torch_gemms
 
 pytestmark = pytest.mark.slow  # builds and runs two engines
 
@@ -29,11 +29,12 @@ def test_parameter_counts_are_the_checkpoints(tmp_path):
 
 
 def test_baseline_leg_takes_the_torch_gemms(tmp_path, monkeypatch):
-    """Inside `torch_gemms(True)` the block never calls the native kernel, outside it does; same output."""
+    """Inside `torch_gemms(True)` the block never calls the native kernel, outside it does (op by op, and
+    the fused decode call otherwise); same output."""
     from engine.model.loader import load_model
     from engine.model.moe import SparseMoE
     from engine.model_config import ModelConfig
-    from kernels import moe_gemm_cpu
+    from kernels import moe_fused_cpu, moe_gemm_cpu
 
     moe_dir, _ = build_models(tmp_path, TINY)
     model = load_model(ModelConfig.from_dir(moe_dir), torch.float32, torch.device("cpu"))
@@ -49,8 +50,16 @@ def test_baseline_leg_takes_the_torch_gemms(tmp_path, monkeypatch):
         with torch_gemms(True):
             base = block(x)
         assert calls == []
-        torch.testing.assert_close(block(x), base, rtol=1e-5, atol=1e-6)
+        with op_by_op(True):
+            torch.testing.assert_close(block(x), base, rtol=1e-5, atol=1e-6)
         assert len(calls) == 2  # gate_up and down
+        fused: list[int] = []
+        real_fused = moe_fused_cpu.fused_moe_cpu
+        monkeypatch.setattr(
+            moe_fused_cpu, "fused_moe_cpu", lambda *a, **k: fused.append(1) or real_fused(*a, **k)
+        )
+        torch.testing.assert_close(block(x), base, rtol=1e-5, atol=1e-6)
+        assert len(calls) == 2 and fused == [1]
 
 
 def test_cli_runs_both_models_per_batch(tmp_path, capsys):
@@ -64,7 +73,7 @@ def test_cli_runs_both_models_per_batch(tmp_path, capsys):
     assert all(len(p.step_ms[leg]) == 2 and min(p.step_ms[leg]) > 0 for p in r.points for leg in LEGS)
     assert all(len(b.block_ms[leg]) == 2 for b in r.blocks for leg in LEGS)
     out = capsys.readouterr().out
-    assert "| decode batch | MoE step | MoE step, torch GEMMs | dense step | MoE / dense |" in out
+    assert "| decode batch | MoE step | MoE step, op by op | MoE step, torch GEMMs | dense step |" in out
     assert "| rows | MoE block |" in out and "load " in out
     assert TINY.step_bytes_ratio(1) == pytest.approx(TINY.active_params(True) / TINY.active_params(False))
     assert 1 < TINY.step_bytes_ratio(3) < TINY.step_bytes_ratio(64)

@@ -116,3 +116,22 @@ def test_bad_lora_inputs_are_refused() -> None:
     torch.testing.assert_close(
         fused_moe(*case, alignment=grouped, lora=lora), fused_moe_ref(*case, lora=lora), rtol=1e-5, atol=1e-5
     )
+
+
+@pytest.mark.parametrize("with_lora", [False, True])
+@pytest.mark.parametrize("num_tokens", [1, 6, 37])
+def test_local_subset_drops_other_ranks_pairs(with_lora, num_tokens) -> None:
+    """Expert parallel: the weights are one rank's experts, id E marks another rank's; those pairs add
+    nothing (with and without expert LoRA), a token with no local expert gets a zero row."""
+    case, lora = _case(num_tokens, 3, 4, torch.float32, seed=7 + num_tokens)
+    x, w_gu, w_d, weights, ids = case
+    other = torch.rand(ids.shape, generator=torch.Generator().manual_seed(num_tokens)) < 0.4
+    other[0] = True
+    local_ids = ids.masked_fill(other, E)
+    use = lora if with_lora else None
+    out = fused_moe(x, w_gu, w_d, weights, local_ids, lora=use, local_subset=True)
+    ref = fused_moe_ref(x, w_gu, w_d, weights.masked_fill(other, 0), ids, lora=use)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert (out[0] == 0).all() and (num_tokens == 1 or out[1:].abs().amax() > 0.05)
+    with pytest.raises(ValueError, match="lie in"):
+        fused_moe(x, w_gu, w_d, weights, local_ids, lora=use)

@@ -1,0 +1,116 @@
+"""A decode step's whole routed-experts block on the CPU in one native call (``csrc/moe_fused_cpu.c``).
+
+`fused_moe_cpu(x, router, gate_up, down, top_k, norm_topk_prob)` computes what `SparseMoE.route` followed by
+`experts_forward` computes (engine/model/moe.py, engine/model/moe_experts.py) -- router GEMM, float32
+softmax, top-k, renormalization where `norm_topk_prob`, the sort of the (token, expert) pairs by expert,
+the gate_up GEMM, SiLU * up, the down GEMM and the weighted combine -- without a torch op in between: at
+decode sizes the ~20 ops' dispatch cost more than the experts' GEMMs. `expert_map` (expert parallel) maps
+each global expert to this rank's index, or to the local count for another rank's expert (those pairs add
+nothing). Float32 or bfloat16, one dtype for all tensors. The library holds the kernel at several
+instruction-set levels (as `kernels/moe_gemm_cpu.py`); the best this CPU runs is used unless `isa=` names
+another. Threads: torch's intra-op count at the call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+from torch import Tensor
+
+from kernels.moe_gemm_cpu import _X86_ISAS
+from kernels.native_build import build_isa_levels
+
+_SHORT = {torch.float32: "float", torch.bfloat16: "bf16"}
+_I64, _VP, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+_ARGS = [_VP, _I64, _I64, _I64, _VP, _I64, _VP, _VP, _VP, _I64, _I64, _I64, _INT, _VP, _I64, _VP, _VP, _INT]
+_OP = "fused_moe_cpu"
+
+
+@functools.cache
+def _library() -> tuple[ctypes.CDLL, tuple[str, ...]]:
+    """The compiled library and the ISA names this CPU runs, lowest first. Raises NativeBuildError."""
+    return build_isa_levels(
+        "moe_fused_cpu.c", "MOE_ISA", _X86_ISAS, "moe_fused_isa_supported", ("-Wno-psabi",)
+    )
+
+
+def available_isas() -> tuple[str, ...]:
+    """The instruction-set levels this CPU runs, lowest first (e.g. generic, avx2, avx512bf16)."""
+    return _library()[1]
+
+
+@functools.cache
+def _entry(dtype: torch.dtype, isa: str | None):
+    lib, runs = _library()
+    isa = isa or runs[-1]
+    if isa not in runs:
+        raise ValueError(f"{_OP}: instruction set {isa!r} is not available here (have {', '.join(runs)})")
+    fn = getattr(lib, f"moe_fused_{_SHORT[dtype]}_{isa}")
+    fn.argtypes, fn.restype = _ARGS, ctypes.c_int
+    return fn
+
+
+def _check(x: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, top_k: int, emap: Tensor | None) -> None:
+    """ValueError unless the tensors are what the kernel takes."""
+    if x.dtype not in _SHORT or any(t.dtype != x.dtype for t in (router, gate_up, down)):
+        raise ValueError(f"{_OP}: x and the weights must share one dtype of float32/bfloat16, got "
+                         f"{x.dtype}, {router.dtype}, {gate_up.dtype}, {down.dtype}")  # fmt: skip
+    tensors = (x, router, gate_up, down) + (() if emap is None else (emap,))
+    if any(t.device.type != "cpu" for t in tensors):
+        raise ValueError(f"{_OP}: tensors must be on the CPU")
+    num_experts, hidden = router.shape
+    held, inter2, _ = gate_up.shape
+    if (x.dim() != 2 or x.shape[1] != hidden or gate_up.shape[2] != hidden or inter2 % 2
+            or down.shape != (held, hidden, inter2 // 2)):  # fmt: skip
+        raise ValueError(f"{_OP}: shapes x {tuple(x.shape)}, router {tuple(router.shape)}, gate_up "
+                         f"{tuple(gate_up.shape)}, down {tuple(down.shape)} do not fit")  # fmt: skip
+    if not (router.is_contiguous() and gate_up.is_contiguous() and down.is_contiguous()):
+        raise ValueError(f"{_OP}: the router and expert weights must be contiguous")
+    if x.shape[0] and x.stride(1) != 1:
+        raise ValueError(f"{_OP}: x must be contiguous in its last dim")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"{_OP}: top_k must be in 1..{num_experts}, got {top_k}")
+    if emap is None and held != num_experts:
+        raise ValueError(f"{_OP}: {held} experts held of {num_experts} routed needs an expert_map")
+    if emap is not None and (
+        emap.dtype != torch.int64 or emap.shape != (num_experts,) or not emap.is_contiguous()
+    ):  # fmt: skip  (its values: the caller's)
+        raise ValueError(f"{_OP}: expert_map must be a contiguous int64 [{num_experts}] in 0..{held}")
+
+
+def fused_moe_cpu(
+    x: Tensor,  # [T, H], last dim contiguous
+    router: Tensor,  # [E, H] the router's weight
+    gate_up: Tensor,  # [EL, 2I, H] gate rows first
+    down: Tensor,  # [EL, H, I]
+    top_k: int,
+    norm_topk_prob: bool,
+    expert_map: Tensor | None = None,  # int64 [E] -> 0..EL (EL: another rank's expert)
+    routing: tuple[Tensor, Tensor] | None = None,  # (ids int64 [T, k], weights float32 [T, k]) written
+    isa: str | None = None,
+) -> Tensor:
+    """The routed experts' weighted output [T, H] (module docstring); the routing it chose written into
+    `routing` when given; raises ValueError for tensors the kernel does not take."""
+    _check(x, router, gate_up, down, top_k, expert_map)
+    out = x.new_empty(x.shape)
+    tokens = x.shape[0]
+    if not tokens:
+        return out
+    ids_ptr = w_ptr = None
+    if routing is not None:
+        ids, w = routing
+        if ids.dtype != torch.int64 or w.dtype != torch.float32 or ids.shape != (tokens, top_k) \
+                or w.shape != ids.shape or not (ids.is_contiguous() and w.is_contiguous()):  # fmt: skip
+            raise ValueError(f"{_OP}: routing must be contiguous (int64, float32) [{tokens}, {top_k}]")
+        ids_ptr, w_ptr = ids.data_ptr(), w.data_ptr()
+    rc = _entry(x.dtype, isa)(
+        x.data_ptr(), x.stride(0), tokens, x.shape[1], router.data_ptr(), router.shape[0],
+        None if expert_map is None else expert_map.data_ptr(), gate_up.data_ptr(), down.data_ptr(),
+        gate_up.shape[0], down.shape[2], top_k, int(norm_topk_prob), out.data_ptr(), out.stride(0),
+        ids_ptr, w_ptr, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError(f"{_OP}: out of memory")
+    return out

@@ -1,0 +1,154 @@
+"""The fused decode MoE call (`kernels/moe_fused_cpu.py`) at every instruction-set level this CPU runs,
+against the one torch reference (`SparseMoE.route`'s rule, then `experts_forward`): each routing rule
+(softmax then top-k with and without renormalization -- Qwen3-MoE / OLMoE / Qwen2-MoE; Mixtral's top-k then
+softmax, which is softmax-top-k renormalized), random sizes with experts that get no rows, token counts
+around the decode threshold, expert parallel's local subsets, float32 and bfloat16; and the MoE layer's
+dispatch to it (decode without expert LoRA only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import engine.model.moe_experts as moe_experts
+from engine.model.moe_experts import experts_forward, fused_decode_applies
+from kernels.moe_fused_cpu import available_isas, fused_moe_cpu
+
+
+def _weights(experts, hidden, inter, dtype, seed, held=None):
+    gen = torch.Generator().manual_seed(seed)
+    router = torch.randn(experts, hidden, generator=gen)
+    gate_up = torch.randn(held or experts, 2 * inter, hidden, generator=gen) * hidden**-0.5
+    down = torch.randn(held or experts, hidden, inter, generator=gen) * inter**-0.5
+    return [t.to(dtype) for t in (router, gate_up, down)]
+
+
+def _reference(x, router, gate_up, down, top_k, norm, rule="softmax_topk", emap=None):
+    """The torch path: routing by `rule`, then `experts_forward` (ids through `emap` under EP)."""
+    logits = nn.functional.linear(x, router).float()
+    if rule == "topk_softmax":  # Mixtral's order: top-k logits, softmax over them
+        top, ids = torch.topk(logits, top_k, dim=-1)
+        weights = torch.softmax(top, dim=-1)
+    else:
+        weights, ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
+        if norm:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+    local = ids if emap is None else emap[ids]
+    return experts_forward(gate_up, down, x, weights.to(x.dtype), local), ids, weights
+
+
+def _tol(dtype):
+    return (2e-5, 2e-5) if dtype == torch.float32 else (3e-2, 3e-2)
+
+
+RULES = [("softmax_topk", False), ("softmax_topk", True), ("topk_softmax", True)]
+
+
+@pytest.mark.parametrize("isa", available_isas())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rule", "norm"), RULES)
+@pytest.mark.parametrize("tokens", [1, 3, 15, 16, 17])
+def test_matches_torch_reference(isa, dtype, rule, norm, tokens) -> None:
+    experts, hidden, inter, top_k = 12, 45, 37, 3  # odd sizes: the kernels' column and lane remainders
+    router, gate_up, down = _weights(experts, hidden, inter, dtype, seed=tokens)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(100 + tokens)).to(dtype)
+    want, ids, weights = _reference(x, router, gate_up, down, top_k, norm, rule)
+    got_ids, got_w = torch.empty(tokens, top_k, dtype=torch.long), torch.empty(tokens, top_k)
+    got = fused_moe_cpu(x, router, gate_up, down, top_k, norm, routing=(got_ids, got_w), isa=isa)
+    assert torch.equal(got_ids.sort(1).values, ids.sort(1).values)
+    order = torch.argsort(got_ids, 1)
+    rtol, atol = _tol(dtype)
+    torch.testing.assert_close(got_w.gather(1, order), weights.to(dtype).float().gather(1, ids.argsort(1)),
+                               rtol=rtol, atol=atol)  # fmt: skip
+    if tokens < experts / top_k:  # some experts get no rows
+        assert len(set(ids.flatten().tolist())) < experts
+    torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_sizes(seed) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    experts = int(torch.randint(2, 40, (1,), generator=gen))
+    top_k = int(torch.randint(1, min(experts, 8) + 1, (1,), generator=gen))
+    hidden, inter = (int(v) for v in torch.randint(1, 90, (2,), generator=gen))
+    tokens = int(torch.randint(1, 20, (1,), generator=gen))
+    norm = bool(seed % 2)
+    router, gate_up, down = _weights(experts, hidden, inter, torch.float32, seed)
+    x = torch.randn(tokens, hidden, generator=gen)
+    want, *_ = _reference(x, router, gate_up, down, top_k, norm)
+    torch.testing.assert_close(
+        fused_moe_cpu(x, router, gate_up, down, top_k, norm), want, rtol=2e-5, atol=2e-5
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expert_parallel_local_subset(dtype) -> None:
+    """A rank holding experts {1, 4, 6, 7} of 8: other ranks' pairs add nothing (a token with none of its
+    experts here gets a zero row), as `experts_forward` drops ids E."""
+    local = [1, 4, 6, 7]
+    router, gate_up, down = _weights(8, 32, 24, dtype, seed=3, held=len(local))
+    emap = torch.full((8,), len(local), dtype=torch.long)
+    emap[local] = torch.arange(len(local))
+    x = torch.randn(9, 32, generator=torch.Generator().manual_seed(5)).to(dtype)
+    want, ids, _ = _reference(x, router, gate_up, down, 2, True, emap=emap)
+    got = fused_moe_cpu(x, router, gate_up, down, 2, True, expert_map=emap)
+    rtol, atol = _tol(dtype)
+    torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol)
+    none_here = (emap[ids] == len(local)).all(1)
+    assert none_here.any() and (got[none_here] == 0).all()
+
+
+def test_threads_same_bits_and_strided_rows() -> None:
+    router, gate_up, down = _weights(16, 64, 40, torch.float32, seed=1)
+    wide = torch.randn(7, 80, generator=torch.Generator().manual_seed(2))
+    outs = []
+    for threads in (1, 2):
+        prev = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            outs.append(fused_moe_cpu(wide[:, :64], router, gate_up, down, 4, False))
+        finally:
+            torch.set_num_threads(prev)
+    assert torch.equal(outs[0], outs[1])
+    want, *_ = _reference(wide[:, :64].contiguous(), router, gate_up, down, 4, False)
+    torch.testing.assert_close(outs[0], want, rtol=2e-5, atol=2e-5)
+
+
+def test_bad_input_is_a_value_error() -> None:
+    router, gate_up, down = _weights(4, 8, 6, torch.float32, seed=0)
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="dtype"):
+        fused_moe_cpu(x.double(), router, gate_up, down, 2, True)
+    with pytest.raises(ValueError, match="shapes"):
+        fused_moe_cpu(torch.randn(2, 9), router, gate_up, down, 2, True)
+    with pytest.raises(ValueError, match="top_k"):
+        fused_moe_cpu(x, router, gate_up, down, 5, True)
+    with pytest.raises(ValueError, match="expert_map"):
+        fused_moe_cpu(x, router, gate_up[:2].contiguous(), down[:2].contiguous(), 2, True)
+    assert fused_moe_cpu(x[:0], router, gate_up, down, 2, True).shape == (0, 8)
+
+
+class _Adapts:
+    """An expert-LoRA hook stub: adapts the layers in `layers`."""
+
+    num_adapters = 1
+
+    def __init__(self, layers):
+        self.layers = layers
+
+    def adapts(self, layer: int) -> bool:
+        return layer in self.layers
+
+
+def test_dispatch_decode_only_without_expert_lora(monkeypatch) -> None:
+    _, gate_up, down = _weights(4, 8, 6, torch.float32, seed=0)
+    x = torch.randn(moe_experts.NATIVE_MAX_ROWS, 8)
+    assert fused_decode_applies(x, gate_up, down, None, 0)
+    assert fused_decode_applies(x, gate_up, down, _Adapts({1}), 0)  # another layer's expert LoRA
+    assert not fused_decode_applies(x, gate_up, down, _Adapts({0}), 0)  # this layer's: op by op
+    assert not fused_decode_applies(torch.randn(moe_experts.NATIVE_MAX_ROWS + 1, 8), gate_up, down, None, 0)
+    assert not fused_decode_applies(x[:0], gate_up, down, None, 0)
+    assert not fused_decode_applies(x.double(), gate_up.double(), down.double(), None, 0)
+    monkeypatch.setattr(moe_experts, "FUSED_DECODE", False)
+    assert not fused_decode_applies(x, gate_up, down, None, 0)
