@@ -191,16 +191,16 @@ class DisaggregatedClient(RemoteEngineClient):
             call = ray_api.stream(self._decode_handle, "generate", None, local, payload)
         async with contextlib.aclosing(ray_api.iterate(call)) as items:
             while True:
-                # the prefill's first token, and then its handoff, must each come within the transfer
-                # timeout (a stalled prefill engine would otherwise hold the request forever)
-                timeout = self.transfer_timeout_s if local is None else None
+                # once the first token is out, the handoff must follow within the transfer timeout; the
+                # first token itself has no bound here (a long prompt's prefill, a queue under load or a
+                # cold adapter load may take longer than any transfer)
+                timeout = self.transfer_timeout_s if attempt.started and local is None else None
                 try:
                     raw = await self._next(items, timeout, _ReplicaFailed)
                 except TimeoutError:
                     self.kv_metrics.transfers.labels("timeout").inc()
-                    what = "hand the KV over" if attempt.started else "give the first token"
                     raise EngineStalledError(
-                        f"the prefill replica did not {what} within {timeout:g} s; it was cancelled"
+                        f"the prefill replica did not hand the KV over within {timeout:g} s; it was cancelled"
                     ) from None
                 if raw is None:
                     return
