@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from kernels.moe_gemm_cpu import _X86_ISAS
-from kernels.native_build import build_isa_levels
+from kernels.native_build import build_isa_levels, isa_entry
 
 _SHORT = {torch.float32: "float", torch.bfloat16: "bf16"}
 _I64, _VP, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -43,13 +43,7 @@ def available_isas() -> tuple[str, ...]:
 
 @functools.cache
 def _entry(dtype: torch.dtype, isa: str | None):
-    lib, runs = _library()
-    isa = isa or runs[-1]
-    if isa not in runs:
-        raise ValueError(f"{_OP}: instruction set {isa!r} is not available here (have {', '.join(runs)})")
-    fn = getattr(lib, f"moe_fused_{_SHORT[dtype]}_{isa}")
-    fn.argtypes, fn.restype = _ARGS, ctypes.c_int
-    return fn
+    return isa_entry(_library(), _OP, f"moe_fused_{_SHORT[dtype]}", isa, _ARGS)
 
 
 def _check(x: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, top_k: int, emap: Tensor | None) -> None:

@@ -25,7 +25,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 CSRC = Path(__file__).with_name("csrc")
@@ -141,3 +141,17 @@ def build_isa_levels(
     lib = build_library(source_name, variants)
     supported = getattr(lib, probe)
     return lib, tuple(name for i, (name, _) in enumerate(levels) if supported(i))
+
+
+def isa_entry(
+    library: tuple[ctypes.CDLL, tuple[str, ...]], op: str, symbol: str, isa: str | None, argtypes: list
+) -> Callable[..., int]:
+    """The entry point `{symbol}_{isa}` of a `build_isa_levels` library (`isa` None: the highest level this
+    CPU runs), typed with `argtypes` and an int result. ValueError naming `op` for a level not available."""
+    lib, runs = library
+    isa = isa or runs[-1]
+    if isa not in runs:
+        raise ValueError(f"{op}: instruction set {isa!r} is not available here (have {', '.join(runs)})")
+    fn = getattr(lib, f"{symbol}_{isa}")
+    fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return fn
