@@ -102,6 +102,7 @@ class AffinityRouter(RequestRouter):
         # there meanwhile, so that a burst routed at once sees its own load
         self._tentative: dict[str, _InFlight] = {}
         self._summaries: dict[str, tuple[Any, BlockSummary | None]] = {}  # replica -> (its report, parsed)
+        self._reports: dict[str, Any] = {}  # replica -> its latest routing-stats report seen
 
     async def choose_replicas(
         self,
@@ -214,6 +215,7 @@ class AffinityRouter(RequestRouter):
         self.placements.forget_replica(rid)
         self.stats.protected = self.placements.protected()
         self._summaries.pop(rid, None)
+        self._reports.pop(rid, None)
         for counts in (self.tokens, self.requests):
             counts.pop(rid, None)
 
@@ -222,6 +224,9 @@ class AffinityRouter(RequestRouter):
         tokens and requests this router has in flight there."""
         stats = replica.routing_stats or {}
         rid = replica.replica_id.unique_id
+        if replica.routing_stats is not None and self._reports.get(rid) is not replica.routing_stats:
+            self._reports[rid] = replica.routing_stats  # a new report: what it covers leaves the index
+            self.index.reported(rid)
         waiting = [t.tokens for t in self._tentative.values() if t.replica == rid]
         return ReplicaView(
             rid,

@@ -10,8 +10,8 @@
   hit is a hit the engine has, and a name re-registered with other weights (a new digest) predicts no hit
   on the old blocks. What a replica holds comes from the replica itself: a Bloom filter of the blocks its
   engine has cached (`api.cluster.prefix_report`, evicted blocks removed), reported every second; the
-  blocks of requests routed to it since (`PrefixIndex`, forgotten after `ttl_s`, when the replica's
-  reports cover them) fill the gap until its next report.
+  blocks of requests routed to it since (`PrefixIndex`, forgotten once a report that arrived `ttl_s`
+  or more after their routing covers them) fill the gap until its next report.
 * Residency of the request's adapter on the replica: device-resident > host-cached > a free device slot
   > must evict another adapter (0 for base-model requests: every replica holds the base model).
 * Load: of the requests routed to the replica and not yet finished, their prompt + maximum new tokens
@@ -130,13 +130,19 @@ def prompt_block_hashes(
 
 @dataclass(slots=True)
 class PrefixIndex:
-    """Per replica, the block hashes of the requests routed to it in the last `ttl_s` seconds, most recent
-    last, at most `max_blocks_per_replica` each: what the replica caches before its next report says so.
-    `cached_blocks` counts a block as held if the replica's report (`held`) or this index has it."""
+    """Per replica, the block hashes of the requests routed to it, most recent last, at most
+    `max_blocks_per_replica` each: what the replica caches before a report of its own says so.
+
+    A routed block counts until the replica's report can cover it: until a report arrives `ttl_s` or more
+    after the block was routed (the replica had that long to compute the block and report it). Expiry
+    follows the reports, not the clock alone, so a replica whose reports are late (a loaded machine, a
+    slow stats call) is not forgotten meanwhile. `cached_blocks` counts a block as held if the replica's
+    report (`held`) or this index has it."""
 
     max_blocks_per_replica: int = 65536
     ttl_s: float = 5.0
     _blocks: dict[str, OrderedDict[bytes, float]] = field(default_factory=dict)
+    _reported: dict[str, float] = field(default_factory=dict)  # replica -> when its latest report came
 
     def record(
         self, replica_id: str, hashes: Iterable[bytes], kv_blocks: int | None = None, now: float | None = None
@@ -149,24 +155,33 @@ class PrefixIndex:
             held[h] = t
             held.move_to_end(h)
         bound = min(self.max_blocks_per_replica, kv_blocks or self.max_blocks_per_replica)
-        while len(held) > max(1, bound) or (held and next(iter(held.values())) < t - self.ttl_s):
+        while len(held) > max(1, bound):
+            held.popitem(last=False)
+        self._drop_covered(replica_id)
+
+    def reported(self, replica_id: str, now: float | None = None) -> None:
+        """A new report of `replica_id` arrived (now): the blocks routed `ttl_s` or more before it are
+        left to the report."""
+        self._reported[replica_id] = time.monotonic() if now is None else now
+        self._drop_covered(replica_id)
+
+    def _drop_covered(self, replica_id: str) -> None:
+        held = self._blocks.get(replica_id)
+        covered = self._reported.get(replica_id, float("-inf")) - self.ttl_s
+        while held and next(iter(held.values())) <= covered:
             held.popitem(last=False)
 
     def cached_blocks(
-        self,
-        replica_id: str,
-        hashes: Sequence[bytes],
-        held: BlockSummary | None = None,
-        now: float | None = None,
+        self, replica_id: str, hashes: Sequence[bytes], held: BlockSummary | None = None
     ) -> int:
         """How many of the prompt's leading blocks `replica_id` is predicted to hold, by its report `held`
         or by recent routing (a chained hash hits only if every block before it does, so counting stops at
         the first miss)."""
         recent: dict[bytes, float] = self._blocks.get(replica_id) or {}
-        oldest = (time.monotonic() if now is None else now) - self.ttl_s
+        covered = self._reported.get(replica_id, float("-inf")) - self.ttl_s
         n = 0
         for h in hashes:
-            if not ((held is not None and held.contains(h)) or recent.get(h, -1.0) >= oldest):
+            if not ((held is not None and held.contains(h)) or recent.get(h, covered) > covered):
                 break
             n += 1
         return n
@@ -174,6 +189,7 @@ class PrefixIndex:
     def forget(self, replica_id: str) -> None:
         """Drop a replica that died (its replacement starts with an empty cache)."""
         self._blocks.pop(replica_id, None)
+        self._reported.pop(replica_id, None)
 
     def size(self, replica_id: str) -> int:
         return len(self._blocks.get(replica_id, ()))

@@ -162,8 +162,9 @@ def run(reqs: list[Req], replicas: int, weights: RouterWeights, policy: SpreadPo
     for n, req in enumerate(reqs):
         now = req.t
         while next_report <= now:
-            for r in reps.values():
+            for rid, r in reps.items():
                 r.report()
+                index.reported(rid, now=next_report)
             next_report += sim.report_s
         for rid, items in inflight.items():
             inflight[rid] = [x for x in items if x[0] > now]

@@ -167,8 +167,9 @@ def run_serve(
         t_done = completions[0][0] if completions else math.inf
         now = min(t_arrival, t_done)
         while next_report <= now:
-            for r in reps.values():
+            for rid, r in reps.items():
                 r.report()
+                index.reported(rid, now=next_report)
             next_report += sim.report_s
         if t_done <= t_arrival:
             _, rid, n = heapq.heappop(completions)

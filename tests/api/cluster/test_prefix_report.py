@@ -83,9 +83,18 @@ def test_summary_has_no_false_negatives_and_few_false_positives() -> None:
 
 
 def test_recently_routed_blocks_count_until_the_report_covers_them() -> None:
+    """A routed block counts until a report arrives ttl_s after it was routed, however late that is."""
     index = PrefixIndex(ttl_s=5.0)
     hashes = prompt_block_hashes(list(range(12)), BS, None)
     index.record("r", hashes, now=100.0)
-    assert index.cached_blocks("r", hashes, None, now=101.0) == 3
-    assert index.cached_blocks("r", hashes, None, now=106.0) == 0  # only the report counts by now
-    assert index.cached_blocks("r", hashes, BlockSummary.build(hashes[:2]), now=106.0) == 2
+    assert index.cached_blocks("r", hashes, None) == 3
+    index.reported("r", now=101.0)  # too soon after the routing to include the blocks
+    assert index.cached_blocks("r", hashes, None) == 3
+    # no report for a long time (a loaded replica): still predicted, the index is not a clock
+    assert index.cached_blocks("r", hashes, None) == 3 and index.size("r") == 3
+    index.reported("r", now=130.0)  # a late report: it covers them, so only the report counts now
+    assert index.cached_blocks("r", hashes, None) == 0 and index.size("r") == 0
+    assert index.cached_blocks("r", hashes, BlockSummary.build(hashes[:2])) == 2
+    index.record("r", hashes[:1], now=131.0)  # routed again after that report: counted again
+    assert index.cached_blocks("r", hashes, None) == 1
+    assert index.cached_blocks("other", hashes, None) == 0
