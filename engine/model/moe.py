@@ -137,7 +137,7 @@ class SparseMoE(nn.Module):
         decode step without expert LoRA in this layer runs routing and experts as one native call."""
         hook = getattr(lora, "experts", None)
         if not self.uses_triton(x) and fused_decode_applies(
-            x, self.experts.gate_up, self.experts.down, hook, self.layer
+            x, self.experts.gate_up, self.experts.down, hook, self.layer, self.top_k
         ):
             out = self.fused_cpu_experts(x)
         else:

@@ -18,9 +18,8 @@ kernel `kernels/moe_gemm_cpu.py`, which streams each active expert's weight once
 GEMM library re-blocks the weight inside each small call, or on AMD CPUs MKL takes a slow path: 1.6-2.2x
 slower at decode shapes on a 2-core Zen 4, docs/benchmarks.md); otherwise one `torch._grouped_mm` per
 projection over the sorted rows (0.84x the time of a torch loop over the experts); elsewhere, or where
-this torch lacks it, that loop. A CPU decode step of at most `NATIVE_MAX_ROWS` tokens whose layer has no
-expert LoRA skips all of this: `fused_decode_applies` sends the whole block, routing included, to one native
-call (`kernels/moe_fused_cpu.py`; the ~20 torch ops' dispatch cost more than the GEMMs at batch 1).
+this torch lacks it, that loop. A CPU decode-sized step whose layer has no expert LoRA skips all of
+this: `fused_decode_applies` sends the whole block, routing included, to one native call (`kernels/moe_fused_cpu.py`; the ~20 torch ops' dispatch cost more than the GEMMs at batch 1).
 """
 
 from __future__ import annotations
@@ -163,18 +162,31 @@ def _native_works(device: str, dtype: torch.dtype) -> bool:
     return bool(torch.allclose(y.float(), ref.float(), rtol=1e-2, atol=1e-2))
 
 
-# CPU decode steps (at most NATIVE_MAX_ROWS tokens, no expert LoRA in the layer) run routing and experts as
-# one native call (`fused_decode_applies`); False: the op-by-op path above (bench/offline/moe.py's leg)
+# CPU steps without expert LoRA in the layer run routing and experts as one native call
+# (`fused_decode_applies`) while they are decode-sized: at most NATIVE_MAX_ROWS tokens, or (token, expert)
+# pairs averaging at most FUSED_ROWS_PER_EXPERT rows per expert (a batch-32 decode of a top-4-of-32 model
+# is ~4 rows an expert: the streaming kernel's shape; measured on the benchmark's model, 1-2 threads, the
+# call stays ahead of op by op up to ~8 rows an expert and falls behind torch's GEMMs past it).
+# FUSED_DECODE = False: the op-by-op path above (bench/offline/moe.py's leg).
 FUSED_DECODE = True
+FUSED_ROWS_PER_EXPERT = 8
 
 
 def fused_decode_applies(
-    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, lora: ExpertLoRAHook | None, layer: int
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    lora: ExpertLoRAHook | None,
+    layer: int,
+    top_k: int,
 ) -> bool:
-    """Whether the routed block over `x` runs `kernels/moe_fused_cpu.py`'s one call: on the CPU, 1 to
-    `NATIVE_MAX_ROWS` tokens (so no expert gets more rows), float32 / bfloat16 where it builds, contiguous
+    """Whether the routed block over `x` runs `kernels/moe_fused_cpu.py`'s one call: on the CPU, a
+    decode-sized step (1 to `NATIVE_MAX_ROWS` tokens, or `tokens * top_k` pairs averaging at most
+    `FUSED_ROWS_PER_EXPERT` rows over the layer's experts), float32 / bfloat16 where it builds, contiguous
     weights, and no expert LoRA in `layer` (its per-(expert, adapter) runs stay on the op-by-op path)."""
-    if not FUSED_DECODE or x.device.type != "cpu" or not 0 < x.shape[0] <= NATIVE_MAX_ROWS:
+    tokens = x.shape[0]
+    decode = tokens <= NATIVE_MAX_ROWS or tokens * top_k <= FUSED_ROWS_PER_EXPERT * gate_up.shape[0]
+    if not FUSED_DECODE or x.device.type != "cpu" or not (tokens > 0 and decode):
         return False
     if x.stride(1) != 1 or not (gate_up.is_contiguous() and down.is_contiguous()):
         return False

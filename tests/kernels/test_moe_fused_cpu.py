@@ -48,7 +48,7 @@ RULES = [("softmax_topk", False), ("softmax_topk", True), ("topk_softmax", True)
 @pytest.mark.parametrize("isa", available_isas())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rule", "norm"), RULES)
-@pytest.mark.parametrize("tokens", [1, 3, 15, 16, 17])
+@pytest.mark.parametrize("tokens", [1, 3, 15, 16, 17, 40])
 def test_matches_torch_reference(isa, dtype, rule, norm, tokens) -> None:
     experts, hidden, inter, top_k = 12, 45, 37, 3  # odd sizes: the kernels' column and lane remainders
     router, gate_up, down = _weights(experts, hidden, inter, dtype, seed=tokens)
@@ -144,11 +144,18 @@ class _Adapts:
 def test_dispatch_decode_only_without_expert_lora(monkeypatch) -> None:
     _, gate_up, down = _weights(4, 8, 6, torch.float32, seed=0)
     x = torch.randn(moe_experts.NATIVE_MAX_ROWS, 8)
-    assert fused_decode_applies(x, gate_up, down, None, 0)
-    assert fused_decode_applies(x, gate_up, down, _Adapts({1}), 0)  # another layer's expert LoRA
-    assert not fused_decode_applies(x, gate_up, down, _Adapts({0}), 0)  # this layer's: op by op
-    assert not fused_decode_applies(torch.randn(moe_experts.NATIVE_MAX_ROWS + 1, 8), gate_up, down, None, 0)
-    assert not fused_decode_applies(x[:0], gate_up, down, None, 0)
-    assert not fused_decode_applies(x.double(), gate_up.double(), down.double(), None, 0)
+    assert fused_decode_applies(x, gate_up, down, None, 0, 2)
+    assert fused_decode_applies(x, gate_up, down, _Adapts({1}), 0, 2)  # another layer's expert LoRA
+    assert not fused_decode_applies(x, gate_up, down, _Adapts({0}), 0, 2)  # this layer's: op by op
+    assert not fused_decode_applies(torch.randn(moe_experts.NATIVE_MAX_ROWS + 1, 8), gate_up, down, None, 0, 2)
+    # past NATIVE_MAX_ROWS tokens while the pairs average <= FUSED_ROWS_PER_EXPERT rows an expert
+    _, gu8, dn8 = _weights(8, 8, 6, torch.float32, seed=1)
+    fits = torch.randn(8 * moe_experts.FUSED_ROWS_PER_EXPERT // 2, 8)  # top-2 over 8 experts: the bound
+    assert fits.shape[0] > moe_experts.NATIVE_MAX_ROWS
+    assert fused_decode_applies(fits, gu8, dn8, None, 0, 2)
+    assert not fused_decode_applies(fits, gu8, dn8, None, 0, 3)
+    assert not fused_decode_applies(torch.randn(fits.shape[0] + 1, 8), gu8, dn8, None, 0, 2)
+    assert not fused_decode_applies(x[:0], gate_up, down, None, 0, 2)
+    assert not fused_decode_applies(x.double(), gate_up.double(), down.double(), None, 0, 2)
     monkeypatch.setattr(moe_experts, "FUSED_DECODE", False)
-    assert not fused_decode_applies(x, gate_up, down, None, 0)
+    assert not fused_decode_applies(x, gate_up, down, None, 0, 2)
