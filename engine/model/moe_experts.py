@@ -19,7 +19,8 @@ GEMM library re-blocks the weight inside each small call, or on AMD CPUs MKL tak
 slower at decode shapes on a 2-core Zen 4, docs/benchmarks.md); otherwise one `torch._grouped_mm` per
 projection over the sorted rows (0.84x the time of a torch loop over the experts); elsewhere, or where
 this torch lacks it, that loop. A CPU decode-sized step whose layer has no expert LoRA skips all of
-this: `fused_decode_applies` sends the whole block, routing included, to one native call (`kernels/moe_fused_cpu.py`; the ~20 torch ops' dispatch cost more than the GEMMs at batch 1).
+this: `fused_decode_applies` sends the whole block, routing included, to one native call
+(`kernels/moe_fused_cpu.py`; the ~20 torch ops' dispatch cost more than the GEMMs at batch 1).
 """
 
 from __future__ import annotations

@@ -147,7 +147,8 @@ def test_dispatch_decode_only_without_expert_lora(monkeypatch) -> None:
     assert fused_decode_applies(x, gate_up, down, None, 0, 2)
     assert fused_decode_applies(x, gate_up, down, _Adapts({1}), 0, 2)  # another layer's expert LoRA
     assert not fused_decode_applies(x, gate_up, down, _Adapts({0}), 0, 2)  # this layer's: op by op
-    assert not fused_decode_applies(torch.randn(moe_experts.NATIVE_MAX_ROWS + 1, 8), gate_up, down, None, 0, 2)
+    over = torch.randn(moe_experts.NATIVE_MAX_ROWS + 1, 8)  # 34 pairs over 4 experts: > 8 rows each
+    assert not fused_decode_applies(over, gate_up, down, None, 0, 2)
     # past NATIVE_MAX_ROWS tokens while the pairs average <= FUSED_ROWS_PER_EXPERT rows an expert
     _, gu8, dn8 = _weights(8, 8, 6, torch.float32, seed=1)
     fits = torch.randn(8 * moe_experts.FUSED_ROWS_PER_EXPERT // 2, 8)  # top-2 over 8 experts: the bound
