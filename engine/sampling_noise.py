@@ -47,13 +47,19 @@ def _mix_tensor(z: torch.Tensor) -> torch.Tensor:
     return z ^ ((z >> 31) & ((1 << 33) - 1))
 
 
+def uniform_from_hash(z: torch.Tensor) -> torch.Tensor:
+    """int64 hashes -> float32 uniforms strictly inside (0, 1): (the top 23 bits + 1/2) / 2^23. Every value
+    is exact in float32 (24 significant bits at most), so none rounds to 1 (a 24-bit version rounded
+    2^24 - 1/2 up to 2^24: u = 1, q = -0, and p / q a NaN that argmax picked even where p = 0)."""
+    return (((z >> 41) & 0x7FFFFF).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+
+
 def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """keys [R] int64 -> [R, vocab] float32 Exp(1) noise: entry (r, v) = -log(u), u a 24-bit uniform in
+    """keys [R] int64 -> [R, vocab] float32 Exp(1) noise: entry (r, v) = -log(u), u a 23-bit uniform in
     (0, 1) from hash(keys[r], v)."""
     idx = torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device) * _signed(_GOLDEN)
     z = _mix_tensor(keys[:, None] + idx[None, :])
-    u = (((z >> 40) & 0xFFFFFF).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(u)
+    return -torch.log(uniform_from_hash(z))
 
 
 def sample_rows(

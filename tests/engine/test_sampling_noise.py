@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampling_noise import exponential_noise, position_key, sample_rows
+from engine.sampling_noise import exponential_noise, position_key, sample_rows, uniform_from_hash
 
 
 def test_noise_is_deterministic_and_exponential():
@@ -33,3 +33,15 @@ def test_seeded_rows_do_not_depend_on_the_generator():
         assert a[row] == b[row] == want
     assert a[1] != b[1]  # the unseeded row follows the engine's generator
     assert a[0] != a[2] and position_key(3, 0) != position_key(4, 0)
+
+
+def test_no_hash_maps_to_zero_noise():
+    """The extreme hashes (all bits set, none set, the sign bit alone) give uniforms strictly inside (0, 1),
+    so the noise is positive and finite: a zero noise made p / q NaN, which argmax took even for p = 0."""
+    z = torch.tensor([-1, 0, -(1 << 63), (1 << 63) - 1], dtype=torch.int64)
+    u = uniform_from_hash(z)
+    assert ((u > 0) & (u < 1)).all(), u
+    q = -torch.log(u)
+    assert (q > 0).all() and torch.isfinite(q).all()
+    probs = torch.tensor([[0.0, 1.0]])  # the filtered token 0 must never win, whatever its noise
+    assert ((probs / torch.stack([q[:1], q[1:2]], dim=1)).argmax(dim=-1) == 1).all()
