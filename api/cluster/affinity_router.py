@@ -102,7 +102,7 @@ class AffinityRouter(RequestRouter):
         # there meanwhile, so that a burst routed at once sees its own load
         self._tentative: dict[str, _InFlight] = {}
         self._summaries: dict[str, tuple[Any, BlockSummary | None]] = {}  # replica -> (its report, parsed)
-        self._reports: dict[str, Any] = {}  # replica -> its latest routing-stats report seen
+        self._reports: dict[str, int] = {}  # replica -> the sequence number of its latest report seen
 
     async def choose_replicas(
         self,
@@ -224,9 +224,10 @@ class AffinityRouter(RequestRouter):
         tokens and requests this router has in flight there."""
         stats = replica.routing_stats or {}
         rid = replica.replica_id.unique_id
-        if replica.routing_stats is not None and self._reports.get(rid) is not replica.routing_stats:
-            self._reports[rid] = replica.routing_stats  # a new report: what it covers leaves the index
-            self.index.reported(rid)
+        seq = stats.get("report")
+        if seq is not None and self._reports.get(rid) != seq:  # a new report (not Serve re-sending the last)
+            self._reports[rid] = seq
+            self.index.reported(rid)  # the blocks routed ttl_s before it are left to it
         waiting = [t.tokens for t in self._tentative.values() if t.replica == rid]
         return ReplicaView(
             rid,

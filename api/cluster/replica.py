@@ -91,6 +91,7 @@ class EngineReplica:
         self.client = EngineClient(dataclasses.replace(settings.engine, kv_events=True))
         self.client.on_kv_events = self._on_kv_events
         self.held: HeldBlocks | None = None  # the engine's prefix-cache blocks (from its first events)
+        self._reports = 0  # routing-stats reports made so far: their sequence number
         self.hot = HotPins(replica_id, self._pin, max_pinned=pool_capacity - 1)
         self._pins: asyncio.Task | None = None
         self._restarts_seen = 0
@@ -295,8 +296,11 @@ class EngineReplica:
         """What the affinity router scores this replica by: adapter digests in the device pool and in host
         memory, whether the device pool has a free slot (fewer than `pool_capacity` resident), the KV
         cache's size in blocks and in tokens (the prefix index's bound, the load term's budget),
-        `max_num_seqs`, and the summary of the blocks its prefix cache holds (`prefix_report`)."""
+        `max_num_seqs`, the summary of the blocks its prefix cache holds (`prefix_report`), and the report's
+        sequence number (`report`: Serve re-sends every replica's last report whenever one reports, so
+        the router tells a new report of this replica by it)."""
         self._sync_pins()  # leases end even without requests
+        self._reports += 1
         stats = self.client.stats
         adapters = stats.adapters if stats is not None else []
         device = sorted({a["digest"] for a in adapters if a.get("tier") == "device" and a.get("digest")})
@@ -310,6 +314,7 @@ class EngineReplica:
             "kv_blocks": blocks or None,  # None until the engine's first stats
             "max_num_seqs": self.settings.engine.max_num_seqs,
             "prefix": self.held.summary().as_stats() if self.held is not None else None,
+            "report": self._reports,
         }
 
     def describe(self) -> dict[str, Any]:

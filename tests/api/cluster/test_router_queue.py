@@ -169,3 +169,37 @@ def test_serve_backs_off_and_holds_a_request_for_its_adapters_replica(monkeypatc
         assert sorted(r.replica_id.unique_id for rank in both for r in rank) == ["a", "b"]
 
     asyncio.run(main())
+
+
+def test_routed_blocks_stay_predicted_until_the_replica_itself_reports_again() -> None:
+    """Serve re-sends every replica's last report whenever any replica reports (new dict objects, same
+    content): only a report with a new sequence number may retire what was routed to that replica."""
+    import asyncio
+
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    from api.cluster.affinity_router import AffinityRouter
+
+    async def main() -> None:
+        router = AffinityRouter(
+            DeploymentID(name="EngineReplica", app_name="loraplex"), DeploymentHandleSource.UNKNOWN
+        )
+        router.initialize_state(block_size=BS, prefix_ttl_s=0.0)  # any later report of the replica covers
+        stats = {"budget_tokens": 10_000, "max_num_seqs": 16, "free_slot": True, "report": 1}
+        a, b = _Replica("a", dict(stats)), _Replica("b", dict(stats))
+        prompt = list(range(100, 100 + 3 * BS))
+        first = _pending("p1", prompt, None)
+        await router.choose_replicas([a, b], first)
+        router.on_request_routed(first, a.replica_id, None)
+
+        async def predicted_on_a(request_id: str) -> int:
+            await router.choose_replicas([a, b], _pending(request_id, [*prompt, 1, 2], None))
+            return router._pending[request_id][1]["a"]
+
+        assert await predicted_on_a("p2") == 3 * BS
+        a.routing_stats, b.routing_stats = dict(a.routing_stats), {**stats, "report": 2}  # b reported
+        assert await predicted_on_a("p3") == 3 * BS, "a's re-sent report retired a's routed blocks"
+        a.routing_stats = {**stats, "report": 2}  # a's own new report (its summary: nothing held)
+        assert await predicted_on_a("p4") == 0
+
+    asyncio.run(main())
