@@ -68,7 +68,10 @@ def sweep_orphans() -> int:
         try:
             os.kill(int(pid), 0)
         except ProcessLookupError:
-            unstage(os.path.join(SHM_DIR, name))
+            try:
+                unstage(os.path.join(SHM_DIR, name))
+            except OSError:  # another user's file in the sticky /dev/shm: not ours to remove
+                continue
             removed += 1
         except PermissionError:  # alive, another user's
             pass

@@ -81,10 +81,23 @@ async def from_object_store(
         state = msgspec.structs.replace(state, lora=lora)
     meta = _blocks.decode(handoff.blocks)
     if staging == "shm":
-        blocks = await asyncio.to_thread(stage, meta.layout, meta.num_blocks, meta.num_tokens, chunks)
+        staging_task = asyncio.ensure_future(
+            asyncio.to_thread(stage, meta.layout, meta.num_blocks, meta.num_tokens, chunks)
+        )
+        try:
+            blocks = await asyncio.shield(staging_task)
+        except asyncio.CancelledError:  # the waiter is gone: the file the thread still writes goes too
+            staging_task.add_done_callback(_unstage_result)
+            raise
         return encode_export(KVExport(state, blocks)), blocks.path
     blocks = msgspec.structs.replace(meta, chunks=[bytes(c) for c in chunks])
     return encode_export(KVExport(state, blocks)), None
+
+
+def _unstage_result(task: asyncio.Future) -> None:
+    """Remove the file a staging whose waiter was cancelled wrote (nothing, if the staging failed)."""
+    if not task.cancelled() and task.exception() is None:
+        unstage(task.result().path)
 
 
 def adapter_of(handoff: Handoff) -> LoRARequest | None:

@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from api.cluster import ray_api
 from api.cluster.disaggregated.app import DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT
 from api.engine_protocol import EngineStatsMsg, decode_from_engine
+from engine.kv_transfer.shm_stage import PREFIX, SHM_DIR
 from tests.api.cluster.conftest import ADAPTERS, EXPECTED, Cluster, running_cluster
 from tests.helpers.live_server import wait_until
 
@@ -35,6 +36,31 @@ TEXTS = ("a", "hello world", "prefill and decode")  # 3, 13 and 20 prompt tokens
 LOCAL = 3  # the cluster's --local-prefill-tokens: "a=" runs whole on the decode replica, no KV handoff
 BODY = {"max_tokens": 32, "temperature": 0, "stop": ["\n"]}
 TIMEOUT = 10.0  # the cluster's --kv-transfer-timeout: long enough for a transfer on a busy 2-core machine
+
+
+def replica_staged_files() -> set[str]:
+    """The KV files staged in /dev/shm by processes other than this test run's pytest workers (with
+    `-n 2` the other worker's connector tests stage and remove files of their own meanwhile)."""
+    ours = _pytest_worker_pids()
+    return {
+        f
+        for f in glob.glob(f"{SHM_DIR}/{PREFIX}*")
+        if os.path.basename(f).removeprefix(PREFIX).split("-", 1)[0] not in ours
+    }
+
+
+def _pytest_worker_pids() -> set[str]:
+    """This process and its siblings (the other xdist workers share its parent)."""
+    parent, pids = os.getppid(), {str(os.getpid())}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == parent:  # field 4 of /proc/PID/stat, after "pid (comm)": the parent's pid
+            pids.add(stat.split("/")[2])
+    return pids
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +167,7 @@ def _metric(cluster: Cluster, name: str, **labels: str) -> float:
 
 
 def test_kv_transfer_metrics(cluster: Cluster) -> None:
-    staged = set(glob.glob("/dev/shm/loraplex-kv-*"))  # left by other runs' killed replicas, if any
+    staged = replica_staged_files()  # left by other runs' killed replicas, if any
     httpx.post(
         cluster.url + "/v1/adapters/rot13/completions", json=BODY | {"prompt": "ray serve="}, timeout=60
     )
@@ -164,7 +190,7 @@ def test_kv_transfer_metrics(cluster: Cluster) -> None:
     # the prefill replica dropped the handoff's chunk refs at the decode side's ack, well before the
     # transfer timeout that bounds them otherwise; the decode replica removed its staged file
     assert wait_until(lambda: _describe(PREFILL_DEPLOYMENT)[0]["kv_held"] == 0, timeout=TIMEOUT / 2)
-    assert set(glob.glob("/dev/shm/loraplex-kv-*")) <= staged
+    assert replica_staged_files() <= staged
 
 
 def test_stalled_transfer_is_cancelled_and_releases_everything(cluster: Cluster) -> None:
@@ -177,7 +203,7 @@ def test_stalled_transfer_is_cancelled_and_releases_everything(cluster: Cluster)
     [pre] = _describe(PREFILL_DEPLOYMENT)
     [dec] = _describe(DECODE_DEPLOYMENT)
     timeouts = _metric(cluster, "loraplex_kv_transfers_total", outcome="timeout")
-    staged = set(glob.glob("/dev/shm/loraplex-kv-*"))  # left by other runs' killed replicas, if any
+    staged = replica_staged_files()  # left by other runs' killed replicas, if any
     os.kill(dec["engine_pid"], signal.SIGSTOP)
     try:
         t0 = time.monotonic()
@@ -195,7 +221,7 @@ def test_stalled_transfer_is_cancelled_and_releases_everything(cluster: Cluster)
         return (
             _idle(PREFILL_DEPLOYMENT)
             and _idle(DECODE_DEPLOYMENT)
-            and set(glob.glob("/dev/shm/loraplex-kv-*")) <= staged  # the replica removed its staged file
+            and replica_staged_files() <= staged  # the replica removed its staged file
         )
 
     assert wait_until(released, timeout=30)
@@ -215,7 +241,7 @@ def test_decode_replica_dying_mid_stream(cluster: Cluster) -> None:
     replica the answers are right and its pool is empty again."""
     [dec] = _describe(DECODE_DEPLOYMENT)
     [name] = ray_api.replica_actor_names(DECODE_DEPLOYMENT)
-    staged = set(glob.glob("/dev/shm/loraplex-kv-*"))
+    staged = replica_staged_files()
     os.kill(dec["engine_pid"], signal.SIGSTOP)
     try:
         fetched = dec["kv_imports"]
@@ -245,7 +271,7 @@ def test_decode_replica_dying_mid_stream(cluster: Cluster) -> None:
         return bool(reps) and all(r["replica"] != dec["replica"] and r["healthy"] for r in reps)
 
     assert wait_until(replaced, timeout=120, interval=0.5)
-    assert set(glob.glob("/dev/shm/loraplex-kv-*")) <= staged  # the new replica swept the dead one's file
+    assert replica_staged_files() <= staged  # the new replica swept the dead one's file
     assert wait_until(lambda: httpx.get(cluster.url + "/ready", timeout=5).status_code == 200, timeout=60)
     for adapter in (None, *ADAPTERS):
         assert _stream(cluster.url, adapter, "hello world") == (200, EXPECTED[adapter]("hello world"), False)
