@@ -17,6 +17,7 @@ and scalings, `kernels/moe_lora_meta.py`) and adds the deltas inside its grouped
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -114,8 +115,10 @@ class ExpertLoRAStep:
         out: torch.Tensor,
     ) -> None:
         """For every pair k: `out[rows[k]] += s * (x[rows[k]] @ A.T) @ B.T` with adapter `adapters[k]`'s
-        pages of expert `experts[k]`: the pages of all pairs gathered into `[K, page_rank, in]` and
-        `[K, out, page_rank]`, two row-vector `bmm`s and one `index_add_` (short runs: decode rows)."""
+        pages of expert `experts[k]` (short runs: decode rows). On the CPU in float32 the native kernel
+        reads the pages in place (`kernels/moe_lora_pairs_cpu.py`); elsewhere the pages of all pairs are
+        gathered into `[K, page_rank, in]` and `[K, out, page_rank]`, two row-vector `bmm`s and one
+        `index_add_`."""
         store, pr = self.store, self.store.page_rank
         index, entry, scale = [], [], []
         for row, e, j in zip(rows, experts, adapters, strict=True):
@@ -131,11 +134,43 @@ class ExpertLoRAStep:
         device = out.device
         idx = torch.tensor(index, dtype=torch.long, device=device)
         at = torch.tensor(entry, dtype=torch.long, device=device)
+        if _native_pairs(x, a_all, b_all, out):  # the pages read in place, no gathered copies
+            from kernels.moe_lora_pairs_cpu import lora_pairs_cpu
+
+            a_pages, b_pages = a_all.view(-1, pr, a_all.shape[-1]), b_all.view(-1, b_all.shape[-2], pr)
+            lora_pairs_cpu(x, a_pages, b_pages, idx, at, torch.tensor(scale, dtype=torch.float32), out)
+            return
         a = a_all.view(-1, pr, a_all.shape[-1]).index_select(0, idx).to(x.dtype)  # [K, pr, in]
         b = b_all.view(-1, b_all.shape[-2], pr).index_select(0, idx).to(x.dtype)  # [K, out, pr]
         v = torch.bmm(x.index_select(0, at).unsqueeze(1), a.transpose(1, 2))  # [K, 1, pr]
         v.mul_(torch.tensor(scale, dtype=x.dtype, device=device).view(-1, 1, 1))
         out.index_add_(0, at, torch.bmm(v, b.transpose(1, 2)).squeeze(1))
+
+
+# False: add_pairs always takes the torch path (tests compare the two)
+NATIVE_PAIRS = True
+
+
+def _native_pairs(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether `add_pairs` runs the native kernel: CPU float32 throughout, contiguous pages and rows, and
+    the kernel builds here."""
+    if not NATIVE_PAIRS or x.device.type != "cpu":
+        return False
+    if any(t.dtype != torch.float32 for t in (x, a, b, out)) or not (a.is_contiguous() and b.is_contiguous()):
+        return False
+    return x.stride(-1) == 1 and out.stride(-1) == 1 and _pairs_build()
+
+
+@functools.cache
+def _pairs_build() -> bool:
+    from kernels.moe_lora_pairs_cpu import _entry
+    from kernels.native_build import NativeBuildError
+
+    try:
+        _entry(None)
+    except NativeBuildError:
+        return False
+    return True
 
 
 def expert_step(pool: AdapterPool, runs: Sequence[tuple[ResidentAdapter, range]]) -> ExpertLoRAStep | None:

@@ -103,6 +103,24 @@ def test_mixed_expert_and_attention_adapters_with_chunking_and_preemption(arch, 
     assert llm.engine.get_stats().num_preemptions > 0
 
 
+@pytest.mark.parametrize("native_pairs", [True, False])
+def test_decode_pairs_native_and_torch_both_match_peft(native_pairs, adapters, monkeypatch):
+    """Decode rows' expert LoRA (`ExpertLoRAStep.add_pairs`) on the native kernel (the CPU float32 path)
+    and on the torch path it replaces (gathered pages; CUDA's and other dtypes' path): both PEFT's."""
+    import engine.lora.expert_step as expert_step
+    import kernels.moe_lora_pairs_cpu as pairs_kernel
+
+    monkeypatch.setattr(expert_step, "NATIVE_PAIRS", native_pairs)
+    calls, kernel_calls = [], []
+    real, real_kernel = expert_step.ExpertLoRAStep.add_pairs, pairs_kernel.lora_pairs_cpu
+    monkeypatch.setattr(expert_step.ExpertLoRAStep, "add_pairs", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(pairs_kernel, "lora_pairs_cpu", lambda *a: kernel_calls.append(1) or real_kernel(*a))
+    base, dirs, oracle = adapters["qwen3_moe"]
+    check_requests(cpu_llm(base), dirs, oracle, _requests(4, ["experts-r4", "both-r16", None], 6), NEW)
+    assert calls, "no decode pairs went through add_pairs"
+    assert bool(kernel_calls) == native_pairs
+
+
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_per_expert_layout_adapter_matches_peft(arch, adapters):
     """An adapter saved with per-expert `target_modules` (gate, up and down of every expert, and q_proj)
