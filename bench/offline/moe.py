@@ -191,15 +191,17 @@ class MoEBenchResult:
 
 @contextlib.contextmanager
 def torch_gemms(on: bool) -> Iterator[None]:
-    """With `on`, the CPU expert path without its native kernels (`NATIVE_MAX_ROWS = 0`) inside."""
+    """With `on`, the CPU expert path without its native kernels inside: neither the streaming GEMMs
+    (`NATIVE_MAX_ROWS = 0`) nor the fused decode call (`FUSED_DECODE = False`)."""
     from engine.model import moe_experts
 
-    prev = moe_experts.NATIVE_MAX_ROWS
-    moe_experts.NATIVE_MAX_ROWS = 0 if on else prev
+    prev = moe_experts.NATIVE_MAX_ROWS, moe_experts.FUSED_DECODE
+    if on:
+        moe_experts.NATIVE_MAX_ROWS, moe_experts.FUSED_DECODE = 0, False
     try:
         yield
     finally:
-        moe_experts.NATIVE_MAX_ROWS = prev
+        moe_experts.NATIVE_MAX_ROWS, moe_experts.FUSED_DECODE = prev
 
 
 @contextlib.contextmanager

@@ -60,6 +60,12 @@ def test_baseline_leg_takes_the_torch_gemms(tmp_path, monkeypatch):
         )
         torch.testing.assert_close(block(x), base, rtol=1e-5, atol=1e-6)
         assert len(calls) == 2 and fused == [1]
+        wide = torch.randn(20, TINY.hidden)  # past 16 tokens, still decode-sized by the rows-per-expert rule
+        block(wide)
+        assert fused == [1, 1]
+        with torch_gemms(True):  # the baseline leg takes neither native path at any size
+            block(wide)
+        assert fused == [1, 1] and len(calls) == 2
 
 
 def test_cli_runs_both_models_per_batch(tmp_path, capsys):
