@@ -11,6 +11,8 @@
  * even), as a bfloat16 GEMM rounds. Threads split the (expert, block of output columns) units; each output
  * is one thread's single dot product, so results do not depend on the thread count.
  *
+ * The same library holds `moe_lora_pairs` (below): decode rows' expert-LoRA deltas, float32.
+ *
  * Compiled once per ISA level (kernels/native_build.py): generic, avx2 (AVX2 + FMA + F16C), avx512bf16
  * (AVX-512 F/BW/VL + BF16: bfloat16 products by vdpbf16ps, 32 per instruction);
  * `moe_gemm_isa_supported(level)` in the generic build says which the CPU runs.
