@@ -16,6 +16,13 @@ thread (docs/benchmarks.md). One thread has no barrier; it just gets its share o
   within `confirm_s`: a short burst from a neighbour costs about a second at one thread, a lasting one
   a failed retry window every 30 s.
 
+A low share alone does not tell a neighbour from a step's serial parts (Python, small ops) during which
+the other threads sleep: an expert-LoRA batch on 2 cores had a share under `low` with no other process
+running, and dropping to one thread made its steps 1.6x slower. So a drop also needs the kernel's own
+word that the threads waited for a core: their run-queue wait (`/proc/self/task/*/schedstat`, read once
+per window) over the window's elapsed time x threads at least `min_wait` (0.05). Where the kernel does
+not report it, the share alone decides, as before.
+
 Under tensor parallel rank 0's governor decides for every rank: the workers take its thread count from
 each step's plan (`engine/distributed/step_plan.py`), so all ranks change together (the slowest sets the
 pace of every collective). Its `overhead` (the collectives' own cost, `WorkerGroup.collective_cost`) is
@@ -61,6 +68,24 @@ def _cgroup_quota() -> float | None:
         return None
 
 
+def runqueue_wait_s() -> float | None:
+    """Seconds this process's threads have spent runnable but waiting for a CPU since they started (the
+    sum of /proc/self/task/*/schedstat's second field), or None where the kernel does not report it."""
+    total, seen = 0, False
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[1])
+            seen = True
+        except (OSError, ValueError, IndexError):  # a thread that ended meanwhile, or no schedstat
+            continue
+    return total / 1e9 if seen else None
+
+
 class ThreadGovernor:
     """Sets torch's intra-op threads between 1 and `max_threads` from the CPU share of recent steps.
 
@@ -80,8 +105,17 @@ class ThreadGovernor:
         max_retry_s: float = 30.0,
         confirm_s: float = 2.0,
         overhead: Callable[[], float] | None = None,
+        min_wait: float = 0.05,
+        wait_clock: Callable[[], float | None] = runqueue_wait_s,
     ) -> None:
         self.max_threads, self.low, self.high = max_threads, low, high
+        # under tensor parallel (`overhead`) the threads that wait may be a worker's, whose run-queue
+        # wait this process's schedstat does not show: there the share alone decides
+        self.min_wait = min_wait
+        self.wait_clock = wait_clock if overhead is None else (lambda: None)
+        self.last_wait: float | None = None  # the last window's run-queue wait share (None: not reported)
+        self._w0: float | None = None
+        self._window_t0 = 0.0
         self.window_s, self.window_steps = window_s, window_steps
         self.retry_s, self.max_retry_s, self.confirm_s = retry_s, max_retry_s, confirm_s
         self.threads = torch.get_num_threads()
@@ -98,6 +132,8 @@ class ThreadGovernor:
 
     def begin(self) -> None:
         self._t0, self._c0 = time.perf_counter(), time.process_time()
+        if self._steps == 0:  # a window starts: its run-queue wait is measured from here
+            self._window_t0, self._w0 = self._t0, self.wait_clock()
         self._o0 = self.overhead() if self.overhead is not None else 0.0
 
     def end(self) -> None:
@@ -111,13 +147,21 @@ class ThreadGovernor:
             return
         share = self._cpu / (self._wall * self.threads)
         self.last_share = share
+        w1 = self.wait_clock() if self._w0 is not None else None
+        elapsed = time.perf_counter() - self._window_t0
+        waited = None
+        if w1 is not None and self._w0 is not None and elapsed > 0:
+            waited = (w1 - self._w0) / (elapsed * self.threads)
+        self.last_wait = waited
         self._wall = self._cpu = 0.0
         self._steps = 0
-        self.decide(share, time.monotonic())
+        self.decide(share, time.monotonic(), waited)
 
-    def decide(self, share: float, now: float) -> None:
-        """Apply the rule in the module docstring to one window's CPU share."""
-        if self.threads > 1 and share < self.low:
+    def decide(self, share: float, now: float, waited: float | None = None) -> None:
+        """Apply the rule in the module docstring to one window's CPU share and run-queue wait share
+        (`waited`, None: not reported, the share alone decides)."""
+        contended = waited is None or waited >= self.min_wait
+        if self.threads > 1 and share < self.low and contended:
             failed_retry = now - self._raised_at <= self.confirm_s
             self.wait_s = min(2 * self.wait_s, self.max_retry_s) if failed_retry else self.retry_s
             self._set(1)

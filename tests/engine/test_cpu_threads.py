@@ -67,17 +67,76 @@ def test_governor_backs_off_while_retries_fail_and_recovers_fast_after_a_burst(r
 
 
 def test_governor_decides_per_window_from_measured_shares(restore_threads):
-    torch.set_num_threads(2)
-    gov = ThreadGovernor(2, window_s=0.0, window_steps=3)
-    for _ in range(2):
+    """A window's share is measured; a low one drops to one thread only when the threads also waited for
+    a core (run-queue wait), not when the step was merely serial (the other thread asleep)."""
+    waited = {"s": 0.0}
+    for contended, threads_after in ((False, 2), (True, 1)):
+        torch.set_num_threads(2)
+        waited["s"] = 0.0
+        gov = ThreadGovernor(2, window_s=0.0, window_steps=3, wait_clock=lambda: waited["s"])
+        for _ in range(2):
+            gov.begin()
+            gov.end()
+        assert gov.last_share is None  # fewer steps than a window
         gov.begin()
+        sum(i * i for i in range(20000))  # one thread busy: at most about half of two threads' time
+        if contended:
+            waited["s"] += 1.0  # the threads spent a second runnable but off their cores
         gov.end()
-    assert gov.last_share is None  # fewer steps than a window
-    gov.begin()
-    sum(i * i for i in range(20000))  # one thread busy: at most about half of two threads' time
-    gov.end()
-    assert gov.last_share is not None and gov.last_share < 0.75
-    assert torch.get_num_threads() == 1
+        assert gov.last_share is not None and gov.last_share < 0.75
+        assert torch.get_num_threads() == gov.threads == threads_after, contended
+        assert (gov.last_wait > 0.05) == contended
+
+
+def test_governor_keeps_its_threads_through_serial_work_on_an_idle_machine(restore_threads):
+    """The real run-queue clock: a step of single-threaded Python beside no other process lowers the share
+    but the threads never waited for a core, so the governor keeps both (it dropped them before)."""
+    from engine.cpu_threads import runqueue_wait_s
+
+    if runqueue_wait_s() is None:
+        pytest.skip("this kernel does not report run-queue waits")
+    seen = []
+    for _ in range(10):  # a few windows: under `-n 2` another test may take a core for a moment
+        torch.set_num_threads(2)
+        gov = ThreadGovernor(2, window_s=0.0, window_steps=1)
+        gov.begin()
+        sum(i * i for i in range(200000))
+        gov.end()
+        assert gov.last_share is not None and gov.last_share < 0.75 and gov.last_wait is not None
+        assert gov.threads == (1 if gov.last_wait >= gov.min_wait else 2)  # the rule, either way
+        seen.append(gov.last_wait < gov.min_wait)
+        if seen[-1]:
+            break
+    assert any(seen), "every window waited for a core: no serial window on an idle core to judge"
+
+
+def test_governor_drops_beside_real_busy_processes(restore_threads):
+    """Two processes spinning on this machine's cores: the window's run-queue wait is real and the share
+    low, so the governor drops to one thread."""
+    import subprocess
+    import time
+
+    from engine.cpu_threads import runqueue_wait_s
+
+    if runqueue_wait_s() is None:
+        pytest.skip("this kernel does not report run-queue waits")
+    torch.set_num_threads(2)
+    gov = ThreadGovernor(2, window_s=0.0, window_steps=1)
+    hogs = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(max(2, os.cpu_count() or 2))]
+    try:
+        time.sleep(0.2)
+        gov.begin()
+        x = torch.randn(256, 256)
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end:
+            x = torch.tanh(x @ x * 0.01)
+        gov.end()
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    assert gov.last_wait is not None and gov.last_wait >= 0.05, (gov.last_share, gov.last_wait)
+    assert gov.threads == 1
 
 
 def test_governor_under_tensor_parallel_does_not_count_the_collectives_cost(restore_threads, monkeypatch):
