@@ -39,28 +39,39 @@ TIMEOUT = 10.0  # the cluster's --kv-transfer-timeout: long enough for a transfe
 
 
 def replica_staged_files() -> set[str]:
-    """The KV files staged in /dev/shm by processes other than this test run's pytest workers (with
-    `-n 2` the other worker's connector tests stage and remove files of their own meanwhile)."""
-    ours = _pytest_worker_pids()
+    """The KV files staged in /dev/shm by this module's cluster (or by killed replicas of earlier runs),
+    not by the other pytest workers or the engines they start (with `-n 2` their connector tests stage and
+    remove files of their own meanwhile)."""
+    others = _other_workers_and_their_children()
     return {
         f
         for f in glob.glob(f"{SHM_DIR}/{PREFIX}*")
-        if os.path.basename(f).removeprefix(PREFIX).split("-", 1)[0] not in ours
+        if os.path.basename(f).removeprefix(PREFIX).split("-", 1)[0] not in others
     }
 
 
-def _pytest_worker_pids() -> set[str]:
-    """This process and its siblings (the other xdist workers share its parent)."""
-    parent, pids = os.getppid(), {str(os.getpid())}
+def _other_workers_and_their_children() -> set[str]:
+    """The pids of this process, of the other xdist workers (its siblings) and of their descendants; this
+    process's own descendants (the Ray cluster's replicas) are not in it."""
+    parents: dict[str, str] = {}
     for stat in glob.glob("/proc/[0-9]*/stat"):
         try:
             with open(stat) as f:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[1]) == parent:  # field 4 of /proc/PID/stat, after "pid (comm)": the parent's pid
-            pids.add(stat.split("/")[2])
-    return pids
+        parents[stat.split("/")[2]] = fields[1]  # field 4 of /proc/PID/stat, after "pid (comm)": the parent
+    me, parent = str(os.getpid()), str(os.getppid())
+    roots = {pid for pid, ppid in parents.items() if ppid == parent and pid != me}
+    out = {me}
+    for pid in parents:
+        p, seen = pid, 0
+        while p in parents and seen < 64:
+            if p in roots:
+                out.add(pid)
+                break
+            p, seen = parents[p], seen + 1
+    return out
 
 
 @pytest.fixture(scope="module")
