@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import time
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common.workload import bench_env, make_prompts, timed_run
+from bench.common.workload import bench_env, make_prompts, report, timed_run
 
 # the engine's MoE path; op by op (no fused call); op by op with torch's GEMMs; dense
 LEGS = ("moe", "moe_unfused", "moe_torch", "dense")
@@ -334,9 +333,7 @@ def main(argv: list[str] | None = None) -> MoEBenchResult:
         batches = tuple(int(b) for b in args.batches.split(","))
         result = run_moe_bench(work, shape, batches, args.new_tokens, args.runs, args.device, args.dtype,
                                args.moe_block, args.prompt_len)  # fmt: skip
-    print(result.markdown())
-    if args.json is not None:
-        args.json.write_text(json.dumps(result.to_dict(), indent=2))
+    report(result, args.json, None, None)
     return result
 
 

@@ -21,12 +21,11 @@ average is recorded before and after.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench.common.workload import ModelSpec, bench_env, build_adapter, make_prompts, timed_run
+from bench.common.workload import ModelSpec, bench_env, build_adapter, make_prompts, report, timed_run
 from bench.offline.moe import MoEShape, build_models, spread
 from bench.peer.moe_workload import build_adapter as build_expert_adapter
 
@@ -171,9 +170,7 @@ def main(argv: list[str] | None = None) -> MoELoRAResult:
     with bench_env(args.threads, args.workdir) as work:
         result = run_moe_lora_bench(work, MoEShape(), args.adapters, args.batch, args.rank, args.new_tokens,
                                     args.runs, args.dtype, args.prompt_len)  # fmt: skip
-    print(result.markdown())
-    if args.json is not None:
-        args.json.write_text(json.dumps(result.to_dict(), indent=2))
+    report(result, args.json, None, None)
     return result
 
 
