@@ -29,6 +29,12 @@ def _entry(isa: str | None):
     return isa_entry(_library(), _OP, "moe_lora_pairs_float", isa, _ARGS)
 
 
+def supported_dtypes() -> frozenset[torch.dtype]:
+    """Dtypes the kernel takes (builds the library on first use; raises NativeBuildError)."""
+    _entry(None)
+    return frozenset({torch.float32})
+
+
 def lora_pairs_cpu(
     x: Tensor,  # [R, in] float32, last dim contiguous
     a_pages: Tensor,  # [N, page_rank, in] float32 contiguous: every (page, layer, expert)'s A rows
