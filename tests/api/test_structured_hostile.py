@@ -107,10 +107,12 @@ def _worst_health_latency(url: str, run) -> tuple[float, object]:
 def test_health_stays_fast_while_large_schemas_compile(served):
     srv, _ = served
     tags = [f"h{i:x}" for i in range(16)]
-    t0 = time.perf_counter()
-    reference = check_spec(StructuredSpec.json_schema(heavy_schema("rf")))  # what one compile costs
-    compile_s = time.perf_counter() - t0
-    assert reference
+
+    def one_compile(tag: str) -> float:
+        """Seconds one heavy schema takes to compile here, now (under whatever else this box runs)."""
+        t0 = time.perf_counter()
+        assert check_spec(StructuredSpec.json_schema(heavy_schema(tag)))
+        return time.perf_counter() - t0
 
     def requests(schemas: bool):
         def one(tag: str):
@@ -122,10 +124,15 @@ def test_health_stays_fast_while_large_schemas_compile(served):
         with ThreadPoolExecutor(len(tags)) as pool:
             return list(pool.map(one, tags))
 
-    # the same 16 concurrent requests without schemas: what /health costs under this load on this box
+    # The same 16 concurrent requests without schemas: what /health costs under this load on this box,
+    # measured before and after the schemas' run (and a compile's cost likewise), so that a burst of
+    # load from a neighbouring test (`-n 2`) during the schemas' run shows in the reference too.
+    compile_s = one_compile("rf")
     baseline, _ = _worst_health_latency(srv.url, lambda: requests(False))
     worst, outs = _worst_health_latency(srv.url, lambda: requests(True))
     assert all(o.choices[0].text for o in outs)
+    after, _ = _worst_health_latency(srv.url, lambda: requests(False))
+    baseline, compile_s = max(baseline, after), max(compile_s, one_compile("rg"))
     # Compiled on the event loop, the 16 schemas blocked /health for several compiles back to back
     # (about half of their total) on top of the load's own latency; off the loop it stays near that.
     assert worst < baseline + 0.25 * len(tags) * compile_s, (worst, baseline, compile_s)
