@@ -6,9 +6,11 @@ softmax, top-k, renormalization where `norm_topk_prob`, the sort of the (token, 
 the gate_up GEMM, SiLU * up, the down GEMM and the weighted combine -- without a torch op in between: at
 decode sizes the ~20 ops' dispatch cost more than the experts' GEMMs. `expert_map` (expert parallel) maps
 each global expert to this rank's index, or to the local count for another rank's expert (those pairs add
-nothing). Float32 or bfloat16, one dtype for all tensors. The library holds the kernel at several
-instruction-set levels (as `kernels/moe_gemm_cpu.py`); the best this CPU runs is used unless `isa=` names
-another. Threads: torch's intra-op count at the call.
+nothing). `lora` (float32 only), the layer's expert LoRA as the Triton kernel reads it
+(`kernels/moe_lora_meta.py`), adds each pair's own adapter's delta for its expert to both projections
+inside the same call, reading the pool's pages in place. Float32 or bfloat16, one dtype for all tensors.
+The library holds the kernel at several instruction-set levels (as `kernels/moe_gemm_cpu.py`); the best
+this CPU runs is used unless `isa=` names another. Threads: torch's intra-op count at the call.
 """
 
 from __future__ import annotations
@@ -20,12 +22,27 @@ import torch
 from torch import Tensor
 
 from kernels.moe_gemm_cpu import _X86_ISAS
+from kernels.moe_lora_meta import MoELoRA, check_lora
 from kernels.native_build import build_isa_levels, isa_entry
 
 _SHORT = {torch.float32: "float", torch.bfloat16: "bf16"}
 _I64, _VP, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-_ARGS = [_VP, _I64, _I64, _I64, _VP, _I64, _VP, _VP, _VP, _I64, _I64, _I64, _INT, _VP, _I64, _VP, _VP, _INT]
+_ARGS = [_VP, _I64, _I64, _I64, _VP, _I64, _VP, _VP, _VP, _I64, _I64, _I64, _INT, _VP, _I64, _VP, _VP, _VP,
+         _INT]  # fmt: skip
 _OP = "fused_moe_cpu"
+
+
+class _LoRAProj(ctypes.Structure):
+    """`moe_lora_proj` of csrc/moe_fused_cpu.c: one projection's pages, page tables and scalings."""
+
+    _fields_ = [("a", _VP), ("b", _VP), ("page_a", _I64), ("page_b", _I64), ("rank", _I64),
+                ("pages", _VP), ("width", _I64), ("scale", _VP)]  # fmt: skip
+
+
+class _LoRALayer(ctypes.Structure):
+    """`moe_lora_layer` of csrc/moe_fused_cpu.c: each token's adapter and both projections."""
+
+    _fields_ = [("token_adapter", _VP), ("num_adapters", _I64), ("gate_up", _LoRAProj), ("down", _LoRAProj)]
 
 
 @functools.cache
@@ -74,6 +91,37 @@ def _check(x: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, top_k: int,
         raise ValueError(f"{_OP}: expert_map must be a contiguous int64 [{num_experts}] in 0..{held}")
 
 
+def _lora_struct(lora: MoELoRA, tokens: int, gate_up: Tensor, down: Tensor) -> _LoRALayer:
+    """The C view of `lora` after checking it fits (ValueError): float32 CPU pages whose experts and pages'
+    rows are contiguous, int64 token adapters, int32 page tables, float32 scalings."""
+    held, hidden, inter = gate_up.shape[0], gate_up.shape[2], down.shape[2]
+    check_lora(lora, tokens, held, {"gate_up": hidden, "down": inter}, {"gate_up": 2 * inter, "down": hidden},
+               torch.device("cpu"))  # fmt: skip
+    adapters = lora.token_adapter
+    if adapters.dtype != torch.int64 or not adapters.is_contiguous():
+        raise ValueError(f"{_OP}: lora.token_adapter must be a contiguous int64 tensor")
+    if tokens and not 0 <= int(adapters.min()) <= int(adapters.max()) <= lora.num_adapters:
+        raise ValueError(f"{_OP}: lora.token_adapter must lie in [0, {lora.num_adapters}]")
+    projs = []
+    for name in ("gate_up", "down"):
+        w = getattr(lora, name)
+        if w is None:
+            projs.append(_LoRAProj())
+            continue
+        _, _, rank, fin = w.a.shape
+        fout = w.b.shape[2]
+        if w.a.dtype != torch.float32 or w.a.stride()[1:] != (rank * fin, fin, 1) \
+                or w.b.stride()[1:] != (fout * rank, rank, 1):  # fmt: skip
+            raise ValueError(f"{_OP}: lora.{name} pages must be float32 with contiguous experts")
+        if not (w.pages.is_contiguous() and w.scale.is_contiguous()):
+            raise ValueError(f"{_OP}: lora.{name} page table and scalings must be contiguous")
+        if w.pages.numel() and not -1 <= int(w.pages.min()) <= int(w.pages.max()) < w.a.shape[0]:
+            raise ValueError(f"{_OP}: lora.{name} page ids must lie in [-1, {w.a.shape[0]})")
+        projs.append(_LoRAProj(w.a.data_ptr(), w.b.data_ptr(), w.a.stride(0), w.b.stride(0), rank,
+                               w.pages.data_ptr(), w.pages.shape[1], w.scale.data_ptr()))  # fmt: skip
+    return _LoRALayer(lora.token_adapter.data_ptr(), lora.num_adapters, *projs)
+
+
 def fused_moe_cpu(
     x: Tensor,  # [T, H], last dim contiguous
     router: Tensor,  # [E, H] the router's weight
@@ -84,10 +132,13 @@ def fused_moe_cpu(
     expert_map: Tensor | None = None,  # int64 [E] -> 0..EL (EL: another rank's expert)
     routing: tuple[Tensor, Tensor] | None = None,  # (ids int64 [T, k], weights float32 [T, k]) written
     isa: str | None = None,
+    lora: MoELoRA | None = None,  # the layer's expert LoRA (float32 only)
 ) -> Tensor:
     """The routed experts' weighted output [T, H] (module docstring); the routing it chose written into
     `routing` when given; raises ValueError for tensors the kernel does not take."""
     _check(x, router, gate_up, down, top_k, expert_map)
+    if lora is not None and x.dtype != torch.float32:
+        raise ValueError(f"{_OP}: expert LoRA takes float32 only, got {x.dtype}")
     out = x.new_empty(x.shape)
     tokens = x.shape[0]
     if not tokens:
@@ -99,12 +150,15 @@ def fused_moe_cpu(
                 or w.shape != ids.shape or not (ids.is_contiguous() and w.is_contiguous()):  # fmt: skip
             raise ValueError(f"{_OP}: routing must be contiguous (int64, float32) [{tokens}, {top_k}]")
         ids_ptr, w_ptr = ids.data_ptr(), w.data_ptr()
+    c_lora = None if lora is None else _lora_struct(lora, tokens, gate_up, down)
     rc = _entry(x.dtype, isa)(
         x.data_ptr(), x.stride(0), tokens, x.shape[1], router.data_ptr(), router.shape[0],
         None if expert_map is None else expert_map.data_ptr(), gate_up.data_ptr(), down.data_ptr(),
         gate_up.shape[0], down.shape[2], top_k, int(norm_topk_prob), out.data_ptr(), out.stride(0),
-        ids_ptr, w_ptr, torch.get_num_threads(),
+        ids_ptr, w_ptr, None if c_lora is None else ctypes.addressof(c_lora), torch.get_num_threads(),
     )  # fmt: skip
-    if rc != 0:
+    if rc == -1:
         raise MemoryError(f"{_OP}: out of memory")
+    if rc != 0:
+        raise RuntimeError(f"{_OP}: the kernel refused its arguments ({rc})")
     return out

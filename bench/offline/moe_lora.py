@@ -8,14 +8,16 @@ parameters, built with transformers' own configs). Four legs decode the same pro
 after a warm-up:
 - `moe_lora`: the MoE model, its `--batch` requests spread over `--adapters` expert-LoRA adapters
   (q/k/v/o plus every expert's gate/up/down, the per-expert layout `bench.peer.moe_workload` writes);
+- `moe_lora_op`: the same, with the expert LoRA on the op-by-op path (`FUSED_LORA` off: a layer with
+  expert LoRA leaves the CPU's fused decode call, `engine/model/moe_experts.py`), for the fused call's gain;
 - `moe_base`: the same requests without adapters, on the same engine;
 - `dense_lora`: the dense model with as many adapters on all 7 projections
   (`bench.common.workload.build_adapter`), of the same rank;
 - `dense_base`: its requests without adapters.
 Figures: each leg's mean decode-step time per run (median and min–max over the runs), each model's LoRA
 overhead (adapters / base, per run) and their quotient, MoE overhead / dense overhead (issue 28's goal:
-<= 1, the MoE model's expert LoRA costing no more, relatively, than the dense model's LoRA). The load
-average is recorded before and after.
+<= 1, the MoE model's expert LoRA costing no more, relatively, than the dense model's LoRA), and the
+op-by-op leg over the fused one. The load average is recorded before and after.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from bench.common.workload import ModelSpec, bench_env, build_adapter, make_prom
 from bench.offline.moe import MoEShape, build_models, spread
 from bench.peer.moe_workload import build_adapter as build_expert_adapter
 
-LEGS = ("moe_lora", "moe_base", "dense_lora", "dense_base")
+LEGS = ("moe_lora", "moe_lora_op", "moe_base", "dense_lora", "dense_base")
 
 
 @dataclass(slots=True)
@@ -44,6 +46,7 @@ class MoELoRAResult:
     lora_changed_tokens: dict[str, bool] = field(default_factory=dict)  # model -> adapters changed tokens
     resident: dict[str, int] = field(default_factory=dict)  # model -> adapters resident after the runs
     evictions: dict[str, int] = field(default_factory=dict)  # model -> adapter evictions (0: no thrash)
+    fused_same_tokens: bool = False  # the fused call's greedy tokens == op by op's
     load_before: list[float] = field(default_factory=list)
     load_after: list[float] = field(default_factory=list)
 
@@ -61,7 +64,12 @@ class MoELoRAResult:
         d["summary"] = {leg: spread(v) for leg, v in self.step_ms.items()}
         d["overhead_moe"], d["overhead_dense"] = spread(self.overhead("moe")), spread(self.overhead("dense"))
         d["quotient"] = spread(self.quotient())
+        d["op_over_fused"] = spread(self.op_over_fused())
         return d
+
+    def op_over_fused(self) -> list[float]:
+        """Per run, the MoE + LoRA decode step op by op over the fused call's."""
+        return [o / f for o, f in zip(self.step_ms["moe_lora_op"], self.step_ms["moe_lora"], strict=True)]
 
     def markdown(self) -> str:
         def cell(values: list[float], unit: str = "", digits: int = 2) -> str:
@@ -83,7 +91,9 @@ class MoELoRAResult:
                 f"- LoRA overhead, dense ({self.adapters} adapters, 7 projections): "
                 f"{cell(self.overhead('dense'), 'x')}",
                 f"- MoE overhead / dense overhead (goal <= 1): **{cell(self.quotient(), 'x')}**",
-                f"- adapters changed the greedy tokens: {self.lora_changed_tokens}; resident after the runs "
+                f"- MoE + LoRA op by op / in the fused call: {cell(self.op_over_fused(), 'x')}",
+                f"- adapters changed the greedy tokens: {self.lora_changed_tokens}; fused call's tokens == "
+                f"op by op's: {self.fused_same_tokens}; resident after the runs "
                 f"{self.resident}, evictions {self.evictions}",
                 f"- batch {self.batch}, rank {self.rank}, {self.dtype}, {self.threads} threads; load {load}",
             ]
@@ -118,6 +128,7 @@ def run_moe_lora_bench(workdir: Path, shape: MoEShape | None = None, adapters: i
     """The four legs (`LEGS`), interleaved, `runs` runs after a warm-up (module doc)."""
     import torch
 
+    import engine.model.moe_experts as moe_experts
     from engine import LLM, LoRARequest, SamplingParams
 
     shape = shape or MoEShape()
@@ -138,13 +149,18 @@ def run_moe_lora_bench(workdir: Path, shape: MoEShape | None = None, adapters: i
     for r in range(runs + 1):  # run 0 warms up (and loads the adapters)
         tokens = {}
         for leg in LEGS:
-            model, kind = leg.split("_")
-            run = timed_run(engines[model], prompts, params, loras[model] if kind == "lora" else None,
-                            f"{leg}-{r}")  # fmt: skip
+            model, kind, *path = leg.split("_")
+            moe_experts.FUSED_LORA = path != ["op"]
+            try:
+                run = timed_run(engines[model], prompts, params, loras[model] if kind == "lora" else None,
+                                f"{leg}-{r}")  # fmt: skip
+            finally:
+                moe_experts.FUSED_LORA = True
             tokens[leg] = run.token_ids
             if r > 0:
                 result.step_ms[leg].append(1e3 * run.decode_s / max(run.decode_steps, 1))
         result.lora_changed_tokens = {m: tokens[f"{m}_lora"] != tokens[f"{m}_base"] for m in ("moe", "dense")}
+        result.fused_same_tokens = tokens["moe_lora"] == tokens["moe_lora_op"]
     for model, engine in engines.items():
         pool = engine.get_lora_stats()
         result.resident[model], result.evictions[model] = pool.resident, pool.evictions

@@ -12,7 +12,9 @@ rows) of a layer are applied together instead, their pages gathered into two row
 (`add_pairs`). Rows of base
 requests and of adapters without expert LoRA have `row_adapter` = `num_adapters` and are never touched.
 On CUDA the Triton fused-MoE kernel reads the same pages through `kernel_lora` (one layer's page tables
-and scalings, `kernels/moe_lora_meta.py`) and adds the deltas inside its grouped GEMMs.
+and scalings, `kernels/moe_lora_meta.py`; every layer's built at once per step) and adds the deltas inside
+its grouped GEMMs; so does the CPU's fused decode call (`kernels/moe_fused_cpu.py`) for decode-sized
+float32 steps, which then skip `add` / `add_pairs`.
 """
 
 from __future__ import annotations
@@ -45,9 +47,15 @@ class ExpertLoRAStep:
         self.num_adapters = len(self.adapters)
         self._rows: torch.Tensor | None = None
         self._kernel: dict[tuple[int, int], MoELoRA] = {}
+        self._tables: dict[str, tuple[torch.Tensor, torch.Tensor, list[bool]]] | None = None
 
     def __bool__(self) -> bool:
         return self.num_adapters > 0
+
+    @property
+    def page_dtype(self) -> torch.dtype:
+        """The dtype of the pool's expert pages (the CPU's fused MoE call takes float32 ones)."""
+        return self.store.dtype
 
     def row_adapter(self, num_rows: int, device: torch.device) -> torch.Tensor:
         """int64 [num_rows]: each flat-batch row's adapter index, `num_adapters` for rows without one."""
@@ -70,25 +78,40 @@ class ExpertLoRAStep:
         lora = self._kernel.get(key)
         if lora is not None:
             return lora
-        store, pr = self.store, self.store.page_rank
+        store = self.store
         weights: dict[str, ExpertLoRAWeights | None] = {}
-        for proj in EXPERT_PROJS:
-            ranks = [ad.ranks[layer].get(proj, 0) for ad in self.adapters]
-            if not any(ranks):
-                weights[proj] = None
-                continue
-            lists = [ad.pages[proj][: cdiv(r, pr)] for ad, r in zip(self.adapters, ranks, strict=True)]
-            width = max(len(p) for p in lists)
-            table = torch.tensor([p + [-1] * (width - len(p)) for p in lists], dtype=torch.int32)
-            scale = torch.tensor([ad.scalings[layer].get(proj, 0.0) for ad in self.adapters])
-            weights[proj] = ExpertLoRAWeights(
-                store.a[proj][:, layer], store.b[proj][:, layer], table.to(device), scale.to(device)
-            )
+        for proj, (table, scale, adapted) in self._layer_tables(device).items():
+            weights[proj] = None
+            if adapted[layer]:
+                a, b = store.a[proj][:, layer], store.b[proj][:, layer]
+                weights[proj] = ExpertLoRAWeights(a, b, table[layer], scale[layer])
         lora = MoELoRA(
             self.row_adapter(num_rows, device), self.num_adapters, weights["gate_up"], weights["down"]
         )
         self._kernel[key] = lora
         return lora
+
+    def _layer_tables(self, device: torch.device) -> dict[str, tuple[torch.Tensor, torch.Tensor, list[bool]]]:
+        """Per projection, for every layer at once (built once per step): each adapter's page ids (int32
+        [layers, adapters, width], ceil(rank / page_rank) of them, -1 after), its scaling (float32
+        [layers, adapters], 0 where it does not adapt), and whether any adapter adapts the layer."""
+        if self._tables is None:
+            pr, layers = self.store.page_rank, self.store.cfg.num_layers
+            self._tables = {}
+            for proj in EXPERT_PROJS:
+                counts = [[cdiv(ad.ranks[i].get(proj, 0), pr) for ad in self.adapters] for i in range(layers)]
+                width = max(1, *(max(c) for c in counts))
+                rows = [
+                    [ad.pages[proj][:n] + [-1] * (width - n) for ad, n in zip(self.adapters, c, strict=True)]
+                    for c in counts
+                ]
+                scales = [[ad.scalings[i].get(proj, 0.0) for ad in self.adapters] for i in range(layers)]
+                self._tables[proj] = (
+                    torch.tensor(rows, dtype=torch.int32).to(device),
+                    torch.tensor(scales, dtype=torch.float32).to(device),
+                    [any(c) for c in counts],
+                )
+        return self._tables
 
     def add(
         self, layer: int, proj: str, expert: int, adapter: int, x: torch.Tensor, out: torch.Tensor

@@ -134,12 +134,12 @@ class SparseMoE(nn.Module):
         """The block's output [T, H]: the routed experts with the step's expert LoRA (`lora.experts`,
         `engine/model/moe_experts.py`), plus Qwen2-MoE's gated shared expert; `fused` is unused. On CUDA
         the routed experts (and their LoRA) run the Triton fused-MoE kernel (`triton_experts`); on the CPU a
-        decode step without expert LoRA in this layer runs routing and experts as one native call."""
+        decode step runs routing and experts (with their float32 LoRA) as one native call."""
         hook = getattr(lora, "experts", None)
         if not self.uses_triton(x) and fused_decode_applies(
             x, self.experts.gate_up, self.experts.down, hook, self.layer, self.top_k
         ):
-            out = self.fused_cpu_experts(x)
+            out = self.fused_cpu_experts(x, hook)
         else:
             out = self.routed_experts(x, hook)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
@@ -149,14 +149,18 @@ class SparseMoE(nn.Module):
             self.all_reduce(out)
         return out
 
-    def fused_cpu_experts(self, x: torch.Tensor) -> torch.Tensor:
-        """`route` + the routed experts' weighted sum [T, H] in one call (`kernels/moe_fused_cpu.py`);
-        under expert parallel only this rank's experts' pairs add to it."""
+    def fused_cpu_experts(self, x: torch.Tensor, hook: Any = None) -> torch.Tensor:
+        """`route` + the routed experts' weighted sum [T, H] in one call (`kernels/moe_fused_cpu.py`), with
+        the expert LoRA of `hook` (the step's, or None) where it adapts this layer; under expert parallel
+        only this rank's experts' pairs add to it."""
         from kernels.moe_fused_cpu import fused_moe_cpu
 
         emap = None if self.local_experts is None else self.expert_map(x.device)
+        lora = None
+        if hook is not None and hook.adapts(self.layer):
+            lora = hook.kernel_lora(self.layer, x.shape[0], x.device)
         return fused_moe_cpu(x, self.gate.weight, self.experts.gate_up, self.experts.down, self.top_k,
-                             self.norm_topk_prob, emap)  # fmt: skip
+                             self.norm_topk_prob, emap, lora=lora)  # fmt: skip
 
     def routed_experts(self, x: torch.Tensor, hook: Any) -> torch.Tensor:
         """The routed experts' weighted sum [T, H] op by op: `route`, then the Triton kernel (CUDA) or

@@ -18,9 +18,10 @@ kernel `kernels/moe_gemm_cpu.py`, which streams each active expert's weight once
 GEMM library re-blocks the weight inside each small call, or on AMD CPUs MKL takes a slow path: 1.6-2.2x
 slower at decode shapes on a 2-core Zen 4, docs/benchmarks.md); otherwise one `torch._grouped_mm` per
 projection over the sorted rows (0.84x the time of a torch loop over the experts); elsewhere, or where
-this torch lacks it, that loop. A CPU decode-sized step whose layer has no expert LoRA skips all of
-this: `fused_decode_applies` sends the whole block, routing included, to one native call
-(`kernels/moe_fused_cpu.py`; the ~20 torch ops' dispatch cost more than the GEMMs at batch 1).
+this torch lacks it, that loop. A CPU decode-sized step skips all of this: `fused_decode_applies` sends
+the whole block, routing included, to one native call (`kernels/moe_fused_cpu.py`; the ~20 torch ops'
+dispatch cost more than the GEMMs at batch 1), with the layer's expert LoRA inside it where activations
+and pages are float32 (`fused_lora_applies`).
 """
 
 from __future__ import annotations
@@ -171,6 +172,8 @@ def _native_works(device: str, dtype: torch.dtype) -> bool:
 # FUSED_DECODE = False: the op-by-op path above (bench/offline/moe.py's leg).
 FUSED_DECODE = True
 FUSED_ROWS_PER_EXPERT = 8
+# False: a layer with expert LoRA leaves the fused call for the op-by-op path (bench and tests compare)
+FUSED_LORA = True
 
 
 def fused_decode_applies(
@@ -184,14 +187,24 @@ def fused_decode_applies(
     """Whether the routed block over `x` runs `kernels/moe_fused_cpu.py`'s one call: on the CPU, a
     decode-sized step (1 to `NATIVE_MAX_ROWS` tokens, or `tokens * top_k` pairs averaging at most
     `FUSED_ROWS_PER_EXPERT` rows over the layer's experts), float32 / bfloat16 where it builds, contiguous
-    weights, and no expert LoRA in `layer` (its per-(expert, adapter) runs stay on the op-by-op path)."""
+    weights, and no expert LoRA in `layer` or LoRA the call takes (`fused_lora_applies`)."""
     tokens = x.shape[0]
     decode = tokens <= NATIVE_MAX_ROWS or tokens * top_k <= FUSED_ROWS_PER_EXPERT * gate_up.shape[0]
     if not FUSED_DECODE or x.device.type != "cpu" or not (tokens > 0 and decode):
         return False
     if x.stride(1) != 1 or not (gate_up.is_contiguous() and down.is_contiguous()):
         return False
-    return (lora is None or not lora.adapts(layer)) and _fused_works(x.dtype)
+    if lora is not None and lora.adapts(layer) and not fused_lora_applies(x, lora):
+        return False
+    return _fused_works(x.dtype)
+
+
+def fused_lora_applies(x: torch.Tensor, lora: ExpertLoRAHook) -> bool:
+    """Whether the fused call takes the step's expert LoRA `lora` over `x`: float32 activations and pages
+    (`ExpertLoRAStep.page_dtype`; the native LoRA rows are float32 only), a hook that gives the kernel's
+    view of its pages (`kernel_lora`), and `FUSED_LORA`."""
+    float32 = x.dtype == torch.float32 and getattr(lora, "page_dtype", None) == torch.float32
+    return FUSED_LORA and float32 and hasattr(lora, "kernel_lora")
 
 
 @functools.cache

@@ -19,6 +19,7 @@
  */
 #include "cpu_isa.h"
 #include "moe_gemm_block.h"
+#include "moe_lora_rows.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -71,25 +72,6 @@
 DEFINE_GEMM(float)
 DEFINE_GEMM(bf16)
 
-/* res[j] = dot(rows + j * ld, vec) over `len` floats for j < n (n <= 8): eight accumulators side by side
- * (independent chains), their lane sums at once (v8_hsum8x8), the tail past a multiple of 8 scalar. */
-static void dots8(const float *rows, int64_t ld, int n, const float *vec, int64_t len, float *res) {
-    const float *r[8];
-    for (int j = 0; j < 8; j++) r[j] = rows + (j < n ? j : n - 1) * ld;
-    v8f s[8] = {{0}};
-    int64_t len8 = len & ~(int64_t)7;
-    for (int64_t i = 0; i < len8; i += 8) {
-        v8f v = v8_load_f32(vec + i);
-        for (int j = 0; j < 8; j++) s[j] += v8_load_f32(r[j] + i) * v;
-    }
-    v8f h = v8_hsum8x8(s);
-    for (int j = 0; j < n; j++) {
-        float d = h[j];
-        for (int64_t i = len8; i < len; i++) d += r[j][i] * vec[i];
-        res[j] = d;
-    }
-}
-
 /* Expert-LoRA deltas of single rows (decode's short (expert, adapter) runs), float32: for pairs k < P
  *
  *     v_k = scale[k] * (A_k @ x[row[k]])        A_k = a + page[k] * pr * in: one page, [pr, in]
@@ -107,26 +89,12 @@ int CAT3(moe_lora_pairs, float, MOE_ISA)(const float *x, int64_t ldx, const floa
     int64_t blocks = (out_f + COL_BLOCK - 1) / COL_BLOCK;
     (void)nthreads;
     _Pragma("omp parallel num_threads(nthreads) if(nthreads > 1)") {
-        _Pragma("omp for schedule(static)") for (int64_t k = 0; k < P; k++) {
-            const float *ap = a + page[k] * pr * in;
-            for (int64_t p = 0; p < pr; p += 8) {
-                int n = pr - p < 8 ? (int)(pr - p) : 8;
-                dots8(ap + p * in, in, n, x + row[k] * ldx, in, v + k * pr + p);
-            }
-            for (int64_t p = 0; p < pr; p++) v[k * pr + p] *= scale[k];
-        }
+        _Pragma("omp for schedule(static)") for (int64_t k = 0; k < P; k++)
+            lora_shrink(a + page[k] * pr * in, pr, in, x + row[k] * ldx, scale[k], v + k * pr);
         _Pragma("omp for schedule(static)") for (int64_t c = 0; c < blocks; c++) {
             int64_t c0 = c * COL_BLOCK, c1 = c0 + COL_BLOCK < out_f ? c0 + COL_BLOCK : out_f;
-            float d[8];
-            for (int64_t k = 0; k < P; k++) {
-                const float *bp = b + page[k] * out_f * pr;
-                float *o = out + row[k] * ldo;
-                for (int64_t o_ = c0; o_ < c1; o_ += 8) {
-                    int n = c1 - o_ < 8 ? (int)(c1 - o_) : 8;
-                    dots8(bp + o_ * pr, pr, n, v + k * pr, pr, d);
-                    for (int j = 0; j < n; j++) o[o_ + j] += d[j];
-                }
-            }
+            for (int64_t k = 0; k < P; k++)
+                lora_expand(b + page[k] * out_f * pr, pr, c0, c1, v + k * pr, out + row[k] * ldo);
         }
     }
     free(v);

@@ -105,11 +105,14 @@ def test_mixed_expert_and_attention_adapters_with_chunking_and_preemption(arch, 
 
 @pytest.mark.parametrize("native_pairs", [True, False])
 def test_decode_pairs_native_and_torch_both_match_peft(native_pairs, adapters, monkeypatch):
-    """Decode rows' expert LoRA (`ExpertLoRAStep.add_pairs`) on the native kernel (the CPU float32 path)
-    and on the torch path it replaces (gathered pages; CUDA's and other dtypes' path): both PEFT's."""
+    """Decode rows' expert LoRA on the op-by-op path (`ExpertLoRAStep.add_pairs`, which the fused decode
+    call replaces on the CPU in float32, so it is turned off here) on the native pair kernel and on the
+    torch path it replaces (gathered pages; CUDA's and other dtypes' path): both PEFT's."""
     import engine.lora.expert_step as expert_step
+    import engine.model.moe_experts as moe_experts
     import kernels.moe_lora_pairs_cpu as pairs_kernel
 
+    monkeypatch.setattr(moe_experts, "FUSED_LORA", False)
     monkeypatch.setattr(expert_step, "NATIVE_PAIRS", native_pairs)
     calls, kernel_calls = [], []
     real, real_kernel = expert_step.ExpertLoRAStep.add_pairs, pairs_kernel.lora_pairs_cpu
@@ -119,6 +122,26 @@ def test_decode_pairs_native_and_torch_both_match_peft(native_pairs, adapters, m
     check_requests(cpu_llm(base), dirs, oracle, _requests(4, ["experts-r4", "both-r16", None], 6), NEW)
     assert calls, "no decode pairs went through add_pairs"
     assert bool(kernel_calls) == native_pairs
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_fused_decode_call_applies_expert_lora(arch, adapters, monkeypatch):
+    """The CPU's fused decode call (`kernels/moe_fused_cpu.py`) with each row's expert LoRA inside it:
+    PEFT's tokens for base rows and adapters of one and two pages (rank 16 > page rank 8) and a down-only
+    one in one batch; every decode step's MoE blocks took the call, with LoRA in it."""
+    import kernels.moe_fused_cpu as fused_kernel
+
+    real, calls = fused_kernel.fused_moe_cpu, []
+
+    def counted(*args, lora=None, **kw):
+        calls.append(lora is not None)
+        return real(*args, lora=lora, **kw)
+
+    monkeypatch.setattr(fused_kernel, "fused_moe_cpu", counted)
+    base, dirs, oracle = adapters[arch]
+    names = ["experts-r4", None, "both-r16", "down-r2-rslora"]
+    check_requests(cpu_llm(base, lora_page_rank=8), dirs, oracle, _requests(8, names, 5), NEW)
+    assert any(calls), "no fused call took expert LoRA"
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)

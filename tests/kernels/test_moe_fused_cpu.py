@@ -2,8 +2,10 @@
 against the one torch reference (`SparseMoE.route`'s rule, then `experts_forward`): each routing rule
 (softmax then top-k with and without renormalization -- Qwen3-MoE / OLMoE / Qwen2-MoE; Mixtral's top-k then
 softmax, which is softmax-top-k renormalized), random sizes with experts that get no rows, token counts
-around the decode threshold, expert parallel's local subsets, float32 and bfloat16; and the MoE layer's
-dispatch to it (decode without expert LoRA only)."""
+around the decode threshold, expert parallel's local subsets, float32 and bfloat16; each pair's expert LoRA
+inside the call (float32: adapters of one and two pages, a projection left out, base rows, pages read
+through a layer's strided view of the pool) against `kernels/reference.py`'s `fused_moe_ref`; and the MoE
+layer's dispatch to it."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from torch import nn
 import engine.model.moe_experts as moe_experts
 from engine.model.moe_experts import experts_forward, fused_decode_applies
 from kernels.moe_fused_cpu import available_isas, fused_moe_cpu
+from kernels.moe_lora_meta import ExpertLoRAWeights, MoELoRA
+from kernels.reference import fused_moe_ref
 
 
 def _weights(experts, hidden, inter, dtype, seed, held=None):
@@ -115,6 +119,102 @@ def test_threads_same_bits_and_strided_rows() -> None:
     torch.testing.assert_close(outs[0], want, rtol=2e-5, atol=2e-5)
 
 
+# adapter -> (gate_up pages, down pages): two pages, one page, gate_up only, down only
+LORA_PAGES = [([1, 3], [0]), ([2], [4, 1]), ([0], []), ([], [2])]
+
+
+def _lora_weights(layer, experts, fin, fout, rank, pages, gen) -> ExpertLoRAWeights:
+    """Layer `layer`'s view of a 5-page, 3-layer pool (as `ExpertLoRAStep.kernel_lora` passes it: the page
+    stride spans the other layers), with `pages` per adapter."""
+    a = torch.randn(5, 3, experts, rank, fin, generator=gen) * 0.3
+    b = torch.randn(5, 3, experts, fout, rank, generator=gen) * 0.3
+    width = max(len(p) for p in pages)
+    table = torch.tensor([p + [-1] * (width - len(p)) for p in pages], dtype=torch.int32)
+    return ExpertLoRAWeights(a[:, layer], b[:, layer], table, torch.rand(len(pages), generator=gen) + 0.5)
+
+
+def _lora_case(tokens, experts, hidden, inter, rank, seed, held=None):
+    """(x, router, gate_up, down, lora): every adapter of LORA_PAGES and base rows among the tokens."""
+    router, gate_up, down = _weights(experts, hidden, inter, torch.float32, seed, held)
+    gen = torch.Generator().manual_seed(50 + seed)
+    x = torch.randn(tokens, hidden, generator=gen)
+    count = len(LORA_PAGES)
+    token_adapter = torch.arange(tokens) % (count + 1)  # count: a base row
+    held = held or experts
+    gu = _lora_weights(1, held, hidden, 2 * inter, rank, [g for g, _ in LORA_PAGES], gen)
+    dn = _lora_weights(1, held, inter, hidden, rank, [d for _, d in LORA_PAGES], gen)
+    return x, router, gate_up, down, MoELoRA(token_adapter, count, gu, dn)
+
+
+def _routed(x, router, gate_up, down, top_k, lora, emap=None):
+    """(the fused call's output, the reference on the routing it chose)."""
+    ids, w = torch.empty(x.shape[0], top_k, dtype=torch.long), torch.empty(x.shape[0], top_k)
+    got = fused_moe_cpu(x, router, gate_up, down, top_k, True, emap, routing=(ids, w), lora=lora)
+    if emap is not None:  # expert parallel: only this rank's pairs, at their local ids
+        local = emap[ids]
+        here = local < gate_up.shape[0]
+        want = fused_moe_ref(x, gate_up, down, w.masked_fill(~here, 0), local.masked_fill(~here, 0), lora)
+        return got, want
+    return got, fused_moe_ref(x, gate_up, down, w, ids, lora)
+
+
+@pytest.mark.parametrize("isa", available_isas())
+@pytest.mark.parametrize(("tokens", "rank"), [(1, 4), (5, 16), (16, 8), (40, 4)])
+def test_expert_lora_matches_reference(isa, tokens, rank) -> None:
+    x, router, gate_up, down, lora = _lora_case(tokens, 12, 45, 37, rank, seed=tokens)
+    got, want = _routed(x, router, gate_up, down, 3, lora)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    base = fused_moe_cpu(x, router, gate_up, down, 3, True)
+    adapted = lora.token_adapter < lora.num_adapters
+    if adapted.any():  # the adapters change every adapted row, and only those
+        assert (got - base)[adapted].abs().amax(1).min() > 1e-2
+    assert torch.equal(got[~adapted], base[~adapted])
+
+
+def test_expert_lora_one_projection_threads_and_expert_parallel() -> None:
+    """`down` without LoRA; the same bits at 1 and 2 threads; a rank holding 4 of 8 experts (its pages
+    are its experts' slices) adds only its pairs' deltas."""
+    x, router, gate_up, down, lora = _lora_case(9, 8, 32, 24, 8, seed=7)
+    lora.down = None
+    got, want = _routed(x, router, gate_up, down, 2, lora)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    outs = []
+    for threads in (1, 2):
+        prev = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            outs.append(_routed(x, router, gate_up, down, 2, lora)[0])
+        finally:
+            torch.set_num_threads(prev)
+    assert torch.equal(outs[0], outs[1])
+    local = [1, 4, 6, 7]
+    x, router, gate_up, down, lora = _lora_case(9, 8, 32, 24, 8, seed=8, held=len(local))
+    emap = torch.full((8,), len(local), dtype=torch.long)
+    emap[local] = torch.arange(len(local))
+    got, want = _routed(x, router, gate_up, down, 2, lora, emap)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_expert_lora_bad_input_is_a_value_error() -> None:
+    x, router, gate_up, down, lora = _lora_case(4, 8, 32, 24, 4, seed=9)
+    with pytest.raises(ValueError, match="float32 only"):
+        fused_moe_cpu(*(t.bfloat16() for t in (x, router, gate_up, down)), 2, True, lora=lora)
+    short = MoELoRA(lora.token_adapter[:2], lora.num_adapters, lora.gate_up, lora.down)
+    with pytest.raises(ValueError, match="token_adapter has shape"):
+        fused_moe_cpu(x, router, gate_up, down, 2, True, lora=short)
+    over = MoELoRA(lora.token_adapter + 5, lora.num_adapters, lora.gate_up, lora.down)
+    with pytest.raises(ValueError, match=r"token_adapter must lie in \[0, 4\]"):
+        fused_moe_cpu(x, router, gate_up, down, 2, True, lora=over)
+    assert lora.gate_up is not None
+    past = ExpertLoRAWeights(lora.gate_up.a, lora.gate_up.b, lora.gate_up.pages + 5, lora.gate_up.scale)
+    with pytest.raises(ValueError, match=r"page ids must lie in \[-1, 5\)"):
+        fused_moe_cpu(x, router, gate_up, down, 2, True, lora=MoELoRA(lora.token_adapter, 4, past, None))
+    strided = ExpertLoRAWeights(lora.gate_up.a.transpose(2, 3), lora.gate_up.b, lora.gate_up.pages,
+                                lora.gate_up.scale)  # fmt: skip
+    with pytest.raises(ValueError):
+        fused_moe_cpu(x, router, gate_up, down, 2, True, lora=MoELoRA(lora.token_adapter, 4, strided, None))
+
+
 def test_bad_input_is_a_value_error() -> None:
     router, gate_up, down = _weights(4, 8, 6, torch.float32, seed=0)
     x = torch.randn(2, 8)
@@ -130,23 +230,33 @@ def test_bad_input_is_a_value_error() -> None:
 
 
 class _Adapts:
-    """An expert-LoRA hook stub: adapts the layers in `layers`."""
+    """An expert-LoRA hook stub: adapts the layers in `layers`, its pages of `page_dtype`."""
 
     num_adapters = 1
 
-    def __init__(self, layers):
-        self.layers = layers
+    def __init__(self, layers, page_dtype=torch.bfloat16):
+        self.layers, self.page_dtype = layers, page_dtype
 
     def adapts(self, layer: int) -> bool:
         return layer in self.layers
 
+    def kernel_lora(self, layer, num_rows, device):
+        raise AssertionError("only fused_decode_applies is asked")
 
-def test_dispatch_decode_only_without_expert_lora(monkeypatch) -> None:
+
+def test_dispatch_decode_sized_steps_and_float32_expert_lora(monkeypatch) -> None:
     _, gate_up, down = _weights(4, 8, 6, torch.float32, seed=0)
     x = torch.randn(moe_experts.NATIVE_MAX_ROWS, 8)
     assert fused_decode_applies(x, gate_up, down, None, 0, 2)
     assert fused_decode_applies(x, gate_up, down, _Adapts({1}), 0, 2)  # another layer's expert LoRA
-    assert not fused_decode_applies(x, gate_up, down, _Adapts({0}), 0, 2)  # this layer's: op by op
+    assert not fused_decode_applies(x, gate_up, down, _Adapts({0}), 0, 2)  # bfloat16 pages: op by op
+    assert fused_decode_applies(x, gate_up, down, _Adapts({0}, torch.float32), 0, 2)  # float32: inside
+    bf = [t.bfloat16() for t in (x, gate_up, down)]
+    assert not fused_decode_applies(*bf, _Adapts({0}, torch.float32), 0, 2)  # the LoRA rows: float32 only
+    assert fused_decode_applies(*bf, _Adapts({1}, torch.float32), 0, 2)
+    monkeypatch.setattr(moe_experts, "FUSED_LORA", False)
+    assert not fused_decode_applies(x, gate_up, down, _Adapts({0}, torch.float32), 0, 2)
+    monkeypatch.setattr(moe_experts, "FUSED_LORA", True)
     over = torch.randn(moe_experts.NATIVE_MAX_ROWS + 1, 8)  # 34 pairs over 4 experts: > 8 rows each
     assert not fused_decode_applies(over, gate_up, down, None, 0, 2)
     # past NATIVE_MAX_ROWS tokens while the pairs average <= FUSED_ROWS_PER_EXPERT rows an expert
