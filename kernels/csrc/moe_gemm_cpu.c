@@ -5,8 +5,8 @@
  * for every expert with 1..max_rows rows (others are skipped: the caller multiplies them). Decode gives
  * each active expert a few rows, and a GEMM library then re-blocks the expert's weight inside each call
  * (or, MKL on AMD CPUs, runs an SSE path) at a fraction of the memory bandwidth; here each weight row is
- * streamed once for all of its expert's rows: 8 / n weight rows at a time against n <= 4 activation rows
- * (eight float32 accumulators of eight lanes), the sum of each accumulator's lanes once at the end.
+ * streamed once for all of its expert's rows, one row at a time in address order against n <= 4
+ * activation rows (up to four float32 accumulators, moe_gemm_block.h), the lanes summed once at the end.
  * Float32 accumulation; bfloat16 values are widened in registers and each output rounded once (to nearest
  * even), as a bfloat16 GEMM rounds. Threads split the (expert, block of output columns) units; each output
  * is one thread's single dot product, so results do not depend on the thread count.
