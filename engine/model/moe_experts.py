@@ -164,14 +164,15 @@ def _native_works(device: str, dtype: torch.dtype) -> bool:
     return bool(torch.allclose(y.float(), ref.float(), rtol=1e-2, atol=1e-2))
 
 
-# CPU steps without expert LoRA in the layer run routing and experts as one native call
-# (`fused_decode_applies`) while they are decode-sized: at most NATIVE_MAX_ROWS tokens, or (token, expert)
-# pairs averaging at most FUSED_ROWS_PER_EXPERT rows per expert (a batch-32 decode of a top-4-of-32 model
-# is ~4 rows an expert: the streaming kernel's shape; measured on the benchmark's model, 1-2 threads, the
-# call stays ahead of op by op up to ~8 rows an expert and falls behind torch's GEMMs past it).
+# CPU steps run routing and experts as one native call (`fused_decode_applies`) while they are
+# decode-sized: at most NATIVE_MAX_ROWS tokens, or (token, expert) pairs averaging at most
+# FUSED_ROWS_PER_EXPERT rows per expert (a batch-32 decode of a top-4-of-32 model is ~4 rows an expert: the
+# streaming kernel's shape). Measured on the benchmark's model (Zen 4, 1 and 2 threads, with the blocks
+# reading one weight row at a time): the call is 0.5-0.8x op by op's time at 12-16 rows an expert, even
+# at 24 (0.77-0.99x), and behind at 32 at 1 thread (1.07x).
 # FUSED_DECODE = False: the op-by-op path above (bench/offline/moe.py's leg).
 FUSED_DECODE = True
-FUSED_ROWS_PER_EXPERT = 8
+FUSED_ROWS_PER_EXPERT = 16
 # False: a layer with expert LoRA leaves the fused call for the op-by-op path (bench and tests compare)
 FUSED_LORA = True
 

@@ -257,7 +257,8 @@ def test_dispatch_decode_sized_steps_and_float32_expert_lora(monkeypatch) -> Non
     monkeypatch.setattr(moe_experts, "FUSED_LORA", False)
     assert not fused_decode_applies(x, gate_up, down, _Adapts({0}, torch.float32), 0, 2)
     monkeypatch.setattr(moe_experts, "FUSED_LORA", True)
-    over = torch.randn(moe_experts.NATIVE_MAX_ROWS + 1, 8)  # 34 pairs over 4 experts: > 8 rows each
+    over = torch.randn(2 * moe_experts.FUSED_ROWS_PER_EXPERT + 1, 8)  # top-2 over 4 experts: past the bound
+    assert over.shape[0] > moe_experts.NATIVE_MAX_ROWS
     assert not fused_decode_applies(over, gate_up, down, None, 0, 2)
     # past NATIVE_MAX_ROWS tokens while the pairs average <= FUSED_ROWS_PER_EXPERT rows an expert
     _, gu8, dn8 = _weights(8, 8, 6, torch.float32, seed=1)
