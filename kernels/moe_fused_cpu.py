@@ -6,7 +6,7 @@ softmax, top-k, renormalization where `norm_topk_prob`, the sort of the (token, 
 the gate_up GEMM, SiLU * up, the down GEMM and the weighted combine -- without a torch op in between: at
 decode sizes the ~20 ops' dispatch cost more than the experts' GEMMs. `expert_map` (expert parallel) maps
 each global expert to this rank's index, or to the local count for another rank's expert (those pairs add
-nothing). `lora` (float32 only), the layer's expert LoRA as the Triton kernel reads it
+nothing). `lora` (pages of x's dtype), the layer's expert LoRA as the Triton kernel reads it
 (`kernels/moe_lora_meta.py`), adds each pair's own adapter's delta for its expert to both projections
 inside the same call, reading the pool's pages in place. Float32 or bfloat16, one dtype for all tensors.
 The library holds the kernel at several instruction-set levels (as `kernels/moe_gemm_cpu.py`); the best
@@ -92,8 +92,8 @@ def _check(x: Tensor, router: Tensor, gate_up: Tensor, down: Tensor, top_k: int,
 
 
 def _lora_struct(lora: MoELoRA, tokens: int, gate_up: Tensor, down: Tensor) -> _LoRALayer:
-    """The C view of `lora` after checking it fits (ValueError): float32 CPU pages whose experts and pages'
-    rows are contiguous, int64 token adapters, int32 page tables, float32 scalings."""
+    """The C view of `lora` after checking it fits (ValueError): CPU pages of the weights' dtype whose
+    experts and pages' rows are contiguous, int64 token adapters, int32 page tables, float32 scalings."""
     held, hidden, inter = gate_up.shape[0], gate_up.shape[2], down.shape[2]
     check_lora(lora, tokens, held, {"gate_up": hidden, "down": inter}, {"gate_up": 2 * inter, "down": hidden},
                torch.device("cpu"))  # fmt: skip
@@ -110,9 +110,9 @@ def _lora_struct(lora: MoELoRA, tokens: int, gate_up: Tensor, down: Tensor) -> _
             continue
         _, _, rank, fin = w.a.shape
         fout = w.b.shape[2]
-        if w.a.dtype != torch.float32 or w.a.stride()[1:] != (rank * fin, fin, 1) \
+        if w.a.dtype != gate_up.dtype or w.a.stride()[1:] != (rank * fin, fin, 1) \
                 or w.b.stride()[1:] != (fout * rank, rank, 1):  # fmt: skip
-            raise ValueError(f"{_OP}: lora.{name} pages must be float32 with contiguous experts")
+            raise ValueError(f"{_OP}: lora.{name} pages must be {gate_up.dtype} with contiguous experts")
         if not (w.pages.is_contiguous() and w.scale.is_contiguous()):
             raise ValueError(f"{_OP}: lora.{name} page table and scalings must be contiguous")
         if w.pages.numel() and not -1 <= int(w.pages.min()) <= int(w.pages.max()) < w.a.shape[0]:
@@ -132,13 +132,11 @@ def fused_moe_cpu(
     expert_map: Tensor | None = None,  # int64 [E] -> 0..EL (EL: another rank's expert)
     routing: tuple[Tensor, Tensor] | None = None,  # (ids int64 [T, k], weights float32 [T, k]) written
     isa: str | None = None,
-    lora: MoELoRA | None = None,  # the layer's expert LoRA (float32 only)
+    lora: MoELoRA | None = None,  # the layer's expert LoRA, pages of x's dtype
 ) -> Tensor:
     """The routed experts' weighted output [T, H] (module docstring); the routing it chose written into
     `routing` when given; raises ValueError for tensors the kernel does not take."""
     _check(x, router, gate_up, down, top_k, expert_map)
-    if lora is not None and x.dtype != torch.float32:
-        raise ValueError(f"{_OP}: expert LoRA takes float32 only, got {x.dtype}")
     out = x.new_empty(x.shape)
     tokens = x.shape[0]
     if not tokens:

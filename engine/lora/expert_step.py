@@ -14,7 +14,7 @@ requests and of adapters without expert LoRA have `row_adapter` = `num_adapters`
 On CUDA the Triton fused-MoE kernel reads the same pages through `kernel_lora` (one layer's page tables
 and scalings, `kernels/moe_lora_meta.py`; every layer's built at once per step) and adds the deltas inside
 its grouped GEMMs; so does the CPU's fused decode call (`kernels/moe_fused_cpu.py`) for decode-sized
-float32 steps, which then skip `add` / `add_pairs`.
+steps, which then skip `add` / `add_pairs`.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class ExpertLoRAStep:
 
     @property
     def page_dtype(self) -> torch.dtype:
-        """The dtype of the pool's expert pages (the CPU's fused MoE call takes float32 ones)."""
+        """The dtype of the pool's expert pages (the CPU's fused MoE call takes them in the model's)."""
         return self.store.dtype
 
     def row_adapter(self, num_rows: int, device: torch.device) -> torch.Tensor:

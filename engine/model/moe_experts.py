@@ -20,8 +20,8 @@ slower at decode shapes on a 2-core Zen 4, docs/benchmarks.md); otherwise one `t
 projection over the sorted rows (0.84x the time of a torch loop over the experts); elsewhere, or where
 this torch lacks it, that loop. A CPU decode-sized step skips all of this: `fused_decode_applies` sends
 the whole block, routing included, to one native call (`kernels/moe_fused_cpu.py`; the ~20 torch ops'
-dispatch cost more than the GEMMs at batch 1), with the layer's expert LoRA inside it where activations
-and pages are float32 (`fused_lora_applies`).
+dispatch cost more than the GEMMs at batch 1), with the layer's expert LoRA inside it
+(`fused_lora_applies`).
 """
 
 from __future__ import annotations
@@ -201,11 +201,11 @@ def fused_decode_applies(
 
 
 def fused_lora_applies(x: torch.Tensor, lora: ExpertLoRAHook) -> bool:
-    """Whether the fused call takes the step's expert LoRA `lora` over `x`: float32 activations and pages
-    (`ExpertLoRAStep.page_dtype`; the native LoRA rows are float32 only), a hook that gives the kernel's
-    view of its pages (`kernel_lora`), and `FUSED_LORA`."""
-    float32 = x.dtype == torch.float32 and getattr(lora, "page_dtype", None) == torch.float32
-    return FUSED_LORA and float32 and hasattr(lora, "kernel_lora")
+    """Whether the fused call takes the step's expert LoRA `lora` over `x`: pages of x's dtype
+    (`ExpertLoRAStep.page_dtype`), a hook that gives the kernel's view of its pages (`kernel_lora`), and
+    `FUSED_LORA`."""
+    same = getattr(lora, "page_dtype", None) == x.dtype
+    return FUSED_LORA and same and hasattr(lora, "kernel_lora")
 
 
 @functools.cache

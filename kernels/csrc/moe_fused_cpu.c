@@ -10,8 +10,9 @@
  *     gu     = xs @ gate_up[e].T per expert; h = silu(gu[:, :I]) * gu[:, I:]; ys = h @ down[e].T
  *     out[t] = sum over t's pairs in expert order of weight * ys[pair]
  *
- * With `lora` (float32 only; NULL: none), each pair also adds its token's adapter's delta for its expert
- * to gu and to ys, as `ExpertLoRAStep.add` does op by op (engine/lora/expert_step.py):
+ * With `lora` (NULL: none; pages of the call's dtype), each pair also adds its token's adapter's delta
+ * for its expert to gu and to ys, as `ExpertLoRAStep.add` does op by op (engine/lora/expert_step.py; in
+ * bfloat16 rounded where its ops round, moe_lora_rows.h):
  *
  *     gu[r] += s_a * (A_{a,e} @ xs[r]) @ B_{a,e}.T      per page of adapter a = token_adapter[t] on gate_up
  *     ys[r] += s_a * (A_{a,e} @ h[r]) @ B_{a,e}.T       likewise on down, after silu * up
@@ -26,7 +27,7 @@
  * a decode step's MoE block is one call instead of ~20 torch ops. The GEMMs are moe_gemm_block.h's
  * streaming blocks: each active expert's weights read once for all of its rows. Threads (OpenMP) split
  * each phase's work units (router / expert column blocks, tokens); every output is one thread's, so the
- * result does not depend on the thread count. Returns 0, -1 when out of memory, or -2 for `lora` on a bfloat16 call.
+ * result does not depend on the thread count. Returns 0, or -1 when out of memory.
  *
  * Compiled once per ISA level like moe_gemm_cpu.c (kernels/native_build.py);
  * `moe_fused_isa_supported(level)` in the generic build says which the CPU runs.
@@ -49,8 +50,8 @@
 
 /* One projection's expert LoRA for one layer (pages == NULL: no adapter of the step adapts it). */
 typedef struct {
-    const float *a;       /* A pages: page p, expert e at a + p * page_a + e * rank * in, [rank, in] */
-    const float *b;       /* B pages: b + p * page_b + e * out * rank, [out, rank] */
+    const void *a;        /* A pages: page p, expert e at a + p * page_a + e * rank * in, [rank, in] */
+    const void *b;        /* B pages: b + p * page_b + e * out * rank, [out, rank] */
     int64_t page_a, page_b; /* elements between consecutive pages */
     int64_t rank;         /* rows of one page */
     const int32_t *pages; /* [num_adapters, width]: each adapter's page ids, -1 after its last */
@@ -66,24 +67,33 @@ typedef struct {
 } moe_lora_layer;
 
 /* src rows' LoRA deltas on one projection into dst (`rows` sorted pairs: row r of token tok[r] on local
- * expert rexp[r]; src rows of `in` floats, dst rows of `out`), inside the caller's parallel region. Every
+ * expert rexp[r]; src rows of `in` elements, dst rows of `out`), inside the caller's parallel region. Every
  * pair has its own dst row, so the threads split the rows, each streaming its rows' pages whole (v: the
- * row's shrink, width * rank floats a row). */
-static void lora_rows(const moe_lora_layer *L, const moe_lora_proj *P, const float *src, int64_t in, float *dst,
-                      int64_t out, int64_t rows, const int64_t *tok, const int64_t *rexp, float *v) {
-    int64_t vw = P->width * P->rank;
-    _Pragma("omp for schedule(dynamic, 2)") for (int64_t r = 0; r < rows; r++) {
-        int64_t j = L->token_adapter[tok[r]];
-        if (j >= L->num_adapters) continue;
-        for (int64_t w = 0; w < P->width && P->pages[j * P->width + w] >= 0; w++) {
-            int64_t page = P->pages[j * P->width + w];
-            float *vr = v + r * vw + w * P->rank;
-            lora_shrink(P->a + page * P->page_a + rexp[r] * P->rank * in, P->rank, in, src + r * in, P->scale[j],
-                        vr);
-            lora_expand(P->b + page * P->page_b + rexp[r] * out * P->rank, P->rank, 0, out, vr, dst + r * out);
-        }
+ * row's shrink, width * rank floats a row). One function per type (float, bf16). */
+#define DEFINE_LORA_ROWS(T, SHRINK, EXPAND)                                                                  \
+    static void T##_lora_rows(const moe_lora_layer *L, const moe_lora_proj *P, const T *src, int64_t in,     \
+                              T *dst, int64_t out, int64_t rows, const int64_t *tok, const int64_t *rexp,    \
+                              float *v) {                                                                    \
+        int64_t vw = P->width * P->rank;                                                                     \
+        const T *pa = P->a, *pb = P->b;                                                                      \
+        _Pragma("omp for schedule(dynamic, 2)") for (int64_t r = 0; r < rows; r++) {                         \
+            int64_t j = L->token_adapter[tok[r]];                                                            \
+            if (j >= L->num_adapters) continue;                                                              \
+            for (int64_t w = 0; w < P->width && P->pages[j * P->width + w] >= 0; w++) {                      \
+                int64_t page = P->pages[j * P->width + w];                                                   \
+                float *vr = v + r * vw + w * P->rank;                                                        \
+                const T *a = pa + page * P->page_a + rexp[r] * P->rank * in;                                 \
+                const T *b = pb + page * P->page_b + rexp[r] * out * P->rank;                                \
+                SHRINK;                                                                                      \
+                EXPAND;                                                                                      \
+            }                                                                                                \
+        }                                                                                                    \
     }
-}
+
+DEFINE_LORA_ROWS(float, lora_shrink(a, P->rank, in, src + r * in, P->scale[j], vr),
+                 lora_expand(b, P->rank, 0, out, vr, dst + r * out))
+DEFINE_LORA_ROWS(bf16, lora_shrink_bf16(a, P->rank, in, src + r * in, vr),
+                 lora_expand_bf16(b, P->rank, 0, out, vr, P->scale[j], dst + r * out))
 
 /* float32 values as the type stores them: unchanged, or rounded to bfloat16 */
 static inline float r_float(float f) { return f; }
@@ -116,12 +126,11 @@ static void route_token(const float *logit, int64_t e, int64_t k, int norm, int6
     }
 }
 
-#define DEFINE_FUSED(T, SCALAR, PUT, ROUND, LORA)                                                                  \
+#define DEFINE_FUSED(T, SCALAR, PUT, ROUND)                                                                  \
     int FUSED_ENTRY(T)(const T *x, int64_t ldx, int64_t ntok, int64_t H, const T *router, int64_t E,        \
                        const int64_t *expert_map, const T *gate_up, const T *down, int64_t EL, int64_t I,   \
                        int64_t k, int norm, T *out, int64_t ldo, int64_t *ids_out, float *w_out,            \
                        const moe_lora_layer *lora, int nthreads) {                                           \
-        if (lora && !LORA) return -2; /* expert LoRA: float32 only */                                        \
         int64_t P = ntok * k, hb = (H + COL_BLOCK - 1) / COL_BLOCK;                                          \
         int64_t gb = (2 * I + COL_BLOCK - 1) / COL_BLOCK, eb = (E + COL_BLOCK - 1) / COL_BLOCK;              \
         T *logits = malloc(sizeof(T) * (size_t)(ntok * E + P * (H + 3 * I + H)));                           \
@@ -182,8 +191,8 @@ static void route_token(const float *logit, int64_t e, int64_t k, int norm, int6
                 T##_unit(xs + start[e] * H, H, gate_up + e * 2 * I * H, H, o0, o1, gu + start[e] * 2 * I,    \
                          2 * I, start[e + 1] - start[e]);                                                    \
             }                                                                                                \
-            if (LORA && lora && lora->gate_up.pages)                                                         \
-                lora_rows(lora, &lora->gate_up, (const float *)xs, H, (float *)gu, 2 * I, rows, tok, rexp, lv); \
+            if (lora && lora->gate_up.pages)                                                                 \
+                T##_lora_rows(lora, &lora->gate_up, xs, H, gu, 2 * I, rows, tok, rexp, lv);                  \
             _Pragma("omp for schedule(static)") for (int64_t r = 0; r < rows; r++) {                         \
                 for (int64_t i = 0; i < I; i++) {                                                            \
                     float g = SCALAR(gu + r * 2 * I + i), up = SCALAR(gu + r * 2 * I + I + i);               \
@@ -196,8 +205,8 @@ static void route_token(const float *logit, int64_t e, int64_t k, int norm, int6
                 T##_unit(h + start[e] * I, I, down + e * H * I, I, o0, o1, ys + start[e] * H, H,             \
                          start[e + 1] - start[e]);                                                           \
             }                                                                                                \
-            if (LORA && lora && lora->down.pages)                                                            \
-                lora_rows(lora, &lora->down, (const float *)h, I, (float *)ys, H, rows, tok, rexp, lv);      \
+            if (lora && lora->down.pages)                                                                    \
+                T##_lora_rows(lora, &lora->down, h, I, ys, H, rows, tok, rexp, lv);                          \
             _Pragma("omp for schedule(static)") for (int64_t t = 0; t < ntok; t++) {                         \
                 int64_t order[k > 0 ? k : 1], n = 0; /* t's pairs' sorted rows, ascending = expert order */  \
                 for (int64_t j = 0; j < k; j++) {                                                            \
@@ -225,8 +234,8 @@ static void route_token(const float *logit, int64_t e, int64_t k, int norm, int6
         return 0;                                                                                            \
     }
 
-DEFINE_FUSED(float, s_f32, put_f32, r_float, 1)
-DEFINE_FUSED(bf16, v1_load_bf16, v1_store_bf16, r_bf16, 0)
+DEFINE_FUSED(float, s_f32, put_f32, r_float)
+DEFINE_FUSED(bf16, v1_load_bf16, v1_store_bf16, r_bf16)
 
 #if MOE_ISA_LEVEL == 0
 int moe_fused_isa_supported(int level) { return loraplex_isa_supported(level, 1); }

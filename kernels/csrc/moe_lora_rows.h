@@ -1,11 +1,16 @@
-/* One row's expert-LoRA delta on the CPU, float32, in two halves, shared by moe_gemm_cpu.c (the decode
- * rows' pairs, `moe_lora_pairs`) and moe_fused_cpu.c (the whole decode MoE block with its LoRA):
+/* One row's expert-LoRA delta on the CPU, in two halves, shared by moe_gemm_cpu.c (the decode rows'
+ * pairs, `moe_lora_pairs`) and moe_fused_cpu.c (the whole decode MoE block with its LoRA). Float32:
  *
  *     lora_shrink:  v[0:pr]     = scale * (A @ x)      A: one page [pr, in], x: the row [in]
  *     lora_expand:  o[c0:c1]   += B[c0:c1] @ v         B: the page's [out, pr]
  *
- * A caller runs every row's shrink first, then splits the output columns among its threads for the
- * expand, so each output element is one thread's and results do not depend on the thread count.
+ * and bfloat16 pages and rows, rounded where torch's op-by-op path rounds (`v = x @ A.T` to bfloat16,
+ * then `o.addmm_(v, B.T, alpha=scale)`: one rounding of o per page):
+ *
+ *     lora_shrink_bf16:  v[0:pr]    = bf16(A @ x)                       (float32 products and sums)
+ *     lora_expand_bf16:  o[c0:c1]   = bf16(o + scale * (B[c0:c1] @ v))
+ *
+ * Each output element is one thread's in every caller, so results do not depend on the thread count.
  */
 #ifndef LORAPLEX_MOE_LORA_ROWS_H
 #define LORAPLEX_MOE_LORA_ROWS_H
@@ -47,6 +52,35 @@ static inline void lora_expand(const float *b, int64_t pr, int64_t c0, int64_t c
         int n = c1 - c < 8 ? (int)(c1 - c) : 8;
         dots8(b + c * pr, pr, n, v, pr, d);
         for (int j = 0; j < n; j++) o[c + j] += d[j];
+    }
+}
+
+/* v[0:pr] = bfloat16-rounded a @ x (a: one bfloat16 A page, pr rows of `in`; x: a bfloat16 row). */
+static inline void lora_shrink_bf16(const uint16_t *a, int64_t pr, int64_t in, const uint16_t *x, float *v) {
+    int64_t in8 = in & ~(int64_t)7;
+    for (int64_t p = 0; p < pr; p++) {
+        const uint16_t *ar = a + p * in;
+        v8f s = {0};
+        for (int64_t k = 0; k < in8; k += 8) s += v8_load_bf16(ar + k) * v8_load_bf16(x + k);
+        float d = v8_hsum(s);
+        for (int64_t k = in8; k < in; k++) d += v1_load_bf16(ar + k) * v1_load_bf16(x + k);
+        uint16_t h;
+        v1_store_bf16(&h, d);
+        v[p] = v1_load_bf16(&h);
+    }
+}
+
+/* o[c0:c1] = bfloat16(o + scale * (b[c0:c1] @ v)) (b: one bfloat16 B page, `out` rows of pr). */
+static inline void lora_expand_bf16(const uint16_t *b, int64_t pr, int64_t c0, int64_t c1, const float *v, float scale,
+                                    uint16_t *o) {
+    int64_t pr8 = pr & ~(int64_t)7;
+    for (int64_t c = c0; c < c1; c++) {
+        const uint16_t *br = b + c * pr;
+        v8f s = {0};
+        for (int64_t p = 0; p < pr8; p += 8) s += v8_load_bf16(br + p) * v8_load_f32(v + p);
+        float d = v8_hsum(s);
+        for (int64_t p = pr8; p < pr; p++) d += v1_load_bf16(br + p) * v[p];
+        v1_store_bf16(o + c, v1_load_bf16(o + c) + scale * d);
     }
 }
 

@@ -15,20 +15,11 @@ import torch
 from engine import LLM, LoRARequest, SamplingParams
 from engine.cpu_features import native_bfloat16
 from engine.model_config import ModelConfig, dtype_reason, resolve_dtype
-from tests.helpers.tiny_adapters import ADAPTER_SPECS, PeftGreedyOracle, build_adapter
+from tests.helpers.tiny_adapters import ADAPTER_SPECS, PeftGreedyOracle, bf16_gaps_vs_noise, build_adapter
 from tests.helpers.tiny_models import build_checkpoint
 
 NEW = 8
 TIE = 2.0  # a token this many "PEFT bf16 noise" units below PEFT's max logit still counts as a tie
-
-
-def _gaps_vs_noise(oracles, prompt: list[int], ours: list[int], adapter) -> torch.Tensor:
-    """Per generated token: how far below PEFT-bfloat16's max logit the engine's token is, in units of
-    PEFT's own bfloat16 noise at that step (its largest logit difference from PEFT in float32)."""
-    bf16, fp32 = (o.logits(prompt + ours, adapter)[len(prompt) - 1 : -1] for o in oracles)
-    gap = bf16.max(dim=1).values - bf16[torch.arange(len(ours)), torch.tensor(ours)]
-    noise = (bf16 - fp32).abs().max(dim=1).values
-    return gap / (noise + 1e-3)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +45,7 @@ def test_mixed_adapters_in_bfloat16_follow_peft(backend, bf16_setup):
     for (prompt, name), out in zip(reqs, outs, strict=True):
         ours = out.outputs[0].token_ids
         adapter = dirs[name] if name else None
-        gaps = _gaps_vs_noise(oracles, prompt, ours, adapter)
+        gaps = bf16_gaps_vs_noise(oracles, prompt, ours, adapter)
         assert gaps.max() <= TIE, (
             f"adapter {name}: token {int(gaps.argmax())} is {gaps.max():.2f} noise below"
         )
@@ -86,7 +77,7 @@ def test_a_broken_adapter_scale_is_caught(bf16_setup, tmp_path):
     worst = 0.0
     for prompt, out in zip(prompts, outs, strict=True):
         ours = out.outputs[0].token_ids
-        worst = max(worst, float(_gaps_vs_noise(oracles, prompt, ours, src).max()))
+        worst = max(worst, float(bf16_gaps_vs_noise(oracles, prompt, ours, src).max()))
     assert worst > 5 * TIE
 
 

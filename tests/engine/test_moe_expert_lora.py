@@ -144,6 +144,41 @@ def test_fused_decode_call_applies_expert_lora(arch, adapters, monkeypatch):
     assert any(calls), "no fused call took expert LoRA"
 
 
+def test_fused_decode_call_applies_bfloat16_expert_lora(adapters, monkeypatch):
+    """A bfloat16 MoE model's expert LoRA inside the fused decode call (bfloat16 pages) rounds where the
+    op-by-op path's bfloat16 ops round: the same greedy tokens as that path for base rows and adapters of
+    one and two pages and a down-only one, most of them PEFT's bfloat16 tokens too (a near-tie in the
+    router may send one token to another expert in either implementation), and the call took the LoRA."""
+    import torch
+
+    import engine.model.moe_experts as moe_experts
+    import kernels.moe_fused_cpu as fused_kernel
+
+    real, calls = fused_kernel.fused_moe_cpu, []
+
+    def counted(*args, lora=None, **kw):
+        calls.append(lora is not None and args[0].dtype == torch.bfloat16)
+        return real(*args, lora=lora, **kw)
+
+    monkeypatch.setattr(fused_kernel, "fused_moe_cpu", counted)
+    base, dirs, _ = adapters["qwen3_moe"]
+    reqs = _requests(10, ["experts-r4", None, "both-r16", "down-r2-rslora"], 8)
+    loras = [LoRARequest(n, str(dirs[n])) if n else None for _, n in reqs]
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for fused in (True, False):
+        monkeypatch.setattr(moe_experts, "FUSED_LORA", fused)
+        llm = cpu_llm(base, dtype="bfloat16", lora_page_rank=8)
+        outs = llm.generate([p for p, _ in reqs], params, lora_request=loras)
+        tokens[fused] = [o.outputs[0].token_ids for o in outs]
+        if fused:
+            assert any(calls), "no bfloat16 fused call took expert LoRA"
+    assert tokens[True] == tokens[False]
+    oracle = PeftGreedyOracle(base, dtype=torch.bfloat16)
+    peft = [oracle.greedy(p, NEW, dirs[n] if n else None) for p, n in reqs]
+    assert sum(a == b for a, b in zip(tokens[True], peft, strict=True)) > len(reqs) // 2
+
+
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_per_expert_layout_adapter_matches_peft(arch, adapters):
     """An adapter saved with per-expert `target_modules` (gate, up and down of every expert, and q_proj)

@@ -128,3 +128,13 @@ class PeftGreedyOracle:
         """float32 next-token logits after each prefix of `tokens` (teacher-forced): row i follows
         tokens[: i + 1]."""
         return self._model(adapter_dir)(input_ids=torch.tensor([tokens])).logits[0].float()
+
+
+def bf16_gaps_vs_noise(oracles, prompt: list[int], ours: list[int], adapter) -> torch.Tensor:
+    """Per generated token: how far below PEFT-bfloat16's max logit the engine's token is, in units of
+    PEFT's own bfloat16 noise at that step (its largest logit difference from PEFT in float32).
+    `oracles`: (the bfloat16 PeftGreedyOracle, the float32 one)."""
+    bf16, fp32 = (o.logits(prompt + ours, adapter)[len(prompt) - 1 : -1] for o in oracles)
+    gap = bf16.max(dim=1).values - bf16[torch.arange(len(ours)), torch.tensor(ours)]
+    noise = (bf16 - fp32).abs().max(dim=1).values
+    return gap / (noise + 1e-3)
