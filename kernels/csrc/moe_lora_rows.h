@@ -17,24 +17,32 @@
 #include "vec8.h"
 #include <stdint.h>
 
-/* res[j] = dot(rows + j * ld, vec) over `len` floats for j < n (n <= 8): eight accumulators side by side
- * (independent chains), their lane sums at once (v8_hsum8x8), the tail past a multiple of 8 scalar. */
-static void dots8(const float *rows, int64_t ld, int n, const float *vec, int64_t len, float *res) {
-    const float *r[8];
-    for (int j = 0; j < 8; j++) r[j] = rows + (j < n ? j : n - 1) * ld;
-    v8f s[8] = {{0}};
-    int64_t len8 = len & ~(int64_t)7;
-    for (int64_t i = 0; i < len8; i += 8) {
-        v8f v = v8_load_f32(vec + i);
-        for (int j = 0; j < 8; j++) s[j] += v8_load_f32(r[j] + i) * v;
+static inline float lr_f32(const float *p) { return *p; }
+
+/* NAME(rows, ld, n, vec, len, res): res[j] = dot(rows + j * ld, vec) over `len` elements for j < n (n <= 8),
+ * rows of type TR and vec of type TV (float32 or bfloat16, widened as loaded): eight accumulators side by
+ * side (independent chains), their lane sums at once (v8_hsum8x8), the tail past a multiple of 8 scalar. */
+#define DEFINE_DOTS8(NAME, TR, LOADR, SCALARR, TV, LOADV, SCALARV)                                          \
+    static void NAME(const TR *rows, int64_t ld, int n, const TV *vec, int64_t len, float *res) {            \
+        const TR *r[8];                                                                                      \
+        for (int j = 0; j < 8; j++) r[j] = rows + (j < n ? j : n - 1) * ld;                                  \
+        v8f s[8] = {{0}};                                                                                    \
+        int64_t len8 = len & ~(int64_t)7;                                                                    \
+        for (int64_t i = 0; i < len8; i += 8) {                                                              \
+            v8f v = LOADV(vec + i);                                                                          \
+            for (int j = 0; j < 8; j++) s[j] += LOADR(r[j] + i) * v;                                         \
+        }                                                                                                    \
+        v8f h = v8_hsum8x8(s);                                                                               \
+        for (int j = 0; j < n; j++) {                                                                        \
+            float d = h[j];                                                                                  \
+            for (int64_t i = len8; i < len; i++) d += SCALARR(r[j] + i) * SCALARV(vec + i);                  \
+            res[j] = d;                                                                                      \
+        }                                                                                                    \
     }
-    v8f h = v8_hsum8x8(s);
-    for (int j = 0; j < n; j++) {
-        float d = h[j];
-        for (int64_t i = len8; i < len; i++) d += r[j][i] * vec[i];
-        res[j] = d;
-    }
-}
+
+DEFINE_DOTS8(dots8, float, v8_load_f32, lr_f32, float, v8_load_f32, lr_f32)
+DEFINE_DOTS8(dots8_bf16, uint16_t, v8_load_bf16, v1_load_bf16, uint16_t, v8_load_bf16, v1_load_bf16)
+DEFINE_DOTS8(dots8_bf16_f32, uint16_t, v8_load_bf16, v1_load_bf16, float, v8_load_f32, lr_f32)
 
 /* v[0:pr] = scale * (a @ x): a is one A page, pr rows of `in` floats. */
 static inline void lora_shrink(const float *a, int64_t pr, int64_t in, const float *x, float scale, float *v) {
@@ -57,15 +65,13 @@ static inline void lora_expand(const float *b, int64_t pr, int64_t c0, int64_t c
 
 /* v[0:pr] = bfloat16-rounded a @ x (a: one bfloat16 A page, pr rows of `in`; x: a bfloat16 row). */
 static inline void lora_shrink_bf16(const uint16_t *a, int64_t pr, int64_t in, const uint16_t *x, float *v) {
-    int64_t in8 = in & ~(int64_t)7;
+    for (int64_t p = 0; p < pr; p += 8) {
+        int n = pr - p < 8 ? (int)(pr - p) : 8;
+        dots8_bf16(a + p * in, in, n, x, in, v + p);
+    }
     for (int64_t p = 0; p < pr; p++) {
-        const uint16_t *ar = a + p * in;
-        v8f s = {0};
-        for (int64_t k = 0; k < in8; k += 8) s += v8_load_bf16(ar + k) * v8_load_bf16(x + k);
-        float d = v8_hsum(s);
-        for (int64_t k = in8; k < in; k++) d += v1_load_bf16(ar + k) * v1_load_bf16(x + k);
         uint16_t h;
-        v1_store_bf16(&h, d);
+        v1_store_bf16(&h, v[p]);
         v[p] = v1_load_bf16(&h);
     }
 }
@@ -73,14 +79,11 @@ static inline void lora_shrink_bf16(const uint16_t *a, int64_t pr, int64_t in, c
 /* o[c0:c1] = bfloat16(o + scale * (b[c0:c1] @ v)) (b: one bfloat16 B page, `out` rows of pr). */
 static inline void lora_expand_bf16(const uint16_t *b, int64_t pr, int64_t c0, int64_t c1, const float *v, float scale,
                                     uint16_t *o) {
-    int64_t pr8 = pr & ~(int64_t)7;
-    for (int64_t c = c0; c < c1; c++) {
-        const uint16_t *br = b + c * pr;
-        v8f s = {0};
-        for (int64_t p = 0; p < pr8; p += 8) s += v8_load_bf16(br + p) * v8_load_f32(v + p);
-        float d = v8_hsum(s);
-        for (int64_t p = pr8; p < pr; p++) d += v1_load_bf16(br + p) * v[p];
-        v1_store_bf16(o + c, v1_load_bf16(o + c) + scale * d);
+    float d[8];
+    for (int64_t c = c0; c < c1; c += 8) {
+        int n = c1 - c < 8 ? (int)(c1 - c) : 8;
+        dots8_bf16_f32(b + c * pr, pr, n, v, pr, d);
+        for (int j = 0; j < n; j++) v1_store_bf16(o + c + j, v1_load_bf16(o + c + j) + scale * d[j]);
     }
 }
 
