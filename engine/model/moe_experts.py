@@ -13,15 +13,15 @@ For x [T, H], each token's top-k expert ids and routing weights, and the step's 
     out[t] = sum_j weight[t, j] * y[pair (t, j)]        (`index_add_` in pair order)
 
 Experts without tokens are never read, so a decode step's cost follows the active experts' weights. The
-grouped GEMM on the CPU: when no expert has more than `NATIVE_MAX_ROWS` rows (decode steps), the native
-kernel `kernels/moe_gemm_cpu.py`, which streams each active expert's weight once for all of its rows (a
-GEMM library re-blocks the weight inside each small call, or on AMD CPUs MKL takes a slow path: 1.6-2.2x
-slower at decode shapes on a 2-core Zen 4, docs/benchmarks.md); otherwise one `torch._grouped_mm` per
-projection over the sorted rows (0.84x the time of a torch loop over the experts); elsewhere, or where
-this torch lacks it, that loop. A CPU decode-sized step skips all of this: `fused_decode_applies` sends
-the whole block, routing included, to one native call (`kernels/moe_fused_cpu.py`; the ~20 torch ops'
-dispatch cost more than the GEMMs at batch 1), with the layer's expert LoRA inside it
-(`fused_lora_applies`).
+grouped GEMM on the CPU: the experts with at most `NATIVE_MAX_ROWS` rows run the native kernel
+`kernels/moe_gemm_cpu.py`, which streams each active expert's weight once for all of its rows (a GEMM
+library re-blocks the weight inside each small call, or on AMD CPUs MKL takes a slow path: 1.6-2.2x slower
+at decode shapes on a 2-core Zen 4, docs/benchmarks.md), and experts with more rows a GEMM each; a step
+where no expert is that small takes one `torch._grouped_mm` per projection over the sorted rows (0.84x
+the time of a torch loop over the experts); elsewhere, or where this torch lacks it, that loop. A CPU
+decode-sized step skips all of this: `fused_decode_applies` sends the whole block, routing included, to
+one native call (`kernels/moe_fused_cpu.py`; the ~20 torch ops' dispatch cost more than the GEMMs at batch
+1), with the layer's expert LoRA inside it (`fused_lora_applies`).
 """
 
 from __future__ import annotations
@@ -116,31 +116,40 @@ def experts_forward(
 def _grouped_linear(
     xs: torch.Tensor, w: torch.Tensor, sizes: list[int], counts: torch.Tensor
 ) -> torch.Tensor:
-    """`ys[rows of e] = xs[rows of e] @ w[e].T` for the expert-sorted rows `xs` (`sizes[e]` rows each):
-    on the CPU, when no expert has more than `NATIVE_MAX_ROWS` rows (decode), the native streaming kernel
-    (where it builds); else one `torch._grouped_mm` (where this torch has it); else a GEMM per expert with
-    rows (module docstring)."""
-    small = max(sizes, default=0) <= NATIVE_MAX_ROWS and w.is_contiguous()
+    """`ys[rows of e] = xs[rows of e] @ w[e].T` for the expert-sorted rows `xs` (`sizes[e]` rows each).
+    On the CPU the experts with at most `NATIVE_MAX_ROWS` rows run the native streaming kernel (where it
+    builds) and any with more a GEMM each; when no expert is that small (or elsewhere), one
+    `torch._grouped_mm` (where this torch has it), else a GEMM per expert with rows (module docstring)."""
+    small = min((n for n in sizes if n), default=0) <= NATIVE_MAX_ROWS and w.is_contiguous()
     if small and _native_works(xs.device.type, xs.dtype):
         from kernels.moe_gemm_cpu import grouped_small_gemm
 
         ys = xs.new_empty(xs.shape[0], w.shape[1])
-        grouped_small_gemm(xs, w, counts, NATIVE_MAX_ROWS, ys)
-        return ys
+        grouped_small_gemm(xs, w, counts, NATIVE_MAX_ROWS, ys)  # skips the experts with more rows
+        return _linear_per_expert(xs, w, sizes, ys, more_than=NATIVE_MAX_ROWS)
     if _grouped_mm_works(xs.device.type, xs.dtype):
         offs = torch.cumsum(counts, 0).to(torch.int32)
         return torch._grouped_mm(xs, w.transpose(1, 2), offs=offs)
-    ys = xs.new_empty(xs.shape[0], w.shape[1])
+    return _linear_per_expert(xs, w, sizes, xs.new_empty(xs.shape[0], w.shape[1]))
+
+
+def _linear_per_expert(
+    xs: torch.Tensor, w: torch.Tensor, sizes: list[int], ys: torch.Tensor, more_than: int = 0
+) -> torch.Tensor:
+    """`ys[rows of e] = xs[rows of e] @ w[e].T`, one GEMM for each expert with more than `more_than`
+    rows (the others' rows of `ys` are left as they are); returns `ys`."""
     start = 0
     for e, n in enumerate(sizes):
-        if n:
+        if n > more_than:
             ys[start : start + n] = nn.functional.linear(xs[start : start + n], w[e])
-            start += n
+        start += n
     return ys
 
 
-# experts with at most this many rows of a step run the native kernel on the CPU (`_native_works`)
-NATIVE_MAX_ROWS = 16
+# experts with at most this many rows of a step run the native kernel on the CPU (`_native_works`);
+# measured on the benchmark's expert shape (Zen 4, one layer's gate_up): the kernel is ahead of torch's
+# GEMMs up to 32 rows an expert at 1 and 2 threads in float32 and bfloat16, and behind in bfloat16 past 64
+NATIVE_MAX_ROWS = 32
 
 
 @functools.cache
@@ -165,13 +174,14 @@ def _native_works(device: str, dtype: torch.dtype) -> bool:
 
 
 # CPU steps run routing and experts as one native call (`fused_decode_applies`) while they are
-# decode-sized: at most NATIVE_MAX_ROWS tokens, or (token, expert) pairs averaging at most
+# decode-sized: at most FUSED_MAX_TOKENS tokens, or (token, expert) pairs averaging at most
 # FUSED_ROWS_PER_EXPERT rows per expert (a batch-32 decode of a top-4-of-32 model is ~4 rows an expert: the
 # streaming kernel's shape). Measured on the benchmark's model (Zen 4, 1 and 2 threads, with the blocks
 # reading one weight row at a time): the call is 0.5-0.8x op by op's time at 12-16 rows an expert, even
 # at 24 (0.77-0.99x), and behind at 32 at 1 thread (1.07x).
 # FUSED_DECODE = False: the op-by-op path above (bench/offline/moe.py's leg).
 FUSED_DECODE = True
+FUSED_MAX_TOKENS = 16
 FUSED_ROWS_PER_EXPERT = 16
 # False: a layer with expert LoRA leaves the fused call for the op-by-op path (bench and tests compare)
 FUSED_LORA = True
@@ -186,11 +196,11 @@ def fused_decode_applies(
     top_k: int,
 ) -> bool:
     """Whether the routed block over `x` runs `kernels/moe_fused_cpu.py`'s one call: on the CPU, a
-    decode-sized step (1 to `NATIVE_MAX_ROWS` tokens, or `tokens * top_k` pairs averaging at most
+    decode-sized step (1 to `FUSED_MAX_TOKENS` tokens, or `tokens * top_k` pairs averaging at most
     `FUSED_ROWS_PER_EXPERT` rows over the layer's experts), float32 / bfloat16 where it builds, contiguous
     weights, and no expert LoRA in `layer` or LoRA the call takes (`fused_lora_applies`)."""
     tokens = x.shape[0]
-    decode = tokens <= NATIVE_MAX_ROWS or tokens * top_k <= FUSED_ROWS_PER_EXPERT * gate_up.shape[0]
+    decode = tokens <= FUSED_MAX_TOKENS or tokens * top_k <= FUSED_ROWS_PER_EXPERT * gate_up.shape[0]
     if not FUSED_DECODE or x.device.type != "cpu" or not (tokens > 0 and decode):
         return False
     if x.stride(1) != 1 or not (gate_up.is_contiguous() and down.is_contiguous()):

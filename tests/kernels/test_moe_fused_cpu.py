@@ -250,7 +250,7 @@ class _Adapts:
 
 def test_dispatch_decode_sized_steps_and_float32_expert_lora(monkeypatch) -> None:
     _, gate_up, down = _weights(4, 8, 6, torch.float32, seed=0)
-    x = torch.randn(moe_experts.NATIVE_MAX_ROWS, 8)
+    x = torch.randn(moe_experts.FUSED_MAX_TOKENS, 8)
     assert fused_decode_applies(x, gate_up, down, None, 0, 2)
     assert fused_decode_applies(x, gate_up, down, _Adapts({1}), 0, 2)  # another layer's expert LoRA
     assert not fused_decode_applies(x, gate_up, down, _Adapts({0}), 0, 2)  # bfloat16 pages: op by op
@@ -263,12 +263,12 @@ def test_dispatch_decode_sized_steps_and_float32_expert_lora(monkeypatch) -> Non
     assert not fused_decode_applies(x, gate_up, down, _Adapts({0}, torch.float32), 0, 2)
     monkeypatch.setattr(moe_experts, "FUSED_LORA", True)
     over = torch.randn(2 * moe_experts.FUSED_ROWS_PER_EXPERT + 1, 8)  # top-2 over 4 experts: past the bound
-    assert over.shape[0] > moe_experts.NATIVE_MAX_ROWS
+    assert over.shape[0] > moe_experts.FUSED_MAX_TOKENS
     assert not fused_decode_applies(over, gate_up, down, None, 0, 2)
-    # past NATIVE_MAX_ROWS tokens while the pairs average <= FUSED_ROWS_PER_EXPERT rows an expert
+    # past FUSED_MAX_TOKENS tokens while the pairs average <= FUSED_ROWS_PER_EXPERT rows an expert
     _, gu8, dn8 = _weights(8, 8, 6, torch.float32, seed=1)
     fits = torch.randn(8 * moe_experts.FUSED_ROWS_PER_EXPERT // 2, 8)  # top-2 over 8 experts: the bound
-    assert fits.shape[0] > moe_experts.NATIVE_MAX_ROWS
+    assert fits.shape[0] > moe_experts.FUSED_MAX_TOKENS
     assert fused_decode_applies(fits, gu8, dn8, None, 0, 2)
     assert not fused_decode_applies(fits, gu8, dn8, None, 0, 3)
     assert not fused_decode_applies(torch.randn(fits.shape[0] + 1, 8), gu8, dn8, None, 0, 2)

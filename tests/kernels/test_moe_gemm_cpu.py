@@ -76,10 +76,12 @@ def test_bad_inputs_are_refused() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1, 6, 100])
+@pytest.mark.parametrize("tokens", [1, 6, 130, 400])
 def test_experts_forward_with_and_without_the_kernel(dtype, tokens, monkeypatch) -> None:
-    """`experts_forward` on decode-sized steps (every expert <= NATIVE_MAX_ROWS rows: the kernel) and a
-    prefill-sized one (torch's GEMMs) equals the layer on torch's GEMMs alone."""
+    """`experts_forward` on decode-sized steps (every expert <= NATIVE_MAX_ROWS rows: the kernel), a step
+    with experts on both sides of the bound (the kernel for the small ones, a GEMM each for the others)
+    and a prefill-sized one (every expert past it: torch's grouped GEMM) equals the layer on torch's
+    GEMMs alone."""
     gen = torch.Generator().manual_seed(tokens)
     num_experts, hidden, inter, top_k = 8, 48, 40, 2
     gate_up = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) * 0.2).to(dtype)
@@ -99,7 +101,12 @@ def test_experts_forward_with_and_without_the_kernel(dtype, tokens, monkeypatch)
     got = moe_experts.experts_forward(gate_up, down, x, weights, ids)
     monkeypatch.setattr(moe_experts, "_native_works", lambda device, dtype: False)
     want = moe_experts.experts_forward(gate_up, down, x, weights, ids)
-    decode = int(torch.bincount(ids.reshape(-1), minlength=num_experts).max()) <= moe_experts.NATIVE_MAX_ROWS
-    assert decode == (tokens < 100) and len(calls) == (2 if decode else 0)
+    rows = torch.bincount(ids.reshape(-1), minlength=num_experts)
+    some_small = int(rows[rows > 0].min()) <= moe_experts.NATIVE_MAX_ROWS
+    some_large = int(rows.max()) > moe_experts.NATIVE_MAX_ROWS
+    assert (some_small, some_large) == {1: (True, False), 6: (True, False), 130: (True, True)}.get(
+        tokens, (False, True)
+    )
+    assert len(calls) == (2 if some_small else 0)
     rtol, atol = (1e-5, 1e-5) if dtype == torch.float32 else (2e-2, 2e-2)
     torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol)
