@@ -155,8 +155,6 @@ def fused_moe_cpu(
         gate_up.shape[0], down.shape[2], top_k, int(norm_topk_prob), out.data_ptr(), out.stride(0),
         ids_ptr, w_ptr, None if c_lora is None else ctypes.addressof(c_lora), torch.get_num_threads(),
     )  # fmt: skip
-    if rc == -1:
-        raise MemoryError(f"{_OP}: out of memory")
     if rc != 0:
-        raise RuntimeError(f"{_OP}: the kernel refused its arguments ({rc})")
+        raise MemoryError(f"{_OP}: out of memory")
     return out

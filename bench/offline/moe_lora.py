@@ -46,7 +46,7 @@ class MoELoRAResult:
     lora_changed_tokens: dict[str, bool] = field(default_factory=dict)  # model -> adapters changed tokens
     resident: dict[str, int] = field(default_factory=dict)  # model -> adapters resident after the runs
     evictions: dict[str, int] = field(default_factory=dict)  # model -> adapter evictions (0: no thrash)
-    fused_same_tokens: bool = False  # the fused call's greedy tokens == op by op's
+    fused_same_tokens: bool = False  # the fused call's greedy tokens == op by op's, in every run
     load_before: list[float] = field(default_factory=list)
     load_after: list[float] = field(default_factory=list)
 
@@ -160,7 +160,8 @@ def run_moe_lora_bench(workdir: Path, shape: MoEShape | None = None, adapters: i
             if r > 0:
                 result.step_ms[leg].append(1e3 * run.decode_s / max(run.decode_steps, 1))
         result.lora_changed_tokens = {m: tokens[f"{m}_lora"] != tokens[f"{m}_base"] for m in ("moe", "dense")}
-        result.fused_same_tokens = tokens["moe_lora"] == tokens["moe_lora_op"]
+        same = tokens["moe_lora"] == tokens["moe_lora_op"]
+        result.fused_same_tokens = same and (r == 0 or result.fused_same_tokens)
     for model, engine in engines.items():
         pool = engine.get_lora_stats()
         result.resident[model], result.evictions[model] = pool.resident, pool.evictions

@@ -134,7 +134,8 @@ class SparseMoE(nn.Module):
         """The block's output [T, H]: the routed experts with the step's expert LoRA (`lora.experts`,
         `engine/model/moe_experts.py`), plus Qwen2-MoE's gated shared expert; `fused` is unused. On CUDA
         the routed experts (and their LoRA) run the Triton fused-MoE kernel (`triton_experts`); on the CPU a
-        decode step runs routing and experts (with their expert LoRA) as one native call."""
+        decode step runs routing and experts as one native call, with their expert LoRA where its pages
+        are in x's dtype."""
         hook = getattr(lora, "experts", None)
         if not self.uses_triton(x) and fused_decode_applies(
             x, self.experts.gate_up, self.experts.down, hook, self.layer, self.top_k

@@ -12,7 +12,7 @@
  *
  * With `lora` (NULL: none; pages of the call's dtype), each pair also adds its token's adapter's delta
  * for its expert to gu and to ys, as `ExpertLoRAStep.add` does op by op (engine/lora/expert_step.py; in
- * bfloat16 rounded where its ops round, moe_lora_rows.h):
+ * bfloat16 rounded where `add`'s ops round, moe_lora_rows.h):
  *
  *     gu[r] += s_a * (A_{a,e} @ xs[r]) @ B_{a,e}.T      per page of adapter a = token_adapter[t] on gate_up
  *     ys[r] += s_a * (A_{a,e} @ h[r]) @ B_{a,e}.T       likewise on down, after silu * up
@@ -79,8 +79,9 @@ typedef struct {
         _Pragma("omp for schedule(dynamic, 2)") for (int64_t r = 0; r < rows; r++) {                         \
             int64_t j = L->token_adapter[tok[r]];                                                            \
             if (j >= L->num_adapters) continue;                                                              \
-            for (int64_t w = 0; w < P->width && P->pages[j * P->width + w] >= 0; w++) {                      \
+            for (int64_t w = 0; w < P->width; w++) {                                                         \
                 int64_t page = P->pages[j * P->width + w];                                                   \
+                if (page < 0) continue; /* -1: no page here (as the reference and Triton read it) */        \
                 float *vr = v + r * vw + w * P->rank;                                                        \
                 const T *a = pa + page * P->page_a + rexp[r] * P->rank * in;                                 \
                 const T *b = pb + page * P->page_b + rexp[r] * out * P->rank;                                \

@@ -84,8 +84,8 @@ ALWAYS_INLINE void float_z_block(const float *x, int64_t ldx, const float *w, in
     int64_t k16 = K & ~(int64_t)15, step = 16 * U, kU = k16 - k16 % step;
     for (int64_t o = o0; o < o1; o++) {
         const float *wr = w + o * K;
-        __m512 s[4];
-        for (int j = 0; j < 4; j++) s[j] = _mm512_setzero_ps();
+        __m512 s[8]; /* NR x MOE_CHAINS(NR) <= 8 */
+        for (int j = 0; j < 8; j++) s[j] = _mm512_setzero_ps();
         for (int64_t k = 0; k < kU; k += step) {
             for (int u = 0; u < U; u++) {
                 __m512 a = _mm512_loadu_ps(wr + k + 16 * u);
@@ -124,8 +124,8 @@ ALWAYS_INLINE void bf16_dp_block(const bf16 *x, int64_t ldx, const bf16 *w, int6
     int64_t k32 = K & ~(int64_t)31, step = 32 * U, kU = k32 - k32 % step;
     for (int64_t o = o0; o < o1; o++) {
         const bf16 *wr = w + o * K;
-        __m512 s[4];
-        for (int j = 0; j < 4; j++) s[j] = _mm512_setzero_ps();
+        __m512 s[8]; /* NR x MOE_CHAINS(NR) <= 8 */
+        for (int j = 0; j < 8; j++) s[j] = _mm512_setzero_ps();
         for (int64_t k = 0; k < kU; k += step)
             for (int u = 0; u < U; u++) {
                 __m512bh a = dp_load(wr + k + 32 * u, all);

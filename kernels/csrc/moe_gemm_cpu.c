@@ -6,7 +6,8 @@
  * each active expert a few rows, and a GEMM library then re-blocks the expert's weight inside each call
  * (or, MKL on AMD CPUs, runs an SSE path) at a fraction of the memory bandwidth; here each weight row is
  * streamed once for all of its expert's rows, one row at a time in address order against n <= 4
- * activation rows (up to four float32 accumulators, moe_gemm_block.h), the lanes summed once at the end.
+ * activation rows (up to four float32 accumulators, eight on plain SSE2: moe_gemm_block.h), the lanes summed
+ * once at the end.
  * Float32 accumulation; bfloat16 values are widened in registers and each output rounded once (to nearest
  * even), as a bfloat16 GEMM rounds. Threads split the (expert, block of output columns) units; each output
  * is one thread's single dot product, so results do not depend on the thread count.

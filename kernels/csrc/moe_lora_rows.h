@@ -4,8 +4,9 @@
  *     lora_shrink:  v[0:pr]     = scale * (A @ x)      A: one page [pr, in], x: the row [in]
  *     lora_expand:  o[c0:c1]   += B[c0:c1] @ v         B: the page's [out, pr]
  *
- * and bfloat16 pages and rows, rounded where torch's op-by-op path rounds (`v = x @ A.T` to bfloat16,
- * then `o.addmm_(v, B.T, alpha=scale)`: one rounding of o per page):
+ * and bfloat16 pages and rows, rounded where `ExpertLoRAStep.add` (engine/lora/expert_step.py) rounds
+ * (`v = x @ A.T` to bfloat16, then `o.addmm_(v, B.T, alpha=scale)`: one rounding of o per page; its
+ * `add_pairs` for short runs rounds a little differently, each page's delta before the sum):
  *
  *     lora_shrink_bf16:  v[0:pr]    = bf16(A @ x)                       (float32 products and sums)
  *     lora_expand_bf16:  o[c0:c1]   = bf16(o + scale * (B[c0:c1] @ v))

@@ -119,8 +119,9 @@ def test_threads_same_bits_and_strided_rows() -> None:
     torch.testing.assert_close(outs[0], want, rtol=2e-5, atol=2e-5)
 
 
-# adapter -> (gate_up pages, down pages): two pages, one page, gate_up only, down only
-LORA_PAGES = [([1, 3], [0]), ([2], [4, 1]), ([0], []), ([], [2])]
+# adapter -> (gate_up pages, down pages): two pages, one page, gate_up only, down only; the projections'
+# tables of different widths (the call sizes its scratch by the wider)
+LORA_PAGES = [([1, 3], [0]), ([2], [4, 1, 3]), ([0], []), ([], [2])]
 
 
 def _lora_weights(layer, experts, fin, fout, rank, pages, gen, dtype=torch.float32) -> ExpertLoRAWeights:
@@ -160,9 +161,12 @@ def _routed(x, router, gate_up, down, top_k, lora, emap=None):
 
 @pytest.mark.parametrize("isa", available_isas())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("tokens", "rank"), [(1, 4), (5, 16), (16, 8), (40, 4)])
-def test_expert_lora_matches_reference(isa, dtype, tokens, rank) -> None:
-    x, router, gate_up, down, lora = _lora_case(tokens, 12, 45, 37, rank, seed=tokens, dtype=dtype)
+@pytest.mark.parametrize(
+    ("tokens", "rank", "hidden", "inter"),
+    [(1, 4, 45, 37), (5, 16, 45, 37), (16, 8, 100, 200), (40, 4, 45, 37)],
+)  # 100 / 200: each block's interleaved chains, a leftover vector and a masked tail all run
+def test_expert_lora_matches_reference(isa, dtype, tokens, rank, hidden, inter) -> None:
+    x, router, gate_up, down, lora = _lora_case(tokens, 12, hidden, inter, rank, seed=tokens, dtype=dtype)
     got, want = _routed(x, router, gate_up, down, 3, lora)
     rtol, atol = _tol(dtype)
     if dtype == torch.bfloat16:  # the reference is float32 throughout; the call rounds each op's output
@@ -176,10 +180,15 @@ def test_expert_lora_matches_reference(isa, dtype, tokens, rank) -> None:
 
 
 def test_expert_lora_one_projection_threads_and_expert_parallel() -> None:
-    """`down` without LoRA; the same bits at 1 and 2 threads; a rank holding 4 of 8 experts (its pages
+    """`down` without LoRA; a -1 inside a page table is skipped, not the table's end (as the reference and
+    the Triton kernel read it); the same bits at 1 and 2 threads; a rank holding 4 of 8 experts (its pages
     are its experts' slices) adds only its pairs' deltas."""
     x, router, gate_up, down, lora = _lora_case(9, 8, 32, 24, 8, seed=7)
     lora.down = None
+    got, want = _routed(x, router, gate_up, down, 2, lora)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    assert lora.gate_up is not None
+    lora.gate_up.pages[0] = torch.tensor([-1, 3], dtype=torch.int32)  # adapter 0: its second page only
     got, want = _routed(x, router, gate_up, down, 2, lora)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
     outs = []
