@@ -100,7 +100,7 @@ class ExpertLoRAStep:
             self._tables = {}
             for proj in EXPERT_PROJS:
                 counts = [[cdiv(ad.ranks[i].get(proj, 0), pr) for ad in self.adapters] for i in range(layers)]
-                width = max(1, *(max(c) for c in counts))
+                width = max([1, *(max(c, default=0) for c in counts)])
                 rows = [
                     [ad.pages[proj][:n] + [-1] * (width - n) for ad, n in zip(self.adapters, c, strict=True)]
                     for c in counts

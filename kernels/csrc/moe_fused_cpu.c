@@ -54,7 +54,7 @@ typedef struct {
     const void *b;        /* B pages: b + p * page_b + e * out * rank, [out, rank] */
     int64_t page_a, page_b; /* elements between consecutive pages */
     int64_t rank;         /* rows of one page */
-    const int32_t *pages; /* [num_adapters, width]: each adapter's page ids, -1 after its last */
+    const int32_t *pages; /* [num_adapters, width]: each adapter's page ids, -1 where none */
     int64_t width;
     const float *scale;   /* [num_adapters] */
 } moe_lora_proj;
