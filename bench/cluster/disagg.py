@@ -50,6 +50,17 @@ SPEC = dict(vocab_size=2000, hidden_size=256, intermediate_size=768, num_layers=
             num_kv_heads=2, max_position_embeddings=2048)  # fmt: skip
 
 
+def poisson_arrivals(rng: random.Random, rate: float, seconds: float) -> list[float]:
+    """Arrival times (seconds from the start) of a Poisson process at `rate` per second that fall inside
+    the window [0, seconds): exponential gaps drawn from `rng` until one passes the window's end (so a low
+    rate neither overruns the window nor submits a request after the streams have stopped)."""
+    times, t = [], rng.expovariate(rate)
+    while t < seconds:
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times
+
+
 def pct(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -102,14 +113,14 @@ async def drive(client, adapters: list[tuple[str, str]], args: argparse.Namespac
             i += 1
 
     async def long_prompts() -> None:
-        tasks, i = [], 0
-        lrng = random.Random(args.seed + 1)  # the same prompts in both setups
-        while time.monotonic() < t_end:
-            await asyncio.sleep(lrng.expovariate(args.long_rate))
+        tasks = []
+        lrng = random.Random(args.seed + 1)  # the same arrivals and prompts in both setups
+        start = time.monotonic()
+        for i, at in enumerate(poisson_arrivals(lrng, args.long_rate, args.seconds)):
+            await asyncio.sleep(max(0.0, start + at - time.monotonic()))
             prompt = [lrng.randrange(3, 1900) for _ in range(args.long_tokens)]
             lora = choices[i % len(choices)]
             tasks.append(asyncio.create_task(one(f"L{i}", prompt, args.long_max_tokens, lora, True)))
-            i += 1
         await asyncio.gather(*tasks)
 
     t0 = time.monotonic()

@@ -4,9 +4,11 @@ bad flags are refused before anything starts."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from bench.cluster.disagg import main
+from bench.cluster.disagg import main, poisson_arrivals
 from bench.cluster.disagg_report import SetupResult, identical_long, markdown, ratios, summary
 
 
@@ -49,3 +51,14 @@ def test_bad_flags_are_refused(argv: list[str], capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+def test_long_prompt_arrivals_stay_inside_the_window() -> None:
+    """The long prompts' Poisson arrivals fall inside the run's window (a low rate used to sleep past its
+    end and submit one more after the streams stopped), the same for the same seed, about rate x seconds."""
+    low = poisson_arrivals(random.Random(1), 0.01, 30.0)
+    assert all(0 < t < 30.0 for t in low) and len(low) <= 3
+    times = poisson_arrivals(random.Random(7), 2.0, 500.0)
+    assert times == sorted(times) and times[-1] < 500.0
+    assert 900 < len(times) < 1100  # 1000 expected
+    assert times == poisson_arrivals(random.Random(7), 2.0, 500.0)
