@@ -16,7 +16,7 @@ import os
 import select
 import signal
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import zmq
@@ -39,6 +39,7 @@ from api.engine_protocol import (
 from engine import LLMEngine, LoRARequest
 from engine.distributed.worker_group import WorkerGroupError
 from engine.engine_config import EngineConfig
+from engine.engine_kv_transfer import PendingImport
 from engine.kv_transfer.state import decode_export, encode_export
 from engine.lora.held_files import AdapterFilesGone
 from engine.model.cpu_gemm import bound_onednn_caches
@@ -46,7 +47,7 @@ from engine.outputs import RequestOutput
 from engine.structured import StructuredSpecError
 
 log = logging.getLogger("loraplex.engine_core")
-COMPILE_POLL_MS = 5  # how often an otherwise idle loop looks for finished grammar compiles
+COMPILE_POLL_MS = 5  # how often an otherwise idle loop looks for finished grammar compiles and KV copies
 
 
 def run_engine_core(
@@ -143,14 +144,25 @@ class _EngineLoop:
         self.watch = watch
         # waiting for their grammar
         self.compiling: dict[str, tuple[Future[None], AddRequest | ImportRequest]] = {}
+        # imports whose K/V blocks a worker thread is filling while steps go on (`_finish_imports`)
+        self.importing: dict[str, PendingImport] = {}
+        self.cancelled_imports: list[PendingImport] = []  # aborted mid-copy: freed once the copy ends
+        self.copier = ThreadPoolExecutor(1, thread_name_prefix="kv-import")
 
     def run(self) -> None:
+        try:
+            self._serve()
+        finally:  # no copy may write into the cache after the engine is gone
+            self.copier.shutdown(wait=True, cancel_futures=True)
+
+    def _serve(self) -> None:
         next_stats = 0.0
         while self.running:
             if not self.watch.alive():  # orphaned: the API process is gone
                 return
             busy = self.engine.has_unfinished_requests()
-            timeout = 0 if busy else (COMPILE_POLL_MS if self.compiling else 20)
+            waiting = self.compiling or self.importing or self.cancelled_imports
+            timeout = 0 if busy else (COMPILE_POLL_MS if waiting else 20)
             while self.pull.poll(timeout):
                 self._receive(self.pull.recv())
                 timeout = 0
@@ -158,6 +170,8 @@ class _EngineLoop:
                 break
             if self.compiling:
                 self._queue_compiled()
+            if self.importing or self.cancelled_imports:
+                self._finish_imports()
             if self.engine.has_unfinished_requests():
                 self._step()
             now = time.monotonic()
@@ -205,6 +219,9 @@ class _EngineLoop:
             for rid in msg.request_ids:
                 self.sent.pop(rid, None)
                 self.compiling.pop(rid, None)
+                pending = self.importing.pop(rid, None)
+                if pending is not None:
+                    self.cancelled_imports.append(pending)
         elif isinstance(msg, AdapterCall):
             self._adapter_call(msg)
         elif isinstance(msg, Shutdown):
@@ -256,26 +273,50 @@ class _EngineLoop:
             self._refuse(msg.request_id, f"request failed in the engine: {exc!r}")
 
     def _import(self, msg: ImportRequest) -> None:
-        """Continue a prefill-only request of another engine (its KV and state in `msg.export`)."""
-        try:
+        """Continue a prefill-only request of another engine (its KV and state in `msg.export`): its
+        blocks are reserved now and filled in the copier thread; `_finish_imports` queues it."""
+        rid = msg.request_id
+        with self._import_errors(rid):
             export = decode_export(msg.export)
-            if export.state.request_id != msg.request_id:
+            if export.state.request_id != rid:
                 raise ValueError("the export belongs to another request")
-            if msg.request_id not in self.compiling:  # its grammar compiles in a worker thread first
+            if rid in self.importing:
+                raise ValueError(f"request id {rid!r} is already in use")
+            if rid not in self.compiling:  # its grammar compiles in a worker thread first
                 pending = self.engine.structured.compile_later(export.state.params)
                 if pending is not None:
-                    self.compiling[msg.request_id] = (pending, msg)
+                    self.compiling[rid] = (pending, msg)
                     return
-            self.engine.import_request(export)
-            self.sent[msg.request_id] = len(export.state.output_token_ids)  # the prefill side sent those
-            self.push.send(encode(RequestDelta(msg.request_id, [], imported=True)))  # the import's ack
+            self.importing[rid] = self.engine.begin_import(export, self.copier)
+            self._finish_imports()  # an inline copy (device cache, no room) is done already
+
+    def _finish_imports(self) -> None:
+        """Queue the imports whose blocks are filled, acknowledging each (the sender may drop its copy
+        now); end those aborted meanwhile, freeing their blocks."""
+        for rid in [r for r, p in self.importing.items() if p.done()]:
+            pending = self.importing.pop(rid)
+            with self._import_errors(rid):
+                self.engine.finish_import(pending)
+                self.sent[rid] = len(pending.seq.output_token_ids)  # the prefill side sent those
+                self.push.send(encode(RequestDelta(rid, [], imported=True)))  # the import's ack
+        for pending in [p for p in self.cancelled_imports if p.done()]:
+            self.cancelled_imports.remove(pending)
+            with contextlib.suppress(Exception):  # nobody waits for it: only the blocks matter
+                self.engine.finish_import(pending)  # queued as any request, then ended with its holds
+                self.engine.abort_request(pending.seq.seq_id)
+
+    @contextlib.contextmanager
+    def _import_errors(self, rid: str):
+        """Refuse import `rid` with the status its failure calls for; the loop goes on."""
+        try:
+            yield
         except AdapterFilesGone as exc:
-            self._refuse(msg.request_id, str(exc), status=404)
+            self._refuse(rid, str(exc), status=404)
         except ValueError as exc:
-            self._refuse(msg.request_id, str(exc), status=400)
+            self._refuse(rid, str(exc), status=400)
         except Exception as exc:
-            log.exception("import_request failed for %s", msg.request_id)
-            self._refuse(msg.request_id, f"request failed in the engine: {exc!r}")
+            log.exception("import_request failed for %s", rid)
+            self._refuse(rid, f"request failed in the engine: {exc!r}")
 
     def _refuse(self, request_id: str, error: str, status: int = 500) -> None:
         delta = RequestDelta(request_id, [], finish_reason="error", error=error, error_status=status)

@@ -7,6 +7,8 @@ the engine's request table, scheduler and detokenizer.
 
 from __future__ import annotations
 
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -16,22 +18,46 @@ from engine.kv_transfer.export_import import (
     check_layout,
     export_sequence,
     imported_sequence,
-    place_blocks,
+    receive_blocks,
+    reserve_blocks,
 )
+from engine.output_processor import SequenceText
 from engine.outputs import RequestOutput
 from engine.request_admission import max_total, sequence_text
 from engine.request_group import RequestGroup
 from engine.request_tokens import resolve_request_tokens
-from engine.sequence import SequenceStatus
+from engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
+
+
+@dataclass
+class PendingImport:
+    """An import whose sequence holds its blocks while their K/V are being received (`begin_import`);
+    `finish_import` queues it once `copy` is done."""
+
+    seq: Sequence
+    prompt_ids: list[int]
+    text: SequenceText | None
+    copy: Future[None] | None  # None: received already, or no room (the prompt is recomputed)
+    placed: bool  # False: the pool had no room when it arrived
+
+    def done(self) -> bool:
+        return self.copy is None or self.copy.done()
 
 
 def import_request(engine: LLMEngine, export: KVExport) -> bool:
     """Queue `export`'s request on `engine` (`LLMEngine.import_request`): its state, its output text so
     far, and its prompt K/V placed in the KV pool. Returns False when the pool had no room and the prompt
     is recomputed instead; raises `ValueError` for an export `engine` cannot continue."""
+    return finish_import(engine, begin_import(engine, export))
+
+
+def begin_import(engine: LLMEngine, export: KVExport, copier: Executor | None = None) -> PendingImport:
+    """Check `export` against `engine`, build its sequence and reserve its blocks; the blocks' K/V are
+    received inline, or in `copier` (a worker thread, so the step loop goes on meanwhile) when given
+    and the cache is in host memory. Raises `ValueError` for an export `engine` cannot continue."""
     st = export.state
     if engine.tp is not None:
         raise ValueError("KV transfer needs an engine of one rank (tensor_parallel_size 1)")
@@ -46,16 +72,46 @@ def import_request(engine: LLMEngine, export: KVExport) -> bool:
     engine.tokenize(st.output_token_ids)  # token ids in the vocabulary
     limit = max_total(len(ids), params, engine.model_config.max_model_len, engine.kv)
     seq = imported_sequence(engine, msgspec.structs.replace(st, params=params), limit)
-    placed = place_blocks(engine, seq, export, engine.kv_connector)
     text = sequence_text(engine.tokenizer, engine.config.detokenize, params)
+    reserved = reserve_blocks(engine, seq, export)
+    copy = None
+    if reserved is not None:
+        if copier is not None and engine.runner.kv_cache.device.type == "cpu":
+            copy = copier.submit(receive_blocks, engine, export, engine.kv_connector, *reserved)
+        else:
+            try:
+                receive_blocks(engine, export, engine.kv_connector, *reserved)
+            except Exception:
+                engine.kv.free(seq)
+                raise
+    return PendingImport(seq, ids, text, copy, reserved is not None)
+
+
+def finish_import(engine: LLMEngine, pending: PendingImport) -> bool:
+    """Queue a begun import whose K/V are received (`pending.done()`); returns whether its blocks were
+    placed (False: its prompt is recomputed). Raises what the copy raised, having freed the blocks."""
+    seq = pending.seq
+    if pending.copy is not None:
+        try:
+            pending.copy.result()
+        except Exception:
+            engine.kv.free(seq)
+            raise
+    if pending.placed:
+        seq.num_computed_tokens = seq.num_prompt_tokens
+    rid = seq.seq_id
+    if rid in engine.requests:  # another request took the id while the blocks were copied
+        engine.kv.free(seq)
+        raise ValueError(f"request id {rid!r} is already in use")
+    text = pending.text
     if text is not None:
         for tok in seq.output_token_ids:
             text.accept(tok, None)
         seq.text = text.text
-    engine.requests.add(RequestGroup(st.request_id, None, ids, [seq], [text], 1))
+    engine.requests.add(RequestGroup(rid, None, pending.prompt_ids, [seq], [text], 1))
     engine.scheduler.add_request(seq)
-    engine.counters.prompt_tokens += len(ids)
-    return placed
+    engine.counters.prompt_tokens += len(pending.prompt_ids)
+    return pending.placed
 
 
 def export_request(engine: LLMEngine, group: RequestGroup, out: RequestOutput) -> RequestOutput:

@@ -11,6 +11,7 @@ import logging
 import time
 import weakref
 from collections import abc
+from concurrent.futures import Executor
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from engine.distributed.setup import tensor_parallel
 from engine.distributed.worker_group import WorkerGroupError
 from engine.engine_adapters import EngineAdapters
 from engine.engine_config import EngineConfig
+from engine.engine_kv_transfer import PendingImport
 from engine.engine_setup import (
     cpu_thread_governor,
     eos_token_ids,
@@ -177,6 +179,15 @@ class LLMEngine:
         for any request, the transferred tokens first. Returns False when the KV pool had no room and the
         prompt is recomputed instead; raises `ValueError` for an export this engine cannot continue."""
         return engine_kv_transfer.import_request(self, export)
+
+    def begin_import(self, export: KVExport, copier: Executor | None = None) -> PendingImport:
+        """`import_request` in two halves, so the K/V copy can run in `copier` (a worker thread) while
+        steps go on: reserve the blocks and start receiving; `finish_import` once `.done()`."""
+        return engine_kv_transfer.begin_import(self, export, copier)
+
+    def finish_import(self, pending: PendingImport) -> bool:
+        """Queue a begun import whose blocks are filled; as `import_request` returns (or raises)."""
+        return engine_kv_transfer.finish_import(self, pending)
 
     def _export(self, group: RequestGroup, out: RequestOutput) -> RequestOutput:
         """End prefill-only `group` after its first token: `out` with its KV export, finish "kv_transfer"."""

@@ -91,8 +91,9 @@ def imported_sequence(engine: LLMEngine, state: TransferState, max_total: int) -
     return seq
 
 
-def place_blocks(engine: LLMEngine, seq: Sequence, export: KVExport, connector: KVConnector) -> bool:
-    """Give `seq` blocks holding its prompt's K/V: its cached prefix here, the rest received. False (and
+def reserve_blocks(engine: LLMEngine, seq: Sequence, export: KVExport) -> tuple[list[int], int] | None:
+    """Give `seq` the blocks for its prompt's K/V: its cached prefix here plus fresh ones. Returns (the
+    fresh blocks' ids, how many prefix blocks were cached) for `receive_blocks` to fill, or None (and
     nothing held) when the pool has no room: the sequence then recomputes its prompt when admitted."""
     n = seq.num_prompt_tokens
     check_layout(export.blocks, engine.runner.kv_cache)
@@ -103,14 +104,29 @@ def place_blocks(engine: LLMEngine, seq: Sequence, export: KVExport, connector: 
         )
     placed = engine.kv.import_blocks(seq, n)
     if placed is None:
-        return False
+        return None
     block_ids, first = placed
+    return block_ids[first:], first
+
+
+def receive_blocks(
+    engine: LLMEngine, export: KVExport, connector: KVConnector, block_ids: list[int], first: int
+) -> None:
+    """Fill this engine's blocks `block_ids` with the export's blocks `first, ...` (its connector's copy;
+    the blocks belong to a sequence no step reads yet, so a worker thread may run this between steps)."""
+    receiver_for(export.blocks, connector).receive(export.blocks, engine.runner.kv_cache, block_ids, first)
+
+
+def place_blocks(engine: LLMEngine, seq: Sequence, export: KVExport, connector: KVConnector) -> bool:
+    """Give `seq` blocks holding its prompt's K/V: its cached prefix here, the rest received. False (and
+    nothing held) when the pool has no room: the sequence then recomputes its prompt when admitted."""
+    reserved = reserve_blocks(engine, seq, export)
+    if reserved is None:
+        return False
     try:
-        receiver_for(export.blocks, connector).receive(
-            export.blocks, engine.runner.kv_cache, block_ids[first:], first
-        )
+        receive_blocks(engine, export, connector, *reserved)
     except Exception:
         engine.kv.free(seq)
         raise
-    seq.num_computed_tokens = n
+    seq.num_computed_tokens = seq.num_prompt_tokens
     return True
