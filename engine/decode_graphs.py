@@ -13,6 +13,8 @@ Each bucket's inputs live in static device buffers. A step of B sequences in a b
 - KV slot -1: `write_kv` skips the row, so it writes no KV;
 - context length 1 over block 0: the row attends to one cached position; its output is discarded;
 - adapter slot -1: the LoRA kernels skip the row;
+- a MoE block routes the padded rows like any other (to whichever experts token 0 picks) and their
+  output is discarded;
 - the logits of padded rows are computed and ignored.
 Launch shapes come from the bucket and kernel alone (LoRA segments = S, grids over `GRID_ROWS` rows of
 a segment; the kernels read the real extent from the buffers and loop over longer segments), so every
@@ -25,7 +27,10 @@ shared memory pool (graphs replay one at a time, so they can share their interme
 reports the time and the memory that took (`GraphStats`: logged, and in the engine's ready info).
 A graph missing then (e.g. `capture_all` not called) is captured on first use of its key (a warm-up pass
 first compiles the Triton kernels). Prefill chunks, speculative verification steps (several query rows
-per sequence) and larger batches run eagerly, over the same pool tensors.
+per sequence), larger batches and steps with LoRA on a MoE model's experts run eagerly, over the same
+pool tensors. A MoE model's routed experts run the Triton fused-MoE kernel on CUDA, whose routing
+metadata is built on the device within bounds known from the bucket (`kernels/moe_align.py`), so its
+decode steps replay too (base rows and attention adapters).
 
 `capture` is how a forward pass is recorded (`engine/graph_capture.py`): `CudaGraphCapture` on a GPU,
 `EagerReplay` (re-run the same pass over the same buffers) where there is no CUDA, so the padded static
@@ -146,12 +151,14 @@ class DecodeGraphs:
         if not inp.is_plain_decode or self.bucket(len(inp.seq_lens)) is None:
             return False
         # DoRA / lora_bias rows take a per-row epilogue, embedding / LM-head LoRA rows a per-run update,
-        # both indexed by the step's rows: run eagerly
+        # a MoE model's expert-LoRA rows per-step (expert, adapter) groups and page tables, all indexed by
+        # the step's rows: run eagerly
         return lora is None or (
             isinstance(lora, TritonLoRAContext)
             and self.pool is not None
             and not lora.epilogue
             and not lora.vocab
+            and lora.experts is None
         )
 
     @property

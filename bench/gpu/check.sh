@@ -13,15 +13,18 @@
 #                    and a 4096-token prefill against the device-to-device copy bandwidth
 # 3. parity.log/json — the engine on CUDA in float32: greedy tokens equal HF + PEFT's (mixed adapters and
 #                    base rows in one batch; bench.gpu.e2e --skip-throughput)
-# 4. overhead.log/json — bench.gpu.lora_overhead on a random ~1B Llama in bfloat16: decode steps at batch
+# 4. moe.log, moe_graphs.json — a random Qwen3-MoE in float32: greedy tokens with decode graphs on and
+#                    off equal transformers', graphs captured, decode time graphs / eager
+#                    (bench/gpu/moe_graphs.py)
+# 5. overhead.log/json — bench.gpu.lora_overhead on a random ~1B Llama in bfloat16: decode steps at batch
 #                    1, 64, 256 with 32 distinct rank-16 adapters vs base-only on the same engine vs a
 #                    LoRA-disabled engine; prefill of 4 x 1024-token prompts on 4 adapters, the same three
 #                    ways; the mixed decode batches again with the fused BGMV kernel off (SGMV only);
 #                    engine start, decode-graph count, capture time and graph memory
-# 5. profile.log   — bench.gpu.step_profile: where a mixed and a base decode step's time goes (batch 64)
-# 6. features.log  — the demo model on CUDA: adapters' outputs, speculative = plain greedy, structured
+# 6. profile.log   — bench.gpu.step_profile: where a mixed and a base decode step's time goes (batch 64)
+# 7. features.log  — the demo model on CUDA: adapters' outputs, speculative = plain greedy, structured
 #                    (JSON-schema) output, seeded sampling repeats (bench/gpu/features.py)
-# summary.md       — the tables of steps 2-4 and 6, for docs/benchmarks.md section 5 (docs/gpu/runN/)
+# summary.md       — the tables of steps 2-5 and 7, for docs/benchmarks.md section 5 (docs/gpu/runN/)
 # Each step runs even when an earlier one failed; the exit code is non-zero when any failed.
 set -u
 cd "$(dirname "$0")/../.."
@@ -83,6 +86,7 @@ cat "$DIR/env.txt"
 step kernels 70 "$PY" bench/kernels/triton_gpu.py --dtype bfloat16 --hidden 2048 --slices 2048,256,256 \
   --decode-batches 1,64,256 --prefill-tokens 4096
 step parity 75 "$PY" -m bench.gpu.e2e --skip-throughput --json "$DIR/parity.json"
+step moe 45 "$PY" -m bench.gpu.moe_graphs --device cuda --json "$DIR/moe_graphs.json"
 step overhead 150 "$PY" -m bench.gpu.lora_overhead --size 1b --dtype bfloat16 --batches 1,64,256 \
   --adapters 32 --rank 16 --compare-sgmv --json "$DIR/overhead.json"
 step profile 45 "$PY" -m bench.gpu.step_profile --size 1b --requests 64 --steps 10
@@ -92,7 +96,7 @@ step features 45 "$PY" -m bench.gpu.features --device cuda
   echo "# GPU check $(date -u +%F) — $(sed -n 2p "$DIR/env.txt")"
   echo
   sed -n '3,$p' "$DIR/env.txt"
-  for name in kernels parity overhead features; do
+  for name in kernels parity moe overhead features; do
     echo
     echo "## $name"
     echo

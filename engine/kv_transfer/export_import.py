@@ -5,7 +5,8 @@ Export (prefill side, right after the step that sampled the first token):
     state  = prompt, sampled tokens, logprobs, params, adapter, the seed in params (the noise is per position)
 Import (decode side): a `Sequence` with the prompt and those tokens, `num_computed_tokens` = prompt
 length, whose block table is this engine's own cached prefix blocks (same digest-salted chain) plus
-fresh blocks filled by `connector.receive`. It waits in the queue like any request; admission computes
+fresh blocks (`reserve_blocks`) filled by `connector.receive` (`receive_blocks`, which the engine loop
+runs in a worker thread while steps go on). It waits in the queue like any request; admission computes
 only its last sampled token and registers every full prompt block in the prefix cache, so a follow-up
 turn hits. With no free blocks it is queued to recompute the prompt instead (as after a preemption).
 """
@@ -115,18 +116,3 @@ def receive_blocks(
     """Fill this engine's blocks `block_ids` with the export's blocks `first, ...` (its connector's copy;
     the blocks belong to a sequence no step reads yet, so a worker thread may run this between steps)."""
     receiver_for(export.blocks, connector).receive(export.blocks, engine.runner.kv_cache, block_ids, first)
-
-
-def place_blocks(engine: LLMEngine, seq: Sequence, export: KVExport, connector: KVConnector) -> bool:
-    """Give `seq` blocks holding its prompt's K/V: its cached prefix here, the rest received. False (and
-    nothing held) when the pool has no room: the sequence then recomputes its prompt when admitted."""
-    reserved = reserve_blocks(engine, seq, export)
-    if reserved is None:
-        return False
-    try:
-        receive_blocks(engine, export, connector, *reserved)
-    except Exception:
-        engine.kv.free(seq)
-        raise
-    seq.num_computed_tokens = seq.num_prompt_tokens
-    return True

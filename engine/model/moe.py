@@ -225,13 +225,11 @@ class MoEDecoderLayer(DecoderLayer):
 
 
 class MoEForCausalLM(DecoderForCausalLM):
-    """The shared decoder with MoE layers (its attention is the config's: Qwen3's q/k norm, …)."""
+    """The shared decoder with MoE layers (its attention is the config's: Qwen3's q/k norm, …). Its decode
+    steps replay from CUDA graphs as a dense model's do (`engine/decode_graphs.py`): on CUDA the routed
+    experts run the Triton kernel, which never synchronizes with the host."""
 
     layer_cls = MoEDecoderLayer
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg)
-        self.graph_problem = "the MoE block reads its experts' token counts on the host each step"
 
 
 # MoE families' PEFT targets: the attention projections; the routed experts take LoRA through PEFT's

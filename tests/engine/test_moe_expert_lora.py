@@ -17,6 +17,7 @@ from engine.lora.expert_pages import EXPERT_PROJS
 from engine.model.moe import SparseMoE
 from engine.model_config import ModelConfig
 from tests.helpers.expert_adapters import build_per_expert_adapter
+from tests.helpers.graph_check import CheckedReplay, engine_tensors
 from tests.helpers.peft_batch import check_requests, cpu_llm
 from tests.helpers.tiny_adapters import PeftGreedyOracle, build_adapter
 from tests.helpers.tiny_models import MOE_ARCHS
@@ -283,3 +284,44 @@ def test_fused_moe_kernel_applies_expert_lora(arch, adapters, monkeypatch):
     names = ["experts-r4", None, "both-r16", "down-r2-rslora"]
     check_requests(llm, dirs, oracle, _requests(7, names, 5), 4)
     assert calls and all(calls)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_decode_graphs_replay_moe_steps_and_leave_expert_lora_steps_eager(arch, adapters, monkeypatch):
+    """Decode graphs on a MoE model with the routed experts on the CUDA path's Triton kernel (interpreted):
+    every replay launches its capture's kernels, grids and scalars with every tensor from outside the pass
+    at the same address (`CheckedReplay`: what a CUDA graph bakes in), and the tokens of base rows and
+    attention adapters replayed, and of expert adapters run eagerly beside them, equal PEFT's. A step with
+    an expert-LoRA row never replays (the graphs are captured without expert LoRA)."""
+    from engine.decode_graphs import DecodeGraphs
+
+    base, dirs, oracle = adapters[arch]
+    expert_calls: list[bool] = []
+    triton_experts = SparseMoE.triton_experts
+
+    def counted(self, x, weights, ids, hook=None):
+        expert_calls.append(hook is not None and hook.adapts(self.layer))
+        return triton_experts(self, x, weights, ids, hook)
+
+    replayed_expert_lora: list[bool] = []
+    run = DecodeGraphs.run
+
+    def checked_run(self, inp, lora):
+        replayed_expert_lora.append(lora is not None and lora.experts is not None)
+        return run(self, inp, lora)
+
+    monkeypatch.setattr(SparseMoE, "uses_triton", lambda self, x: True)
+    monkeypatch.setattr(SparseMoE, "triton_experts", counted)
+    monkeypatch.setattr(DecodeGraphs, "run", checked_run)
+    kw = dict(attention_backend="triton", lora_backend="triton", enable_prefix_caching=False)
+    llm = cpu_llm(base, **kw)
+    eng = llm.engine
+    checked = CheckedReplay(engine_tensors(eng))
+    eng.runner.use_decode_graphs(checked, eng.lora.pool, max_batch=4)
+    check_requests(llm, dirs, oracle, _requests(11, [None, "attn-r8"], 3), NEW)
+    assert checked.replays > 0 and "_fused_moe_kernel" in checked.kernels
+    before = checked.replays
+    check_requests(llm, dirs, oracle, _requests(12, ["experts-r4", None, "attn-r8", "both-r16"], 4), NEW)
+    assert any(expert_calls)  # the expert adapters' steps ran, with LoRA on the kernel
+    assert replayed_expert_lora and not any(replayed_expert_lora)
+    assert checked.replays >= before and checked.launches_checked > 0

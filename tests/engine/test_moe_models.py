@@ -85,15 +85,16 @@ def test_sparse_layers_follow_transformers():
     assert want == [False, True, False, False, False, True]
 
 
-def test_moe_decode_steps_stay_eager(checkpoint, caplog):
-    """The MoE block's host-side expert counts cannot be captured: decode graphs are not enabled for a
-    MoE model even on the paths that capture (Triton attention), and the log says why; a dense model on
-    the same paths gets them."""
+def test_moe_models_take_decode_graphs(checkpoint):
+    """A MoE model's decode steps replay from graphs as a dense model's do (the paths that capture:
+    Triton attention; on CUDA the routed experts run the Triton kernel, which has no host
+    synchronization); every bucket is captured at start. Replays against PEFT, launch by launch: in
+    test_moe_expert_lora.py."""
     from engine.decode_graphs import enable_decode_graphs
 
     kw = dict(device="cpu", dtype="float32", block_size=4, attention_backend="triton")
     moe, dense = LLM(str(checkpoint("qwen3_moe")), **kw), LLM(str(checkpoint("qwen3")), **kw)
-    with caplog.at_level("INFO", logger="engine.decode_graphs"):
-        assert not enable_decode_graphs(moe.engine.runner, None, 8)
-    assert "MoE block reads its experts' token counts" in caplog.text
-    assert enable_decode_graphs(dense.engine.runner, None, 8)
+    for llm in (moe, dense):
+        assert enable_decode_graphs(llm.engine.runner, None, 8)
+        graphs = llm.engine.runner.graphs
+        assert graphs is not None and graphs.captured == [(1, None), (2, None), (4, None), (8, None)]
