@@ -12,8 +12,8 @@ every prompt is). The model is a random Llama (`bench.common.workload.ModelSpec`
 prompts, `--stream-tokens` tokens each, adapters round-robin with the base model, a new request as soon as
 one ends) plus long prompts (`--long-tokens` tokens, `--long-max-tokens` out) arriving as a Poisson process
 at `--long-rate` req/s, for `--seconds`. Driven from this process through the same engine clients the HTTP
-ingress uses (no HTTP). Reported per setup: inter-token latency p50/p99 of the steady streams, TTFT p50/p99
-of the streams and of the long prompts, output tokens/s, and (disaggregated) the KV transfer time per
+ingress uses (no HTTP). Reported per setup: inter-token latency p50/p99/p99.9 of the steady streams, TTFT
+p50/p99 of the streams and of the long prompts, output tokens/s, and (disaggregated) the KV transfer time per
 request (`loraplex_kv_transfer_seconds`) and bytes: median and min–max over the runs, and the ratios
 disaggregated / colocated of each run's pair (ITL p99, throughput) against the issue's goals. Greedy tokens
 of every long prompt are compared between the setups of each run (same prompts, same seeds). `--json`: every
@@ -130,7 +130,7 @@ async def drive(client, adapters: list[tuple[str, str]], args: argparse.Namespac
         setup, seconds, counts["requests"], counts["failed"], counts["tokens"],
         1e3 * pct(itl, 0.5), 1e3 * pct(itl, 0.99), 1e3 * pct(ttft_stream, 0.5), 1e3 * pct(ttft_stream, 0.99),
         1e3 * pct(ttft_long, 0.5), 1e3 * pct(ttft_long, 0.99), counts["tokens"] / seconds,
-        long_tokens=long_tokens,
+        long_tokens=long_tokens, itl_p999_ms=1e3 * pct(itl, 0.999),
     )  # fmt: skip
     kv = getattr(client, "kv_metrics", None)
     if kv is not None:

@@ -12,18 +12,19 @@ from bench.cluster.disagg import main, poisson_arrivals
 from bench.cluster.disagg_report import SetupResult, identical_long, markdown, ratios, summary
 
 
-def _result(setup: str, run: int, itl_p99: float, tok_s: float, long: dict, transfer: float | None = None):
+def _result(setup: str, run: int, itl_p99: float, tok_s: float, long: dict, transfer: float | None = None,
+            p999: float = float("nan")):  # fmt: skip
     return SetupResult(
         setup, 10.0, 20, 0, 100, 5.0, itl_p99, 50.0, 90.0, 300.0, 400.0, tok_s,
         transfer_ms_per_request=transfer, transfer_kib_per_request=None if transfer is None else 64.0,
-        long_tokens=long, run=run, load=(3.0, 2.0, 1.0),
+        long_tokens=long, run=run, load=(3.0, 2.0, 1.0), itl_p999_ms=p999,
     )  # fmt: skip
 
 
 def test_summary_ratios_and_goals_over_interleaved_runs() -> None:
     results = [
-        _result("colocated", 0, 100.0, 200.0, {"L0": [1, 2], "L1": [3]}),
-        _result("disaggregated", 0, 40.0, 190.0, {"L0": [1, 2], "L1": [4]}, transfer=30.0),
+        _result("colocated", 0, 100.0, 200.0, {"L0": [1, 2], "L1": [3]}, p999=500.0),
+        _result("disaggregated", 0, 40.0, 190.0, {"L0": [1, 2], "L1": [4]}, transfer=30.0, p999=50.0),
         _result("colocated", 1, 80.0, 220.0, {"L0": [1, 2]}),
         _result("disaggregated", 1, 60.0, 180.0, {"L0": [1, 2]}, transfer=40.0),
         _result("colocated", 2, 120.0, 210.0, {}),
@@ -36,11 +37,14 @@ def test_summary_ratios_and_goals_over_interleaved_runs() -> None:
     r = ratios(results)
     assert r["itl_p99_ms"] == pytest.approx([0.4, 0.75, 0.25])  # per run's own pair, not of medians
     assert r["tokens_per_s"] == pytest.approx([0.95, 180 / 220, 200 / 210])
+    assert r["itl_p999_ms"] == pytest.approx([0.1])  # runs without the p99.9 (older JSON) give none
+    assert s["colocated"]["itl_p999_ms"] == {"median": 500.0, "min": 500.0, "max": 500.0}
     assert identical_long(results) == (2, 3)
     text = markdown(results)
     assert "| colocated | " in text and "100.0 (80.0–120.0)" in text
     assert "itl_p99_ms: 0.40x (0.25x–0.75x) (goal <= 0.5: met)" in text
     assert "tokens_per_s: 0.95x" in text and "(goal >= 0.9: met)" in text
+    assert "itl_p999_ms: 0.10x" in text and "| ITL p99.9 (ms) |" in text
     assert "identical greedy tokens in both setups: 2 of 3" in text
 
 
