@@ -127,3 +127,37 @@ def plot_online_peer(result, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_disagg(points: list[tuple[str, dict]], path: Path) -> None:
+    """Grouped bars of the steady streams' ITL p99 and p99.9 (median, min–max whiskers), colocated vs
+    disaggregated, one group per `(label, summary)` (`bench.cluster.disagg_report.summary`; log y)."""
+    plt = _pyplot()
+    bars = [
+        ("colocated", "itl_p99_ms", "colocated p99", "tab:gray"),
+        ("disaggregated", "itl_p99_ms", "disaggregated p99", "tab:blue"),
+        ("colocated", "itl_p999_ms", "colocated p99.9", "silver"),
+        ("disaggregated", "itl_p999_ms", "disaggregated p99.9", "lightsteelblue"),
+    ]
+    width = 0.8 / len(bars)
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    for j, (setup, key, name, color) in enumerate(bars):
+        xs, med, lo, hi = [], [], [], []
+        for i, (_, summ) in enumerate(points):
+            cell = summ.get(setup, {}).get(key)
+            if cell is None:
+                continue
+            xs.append(i + (j - (len(bars) - 1) / 2) * width)
+            med.append(cell["median"])
+            lo.append(cell["median"] - cell["min"])
+            hi.append(cell["max"] - cell["median"])
+        if xs:
+            ax.bar(xs, med, width, yerr=[lo, hi], color=color, label=name, capsize=2)
+    ax.set_xticks(range(len(points)), [label for label, _ in points], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("inter-token latency (ms)")
+    ax.set_title("Decode streams' ITL tail, colocated vs prefill/decode disaggregated (same cores)", fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

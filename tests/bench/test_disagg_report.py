@@ -66,3 +66,28 @@ def test_long_prompt_arrivals_stay_inside_the_window() -> None:
     assert times == sorted(times) and times[-1] < 500.0
     assert 900 < len(times) < 1100  # 1000 expected
     assert times == poisson_arrivals(random.Random(7), 2.0, 500.0)
+
+
+def test_chart_of_runs_files_and_a_bad_group(tmp_path, capsys) -> None:
+    """`bench.cluster.disagg_chart` draws one group per `--json` file (a file without the p99.9, written
+    before it was measured, draws the p99 alone); a group that is not LABEL=FILE is refused."""
+    import json
+
+    from bench.cluster.disagg_chart import main as chart
+
+    results = [
+        _result("colocated", 0, 100.0, 200.0, {}, p999=500.0),
+        _result("disaggregated", 0, 40.0, 190.0, {}, transfer=30.0, p999=50.0),
+    ]
+    new, old = tmp_path / "new.json", tmp_path / "old.json"
+    new.write_text(json.dumps({"summary": summary(results)}))
+    summ = summary(results)
+    for setup in summ.values():
+        setup.pop("itl_p999_ms")
+    old.write_text(json.dumps({"summary": summ}))
+    out = tmp_path / "chart.png"
+    chart([f"0.6/s={new}", f"0.3/s={old}", "--out", str(out)])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+    with pytest.raises(SystemExit) as exc:
+        chart([str(new), "--out", str(out)])
+    assert exc.value.code == 2 and "LABEL=FILE" in capsys.readouterr().err
