@@ -156,7 +156,8 @@ def plot_disagg(points: list[tuple[str, dict]], path: Path) -> None:
     ax.set_xticks(range(len(points)), [label for label, _ in points], fontsize=8)
     ax.set_yscale("log")
     ax.set_ylabel("inter-token latency (ms)")
-    ax.set_title("Decode streams' ITL tail, colocated vs prefill/decode disaggregated (same cores)", fontsize=9)
+    title = "Decode streams' ITL tail, colocated vs prefill/decode disaggregated (same cores)"
+    ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

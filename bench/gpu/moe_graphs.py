@@ -76,8 +76,11 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int, device
     return out
 
 
-def run_leg(model_dir: Path, device: str, cuda_graphs: bool, prompts, want, batch: int, new_tokens: int):
-    """One engine with graphs on or off: its greedy tokens against `want`, then a timed decode run."""
+def run_leg(
+    model_dir: Path, device: str, cuda_graphs: bool, prompts, want, batch: int, new_tokens: int, decode: int
+) -> MoEGraphLeg:
+    """One engine with graphs on or off: its greedy tokens against `want`, then a timed run of `batch`
+    requests of `decode` tokens."""
     from engine import LLM, SamplingParams
 
     llm = LLM(str(model_dir), device=device, dtype="float32", cuda_graphs=cuda_graphs, max_num_seqs=batch)
@@ -85,7 +88,7 @@ def run_leg(model_dir: Path, device: str, cuda_graphs: bool, prompts, want, batc
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
     graphs = llm.engine.runner.graphs
     timed = make_prompts(batch, 16, llm.engine.model_config.vocab_size, seed=3)
-    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=decode, temperature=0.0, ignore_eos=True)
     llm.generate(timed[:2], params)  # warm-up
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -98,7 +101,7 @@ def run_leg(model_dir: Path, device: str, cuda_graphs: bool, prompts, want, batc
     return MoEGraphLeg(cuda_graphs, n, [list(g) for g in got] == want, elapsed)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="bench.gpu.moe_graphs", description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--layers", type=int, default=4)
@@ -106,9 +109,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--new-tokens", type=int, default=16)
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=32, help="requests of the timed run")
+    ap.add_argument("--decode-tokens", type=int, default=64, help="tokens of each timed request")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    for name in ("layers", "experts", "hidden", "prompts", "new_tokens", "batch", "decode_tokens"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be positive")
+    if args.hidden % 16:
+        ap.error("--hidden must be a multiple of 16 (8 heads of an even size)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"bench.gpu.moe_graphs needs a CUDA device for --device {args.device} (or pass --device cpu)")
+        return 2
     shape = MoEShape(
         layers=args.layers, experts=args.experts, hidden=args.hidden, expert_inter=args.hidden // 2
     )
@@ -117,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = make_prompts(args.prompts, 12, shape.vocab, seed=5)
         want = hf_greedy(moe_dir, prompts, args.new_tokens, args.device)
         legs = [
-            run_leg(moe_dir, args.device, g, prompts, want, args.batch, args.new_tokens)
+            run_leg(moe_dir, args.device, g, prompts, want, args.batch, args.new_tokens, args.decode_tokens)
             for g in (True, False)
         ]
     result = MoEGraphResult(args.device, asdict(shape), args.prompts, args.new_tokens, args.batch, legs)

@@ -42,18 +42,19 @@ def test_check_script_stops_at_once_without_cuda(tmp_path) -> None:
 
 
 def test_every_command_line_of_the_check_script_parses() -> None:
-    from bench.gpu import e2e, features, lora_overhead, step_profile
+    from bench.gpu import e2e, features, lora_overhead, moe_graphs, step_profile
 
     sys.path.insert(0, str(ROOT / "bench" / "kernels"))
     import triton_gpu
 
     steps = _step_commands()
-    assert set(steps) == {"kernels", "parity", "overhead", "profile", "features"}
+    assert set(steps) == {"kernels", "parity", "moe", "overhead", "profile", "features"}
     parsers = {
         "bench.gpu.e2e": e2e.parse_args,
         "bench.gpu.lora_overhead": lora_overhead.parse_args,
         "bench.gpu.step_profile": step_profile.parse_args,
         "bench.gpu.features": features.parse_args,
+        "bench.gpu.moe_graphs": moe_graphs.parse_args,
     }
     for argv in steps.values():
         if argv[0] == "-m":
@@ -84,7 +85,7 @@ def test_overhead_script_refuses_bad_arguments(argv, message, capsys) -> None:
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("module", ["lora_overhead", "features"])
+@pytest.mark.parametrize("module", ["lora_overhead", "features", "moe_graphs"])
 def test_scripts_say_they_need_cuda(module, capsys) -> None:
     import importlib
 
@@ -123,3 +124,23 @@ def test_features_script_on_cpu(capsys) -> None:
     assert features.main(["--device", "cpu", "--words", "1"]) == 0
     out = capsys.readouterr().out
     assert out.count("| yes |") == 4 and "5/5" in out
+
+
+def test_moe_graphs_script_on_cpu(tmp_path, capsys) -> None:
+    """`bench.gpu.moe_graphs --device cpu` at a tiny size: both legs' greedy tokens equal transformers',
+    no graph captured (CPU), a timed run each; a bad size is refused."""
+    from bench.gpu import moe_graphs
+
+    out = tmp_path / "moe.json"
+    argv = ["--device", "cpu", "--layers", "2", "--experts", "4", "--hidden", "64", "--prompts", "2"]
+    argv += ["--new-tokens", "4", "--batch", "3", "--decode-tokens", "4", "--json", str(out)]
+    assert moe_graphs.main(argv) == 0
+    legs = json.loads(out.read_text())["legs"]
+    assert [(leg["cuda_graphs"], leg["graphs_captured"], leg["tokens_equal_hf"]) for leg in legs] == [
+        (True, 0, True),
+        (False, 0, True),
+    ]
+    assert all(leg["decode_s"] > 0 for leg in legs)
+    assert "| graphs / eager |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        moe_graphs.main(["--device", "cpu", "--hidden", "72"])
