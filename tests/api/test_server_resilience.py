@@ -29,10 +29,13 @@ def test_engine_kill_gives_503_then_recovers(text_model, tmp_path):
         def slow_request() -> None:
             result["resp"] = httpx.post(url, json=body, timeout=120)
 
+        old_pid = srv.state.client.pid
+        # frozen first, so a fast machine cannot finish the request before the kill lands (under load the
+        # kill came after its last token once, and the request ended 200)
+        os.kill(old_pid, signal.SIGSTOP)
         t = threading.Thread(target=slow_request)
         t.start()
         assert wait_until(lambda: srv.state.client.num_in_flight() == 1, timeout=30)
-        old_pid = srv.state.client.pid
         os.kill(old_pid, signal.SIGKILL)
         t.join(timeout=60)
         resp = result["resp"]
