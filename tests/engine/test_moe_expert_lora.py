@@ -263,13 +263,9 @@ def test_prefix_cache_and_ngram_speculation_with_expert_adapters(adapters):
     assert stats.prefix_cache_hits > 0 and stats.spec_verifications > 0
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
-def test_fused_moe_kernel_applies_expert_lora(arch, adapters, monkeypatch):
-    """The CUDA path's Triton fused-MoE kernel (interpreted on the CPU) with the step's expert LoRA inside
-    its grouped GEMMs: PEFT's tokens for base rows and adapters of ranks 4, 16 (two pages: rank 16 >
-    page_rank 8, down at rank 2) and 2 (down only) in one batch, with chunked prefill; every MoE block ran
-    on the kernel, with LoRA on it."""
-    base, dirs, oracle = adapters[arch]
+def _on_kernel(monkeypatch) -> list[bool]:
+    """Route every MoE block's experts to the Triton kernel (the dispatch picks it for CUDA tensors only);
+    the list returned notes, per call, whether the step's expert LoRA adapted that block."""
     calls: list[bool] = []
     triton_experts = SparseMoE.triton_experts
 
@@ -279,6 +275,17 @@ def test_fused_moe_kernel_applies_expert_lora(arch, adapters, monkeypatch):
 
     monkeypatch.setattr(SparseMoE, "uses_triton", lambda self, x: True)
     monkeypatch.setattr(SparseMoE, "triton_experts", counted)
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_fused_moe_kernel_applies_expert_lora(arch, adapters, monkeypatch):
+    """The CUDA path's Triton fused-MoE kernel (interpreted on the CPU) with the step's expert LoRA inside
+    its grouped GEMMs: PEFT's tokens for base rows and adapters of ranks 4, 16 (two pages: rank 16 >
+    page_rank 8, down at rank 2) and 2 (down only) in one batch, with chunked prefill; every MoE block ran
+    on the kernel, with LoRA on it."""
+    base, dirs, oracle = adapters[arch]
+    calls = _on_kernel(monkeypatch)
     monkeypatch.setattr("engine.model.moe.experts_forward", None)  # the torch path is never taken
     llm = cpu_llm(base, lora_page_rank=8, max_num_batched_tokens=16)
     names = ["experts-r4", None, "both-r16", "down-r2-rslora"]
@@ -296,13 +303,7 @@ def test_decode_graphs_replay_moe_steps_and_leave_expert_lora_steps_eager(arch, 
     from engine.decode_graphs import DecodeGraphs
 
     base, dirs, oracle = adapters[arch]
-    expert_calls: list[bool] = []
-    triton_experts = SparseMoE.triton_experts
-
-    def counted(self, x, weights, ids, hook=None):
-        expert_calls.append(hook is not None and hook.adapts(self.layer))
-        return triton_experts(self, x, weights, ids, hook)
-
+    expert_calls = _on_kernel(monkeypatch)
     replayed_expert_lora: list[bool] = []
     run = DecodeGraphs.run
 
@@ -310,8 +311,6 @@ def test_decode_graphs_replay_moe_steps_and_leave_expert_lora_steps_eager(arch, 
         replayed_expert_lora.append(lora is not None and lora.experts is not None)
         return run(self, inp, lora)
 
-    monkeypatch.setattr(SparseMoE, "uses_triton", lambda self, x: True)
-    monkeypatch.setattr(SparseMoE, "triton_experts", counted)
     monkeypatch.setattr(DecodeGraphs, "run", checked_run)
     kw = dict(attention_backend="triton", lora_backend="triton", enable_prefix_caching=False)
     llm = cpu_llm(base, **kw)
