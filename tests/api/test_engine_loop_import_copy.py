@@ -75,9 +75,17 @@ def _unstage_files():
         unstage(path)
 
 
-def _loop(engine: LLMEngine) -> tuple[_EngineLoop, Sent, HeldCopier]:
+@pytest.fixture
+def watch():
+    """The loop's parent watch (this process; a pidfd, closed after the test)."""
+    w = _ParentWatch(os.getpid())
+    yield w
+    w.close()
+
+
+def _loop(engine: LLMEngine, watch: _ParentWatch) -> tuple[_EngineLoop, Sent, HeldCopier]:
     sent, copier = Sent(), HeldCopier()
-    loop = _EngineLoop(engine, None, sent, 60.0, _ParentWatch(os.getpid()))
+    loop = _EngineLoop(engine, None, sent, 60.0, watch)
     loop.copier.shutdown()
     loop.copier = copier  # type: ignore[assignment]
     return loop, sent, copier
@@ -112,9 +120,9 @@ def engines(text_model):
     return _engine(base), _engine(base), want
 
 
-def test_steps_go_on_while_an_import_copies_and_its_tokens_are_one_engines(engines) -> None:
+def test_steps_go_on_while_an_import_copies_and_its_tokens_are_one_engines(engines, watch) -> None:
     pre, dec, want = engines
-    loop, sent, copier = _loop(dec)
+    loop, sent, copier = _loop(dec, watch)
     export = _export(pre, "imp")
     used_before = dec.get_stats().kv_blocks_used
     loop._handle(ImportRequest("imp", export))
@@ -140,9 +148,9 @@ def test_steps_go_on_while_an_import_copies_and_its_tokens_are_one_engines(engin
     assert dec.get_stats().kv_blocks_used == 0 and dec.kv.num_requests() == 0
 
 
-def test_an_abort_mid_copy_frees_the_blocks_once_the_copy_ends(engines) -> None:
+def test_an_abort_mid_copy_frees_the_blocks_once_the_copy_ends(engines, watch) -> None:
     pre, dec, _ = engines
-    loop, sent, copier = _loop(dec)
+    loop, sent, copier = _loop(dec, watch)
     export = _export(pre, "gone")
     loop._handle(ImportRequest("gone", export))
     assert dec.kv.num_requests() == 1
@@ -156,9 +164,9 @@ def test_an_abort_mid_copy_frees_the_blocks_once_the_copy_ends(engines) -> None:
     assert dec.kv.num_requests() == 0 and not dec.has_unfinished_requests()
 
 
-def test_a_failed_copy_is_refused_and_frees_the_blocks(engines) -> None:
+def test_a_failed_copy_is_refused_and_frees_the_blocks(engines, watch) -> None:
     pre, dec, _ = engines
-    loop, sent, copier = _loop(dec)
+    loop, sent, copier = _loop(dec, watch)
     export = _export(pre, "lost")
     loop._handle(ImportRequest("lost", export))
     for _, _, args in copier.held:  # the staged file vanishes before the copy reads it
@@ -170,9 +178,9 @@ def test_a_failed_copy_is_refused_and_frees_the_blocks(engines) -> None:
     assert dec.kv.num_requests() == 0 and not dec.has_unfinished_requests()
 
 
-def test_a_second_import_of_an_id_mid_copy_is_refused(engines) -> None:
+def test_a_second_import_of_an_id_mid_copy_is_refused(engines, watch) -> None:
     pre, dec, _ = engines
-    loop, sent, copier = _loop(dec)
+    loop, sent, copier = _loop(dec, watch)
     export = _export(pre, "twice")
     loop._handle(ImportRequest("twice", export))
     loop._handle(ImportRequest("twice", export))
