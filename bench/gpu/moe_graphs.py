@@ -14,6 +14,7 @@ only): the run then only checks the script's own paths.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
@@ -83,7 +84,8 @@ def run_leg(
     requests of `decode` tokens."""
     from engine import LLM, SamplingParams
 
-    llm = LLM(str(model_dir), device=device, dtype="float32", cuda_graphs=cuda_graphs, max_num_seqs=batch)
+    llm = LLM(str(model_dir), device=device, dtype="float32", cuda_graphs=cuda_graphs, max_num_seqs=batch,
+              kv_cache_memory_bytes=1 << 30)  # fmt: skip
     greedy = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
     graphs = llm.engine.runner.graphs
@@ -98,6 +100,10 @@ def run_leg(
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     n = graphs.stats.graphs if graphs is not None else 0
+    del llm, graphs  # the next leg's engine gets the device memory back
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
     return MoEGraphLeg(cuda_graphs, n, [list(g) for g in got] == want, elapsed)
 
 
