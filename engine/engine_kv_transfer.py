@@ -7,9 +7,10 @@ the engine's request table, scheduler and detokenizer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -40,8 +41,7 @@ class PendingImport:
     seq: Sequence
     prompt_ids: list[int]
     text: SequenceText | None
-    copy: Future[None] | None  # None: received already, or no room (the prompt is recomputed)
-    placed: bool  # False: the pool had no room when it arrived
+    copy: Future[None] | None  # the blocks' receiving; None: the pool had no room (prompt recomputed)
 
     def done(self) -> bool:
         return self.copy is None or self.copy.done()
@@ -76,28 +76,38 @@ def begin_import(engine: LLMEngine, export: KVExport, copier: Executor | None = 
     reserved = reserve_blocks(engine, seq, export)
     copy = None
     if reserved is not None:
+        args = (engine, export, engine.kv_connector, *reserved)
         if copier is not None and engine.runner.kv_cache.device.type == "cpu":
-            copy = copier.submit(receive_blocks, engine, export, engine.kv_connector, *reserved)
+            copy = copier.submit(receive_blocks, *args)
         else:
-            try:
-                receive_blocks(engine, export, engine.kv_connector, *reserved)
-            except Exception:
-                engine.kv.free(seq)
-                raise
-    return PendingImport(seq, ids, text, copy, reserved is not None)
+            copy = _run_inline(receive_blocks, *args)
+    return PendingImport(seq, ids, text, copy)
+
+
+def _run_inline(fn: Callable[..., None], *args: Any) -> Future[None]:
+    """`fn(*args)` run now, as a done future holding what it raised (so `finish_import` frees the blocks
+    of an inline copy that failed as it does a worker thread's)."""
+    fut: Future[None] = Future()
+    try:
+        fn(*args)
+    except Exception as exc:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(None)
+    return fut
 
 
 def finish_import(engine: LLMEngine, pending: PendingImport) -> bool:
     """Queue a begun import whose K/V are received (`pending.done()`); returns whether its blocks were
     placed (False: its prompt is recomputed). Raises what the copy raised, having freed the blocks."""
     seq = pending.seq
+    placed = pending.copy is not None
     if pending.copy is not None:
         try:
             pending.copy.result()
         except Exception:
             engine.kv.free(seq)
             raise
-    if pending.placed:
         seq.num_computed_tokens = seq.num_prompt_tokens
     rid = seq.seq_id
     if rid in engine.requests:  # another request took the id while the blocks were copied
@@ -111,7 +121,7 @@ def finish_import(engine: LLMEngine, pending: PendingImport) -> bool:
     engine.requests.add(RequestGroup(rid, None, pending.prompt_ids, [seq], [text], 1))
     engine.scheduler.add_request(seq)
     engine.counters.prompt_tokens += len(pending.prompt_ids)
-    return pending.placed
+    return placed
 
 
 def export_request(engine: LLMEngine, group: RequestGroup, out: RequestOutput) -> RequestOutput:
