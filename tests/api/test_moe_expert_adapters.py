@@ -10,9 +10,12 @@ import json
 import re
 import shutil
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import jsonschema
+import openai
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -21,11 +24,21 @@ from typer.testing import CliRunner
 from api.cli import app
 from tests.helpers.live_server import start_server, wait_until
 from tests.helpers.tiny_adapters import PeftGreedyOracle, build_adapter
-from tests.helpers.tiny_models import build_checkpoint
+from tests.helpers.tiny_models import build_checkpoint, save_char_tokenizer
 
 pytestmark = pytest.mark.slow  # a live server and the PEFT oracle
 
 PROMPT = [5, 17, 33, 8]
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        "plan": {"enum": ["free", "pro"]},
+    },
+    "required": ["name", "age", "plan"],
+    "additionalProperties": False,
+}
 REFUSED = {
     "router-param": r"target_parameters: 'mlp.gate.weight': LoRA on the router is not supported",
     "dense-mlp": r"module 'model.layers.1.mlp.gate_proj' is part of the mixture-of-experts",
@@ -36,7 +49,8 @@ REFUSED = {
 def moe(tmp_path_factory: pytest.TempPathFactory):
     """(tiny Qwen3-MoE base, {name: adapter dir}, PEFT oracle)."""
     root = tmp_path_factory.mktemp("moe-served")
-    base = build_checkpoint(root / "base", "qwen3_moe")
+    base = build_checkpoint(root / "base", "qwen3_moe", vocab_size=100)
+    save_char_tokenizer(base)  # for the structured-output requests
     experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     dirs = {
         "experts": build_adapter(
@@ -154,3 +168,39 @@ def test_expert_parallel_server_serves_expert_adapter(ep_server, moe):
         return any(a["active_name"] == "ep-bot" and a["memory_bytes"] > 0 for a in adapters)
 
     assert wait_until(reported, timeout=30)
+
+
+@pytest.mark.parametrize("which", ["server", "ep_server"])
+def test_structured_output_on_the_moe_model(which, request, moe):
+    """`response_format` json_schema on the MoE base and on an expert adapter (one device, and expert
+    parallel): every constrained output validates, while a free request in the same batch gives the
+    tokens it gives alone. The model is random, so only the grammar can make the outputs valid."""
+    srv = request.getfixturevalue(which)
+    files = {"file": ("experts.zip", _zip(moe[1]["experts"]), "application/zip")}
+    r = srv.admin().post("/admin/api/adapters", data={"name": "json-bot", "activate": "true"}, files=files)
+    assert r.status_code == 201, r.text
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    free = dict(
+        model="json-bot", prompt="who?", max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
+    alone = client.completions.create(**free).choices[0].text
+    jobs = [
+        dict(
+            model=m,
+            prompt=f"person {i}:",
+            max_tokens=120,
+            temperature=t,
+            seed=i,
+            extra_body={"response_format": fmt},
+        )
+        for i, (m, t) in enumerate(
+            [(srv.state.settings.served_model_name, 0), ("json-bot", 0), ("json-bot", 1.0)]
+        )
+    ]
+    with ThreadPoolExecutor(len(jobs) + 1) as pool:
+        outs = list(pool.map(lambda kw: client.completions.create(**kw).choices[0], [*jobs, free]))
+    assert outs[-1].text == alone
+    for out in outs[:-1]:
+        assert out.finish_reason == "stop", out
+        jsonschema.validate(json.loads(out.text), PERSON)

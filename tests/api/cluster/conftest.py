@@ -112,10 +112,15 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, cluster_overrides: dict):
 
 @contextmanager
 def running_cluster(
-    tmp_path_factory: pytest.TempPathFactory, engine_kwargs: dict | None = None, **options
+    tmp_path_factory: pytest.TempPathFactory,
+    engine_kwargs: dict | None = None,
+    model: Path = DEMO / "base",
+    adapters: dict[str, Path] | None = None,
+    **options,
 ) -> Iterator[Cluster]:
-    """A local Ray cluster serving the demo model with `ClusterOptions(**options)` (see the module doc);
-    `engine_kwargs` override the engine's settings."""
+    """A local Ray cluster serving `model` (the demo model unless given) with `adapters` registered and
+    active (name -> PEFT dir; the demo adapters unless given) and `ClusterOptions(**options)` (see the
+    module doc); `engine_kwargs` override the engine's settings."""
     from api.cluster import ray_api
     from api.cluster.run import ClusterOptions, start_cluster
 
@@ -134,13 +139,11 @@ def running_cluster(
             "LORAPLEX_DATABASE_URL": db_url,
             "LORAPLEX_REDIS_URL": REDIS_URL,
             "LORAPLEX_BLOB_STORE": "database",
-            "LORAPLEX_MODEL": str(DEMO / "base"),
+            "LORAPLEX_MODEL": str(model),
         }
         engine = dict(device="cpu", dtype="float32", num_threads=1, num_kv_blocks=128, max_loras=4)
         engine |= engine_kwargs or {}
-        settings = ServerSettings.build(
-            str(DEMO / "base"), env=env, admin_token=ADMIN_TOKEN, engine_kwargs=engine
-        )
+        settings = ServerSettings.build(str(model), env=env, admin_token=ADMIN_TOKEN, engine_kwargs=engine)
         settings.registry = dataclasses.replace(
             settings.registry, redis_channel=f"loraplex-test-{secrets.token_hex(4)}"
         )
@@ -149,8 +152,8 @@ def running_cluster(
         settings.port = free_port()
         reg = open_registry(settings.registry)
         try:
-            for name in ADAPTERS:
-                reg.adapters.register(name, DEMO / "adapters" / name, activate=True)
+            for name, path in (adapters or {n: DEMO / "adapters" / n for n in ADAPTERS}).items():
+                reg.adapters.register(name, path, activate=True)
         finally:
             reg.close()
         # Ray sends a request to a replica without its adapter once no replica holding it took the
