@@ -10,6 +10,9 @@
  *     gu     = xs @ gate_up[e].T per expert; h = silu(gu[:, :I]) * gu[:, I:]; ys = h @ down[e].T
  *     out[t] = sum over t's pairs in expert order of weight * ys[pair]
  *
+ * (silu and the combine run eight lanes at a time; silu's exponential is vec8.h's, within a few float32
+ * ulp of expf, the roundings to bfloat16 the same as the scalar tail's)
+ *
  * With `lora` (NULL: none; pages of the call's dtype), each pair also adds its token's adapter's delta
  * for its expert to gu and to ys, as `ExpertLoRAStep.add` does op by op (engine/lora/expert_step.py; in
  * bfloat16 rounded where `add`'s ops round, moe_lora_rows.h):
@@ -103,6 +106,20 @@ static inline float r_bf16(float f) {
     v1_store_bf16(&h, f);
     return v1_load_bf16(&h);
 }
+static inline v8f v8_r_float(v8f v) { return v; }
+static inline v8f v8_r_bf16(v8f v) {
+    uint16_t h[8];
+    v8_store_bf16(h, v);
+    return v8_load_bf16(h);
+}
+
+/* silu(g) = g * sigmoid(g) in every lane, sigmoid from exp(-|g|) (so the exponent is never positive). */
+static inline v8f v8_silu(v8f g) {
+    v8i neg = g < 0.f;
+    v8f e = v8_exp_nonpos((v8f)((v8i)g | (v8i)(v8f){-0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f}));
+    v8f num = (v8f)(((v8i)e & neg) | ((v8i)(e * 0.f + 1.f) & ~neg)); /* e where g < 0, else 1 */
+    return g * (num / (1.f + e));
+}
 
 /* Softmax over `e` float32 logits, the k largest (lower index first on ties) into ids / w, renormalized
  * where `norm`. */
@@ -127,7 +144,7 @@ static void route_token(const float *logit, int64_t e, int64_t k, int norm, int6
     }
 }
 
-#define DEFINE_FUSED(T, SCALAR, PUT, ROUND)                                                                  \
+#define DEFINE_FUSED(T, SCALAR, PUT, ROUND, LOADV, STOREV, ROUNDV)                                                                  \
     int FUSED_ENTRY(T)(const T *x, int64_t ldx, int64_t ntok, int64_t H, const T *router, int64_t E,        \
                        const int64_t *expert_map, const T *gate_up, const T *down, int64_t EL, int64_t I,   \
                        int64_t k, int norm, T *out, int64_t ldo, int64_t *ids_out, float *w_out,            \
@@ -195,7 +212,12 @@ static void route_token(const float *logit, int64_t e, int64_t k, int norm, int6
             if (lora && lora->gate_up.pages)                                                                 \
                 T##_lora_rows(lora, &lora->gate_up, xs, H, gu, 2 * I, rows, tok, rexp, lv);                  \
             _Pragma("omp for schedule(static)") for (int64_t r = 0; r < rows; r++) {                         \
-                for (int64_t i = 0; i < I; i++) {                                                            \
+                int64_t i = 0;                                                                               \
+                for (; i + 8 <= I; i += 8) {                                                                 \
+                    v8f g = LOADV(gu + r * 2 * I + i), up = LOADV(gu + r * 2 * I + I + i);                   \
+                    STOREV(h + r * I + i, ROUNDV(v8_silu(g)) * up);                                          \
+                }                                                                                            \
+                for (; i < I; i++) {                                                                         \
                     float g = SCALAR(gu + r * 2 * I + i), up = SCALAR(gu + r * 2 * I + I + i);               \
                     PUT(h + r * I + i, ROUND(g / (1.f + expf(-g))) * up);                                    \
                 }                                                                                            \
@@ -219,7 +241,14 @@ static void route_token(const float *logit, int64_t e, int64_t k, int norm, int6
                     for (; m > 0 && order[m - 1] > r; m--) order[m] = order[m - 1];                          \
                     order[m] = r;                                                                            \
                 }                                                                                            \
-                for (int64_t c = 0; c < H; c++) {                                                            \
+                int64_t c = 0;                                                                               \
+                for (; c + 8 <= H; c += 8) {                                                                 \
+                    v8f acc = {0};                                                                           \
+                    for (int64_t q = 0; q < n; q++)                                                          \
+                        acc = ROUNDV(acc + ROUNDV(LOADV(ys + order[q] * H + c) * wsort[order[q]]));          \
+                    STOREV(out + t * ldo + c, acc);                                                          \
+                }                                                                                            \
+                for (; c < H; c++) {                                                                         \
                     float acc = 0.f;                                                                         \
                     for (int64_t q = 0; q < n; q++)                                                          \
                         acc = ROUND(acc + ROUND(SCALAR(ys + order[q] * H + c) * wsort[order[q]]));           \
@@ -235,8 +264,8 @@ static void route_token(const float *logit, int64_t e, int64_t k, int norm, int6
         return 0;                                                                                            \
     }
 
-DEFINE_FUSED(float, s_f32, put_f32, r_float)
-DEFINE_FUSED(bf16, v1_load_bf16, v1_store_bf16, r_bf16)
+DEFINE_FUSED(float, s_f32, put_f32, r_float, v8_load_f32, v8_store_f32, v8_r_float)
+DEFINE_FUSED(bf16, v1_load_bf16, v1_store_bf16, r_bf16, v8_load_bf16, v8_store_bf16, v8_r_bf16)
 
 #if MOE_ISA_LEVEL == 0
 int moe_fused_isa_supported(int level) { return loraplex_isa_supported(level, 1); }
