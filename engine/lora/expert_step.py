@@ -7,9 +7,11 @@ run, and for each run adds that adapter's delta for that expert::
 
     out[run] += scaling[a, layer, p] * (x[run] @ A[a, layer, p, e].T) @ B[a, layer, p, e].T
 
-one GEMM pair per page the adapter's rank on p covers (pages are zero beyond the rank); short runs (decode
-rows) of a layer are applied together instead, their pages gathered into two row-vector `bmm`s
-(`add_pairs`). Rows of base
+one GEMM pair per page the adapter's rank on p covers (pages are zero beyond the rank). A layer's runs
+of one adapter are multiplied together (`add_runs`: runs of similar length padded to one length, their
+pages gathered, a `bmm` and a `baddbmm_` per page: a prefill over many experts is a few batched GEMMs
+instead of two small GEMMs per run); short runs (decode rows) of a layer are applied together instead,
+their pages gathered into two row-vector `bmm`s (`add_pairs`). Rows of base
 requests and of adapters without expert LoRA have `row_adapter` = `num_adapters` and are never touched.
 On CUDA the Triton fused-MoE kernel reads the same pages through `kernel_lora` (one layer's page tables
 and scalings, `kernels/moe_lora_meta.py`; every layer's built at once per step) and adds the deltas inside
@@ -127,6 +129,52 @@ class ExpertLoRAStep:
             v = x @ a[page, layer, expert].to(x.dtype).T
             out.addmm_(v, b[page, layer, expert].to(x.dtype).T, alpha=scale)
 
+    def add_runs(
+        self,
+        layer: int,
+        proj: str,
+        runs: Sequence[tuple[int, int, int, int]],
+        x: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """`add` for every run (expert e, adapter index j, first row lo, rows n) of x and out, batched: per
+        adapter, its runs in chunks of similar length (`_run_chunks`); per chunk and page, the runs' pages
+        gathered into [G, pr, in] and [G, out, pr] and their rows into zero-padded [G, n_max, ...], one
+        `bmm` and one `baddbmm_` with the adapter's scaling (what `add`'s `addmm_` computes, one rounding of
+        out per page), and the rows written back. A chunk of one run is `add` itself."""
+        by_adapter: dict[int, list[tuple[int, int, int]]] = {}
+        for e, j, lo, n in runs:
+            by_adapter.setdefault(j, []).append((e, lo, n))
+        store, pr = self.store, self.store.page_rank
+        a_all, b_all = store.a[proj], store.b[proj]
+        a_pages, b_pages = a_all.view(-1, pr, a_all.shape[-1]), b_all.view(-1, b_all.shape[-2], pr)
+        device = out.device
+        for j, mine in by_adapter.items():
+            ad = self.adapters[j]
+            rank = ad.ranks[layer].get(proj, 0)
+            if not rank:
+                continue
+            for chunk in _run_chunks(mine):
+                if len(chunk) == 1:
+                    e, lo, n = chunk[0]
+                    self.add(layer, proj, e, j, x[lo : lo + n], out[lo : lo + n])
+                    continue
+                g, n_max = len(chunk), chunk[0][2]
+                pos = torch.tensor(
+                    [i * n_max + r for i, (_, _, n) in enumerate(chunk) for r in range(n)], device=device
+                )
+                rows = torch.tensor([lo + r for _, lo, n in chunk for r in range(n)], device=device)
+                xp = x.new_zeros(g * n_max, x.shape[1]).index_copy_(0, pos, x.index_select(0, rows))
+                op = out.new_zeros(g * n_max, out.shape[1]).index_copy_(0, pos, out.index_select(0, rows))
+                for page in ad.pages[proj][: cdiv(rank, pr)]:
+                    base = (page * store.cfg.num_layers + layer) * store.num_experts
+                    idx = torch.tensor([base + e for e, _, _ in chunk], dtype=torch.long, device=device)
+                    a = a_pages.index_select(0, idx).to(x.dtype)  # [G, pr, in]
+                    b = b_pages.index_select(0, idx).to(x.dtype)  # [G, out, pr]
+                    v = torch.bmm(xp.view(g, n_max, -1), a.transpose(1, 2))
+                    op.view(g, n_max, -1).baddbmm_(v, b.transpose(1, 2), alpha=ad.scalings[layer][proj])
+                out.index_copy_(0, rows, op.index_select(0, pos))
+
     def add_pairs(
         self,
         layer: int,
@@ -168,6 +216,30 @@ class ExpertLoRAStep:
         v = torch.bmm(x.index_select(0, at).unsqueeze(1), a.transpose(1, 2))  # [K, 1, pr]
         v.mul_(torch.tensor(scale, dtype=x.dtype, device=device).view(-1, 1, 1))
         out.index_add_(0, at, torch.bmm(v, b.transpose(1, 2)).squeeze(1))
+
+
+# `add_runs`: a chunk's padded rows (its longest run times its runs) stay within this share of its rows,
+# and a chunk holds at most CHUNK_MAX_ROWS padded rows (its gathered copies of x and out)
+CHUNK_PAD = 1.5
+CHUNK_MAX_ROWS = 2048
+
+
+def _run_chunks(runs: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
+    """`runs` (expert, first row, rows) longest first, cut into chunks whose zero-padded size (the first's
+    rows times the chunk's runs) is at most `CHUNK_PAD` times their rows and `CHUNK_MAX_ROWS`."""
+    chunks: list[list[tuple[int, int, int]]] = []
+    rows = 0
+    for run in sorted(runs, key=lambda r: -r[2]):
+        if chunks:
+            cur, n_max = chunks[-1], chunks[-1][0][2]
+            padded = (len(cur) + 1) * n_max
+            if padded <= CHUNK_PAD * (rows + run[2]) and padded <= CHUNK_MAX_ROWS:
+                cur.append(run)
+                rows += run[2]
+                continue
+        chunks.append([run])
+        rows = run[2]
+    return chunks
 
 
 # False: add_pairs always takes the torch path (tests compare the two)

@@ -7,7 +7,8 @@ For x [T, H], each token's top-k expert ids and routing weights, and the step's 
     order      = argsort(key)  (stable, once)           pairs grouped by expert, then by adapter
     gu  = grouped GEMM: for each expert e with rows, gu[rows_e] = x[rows_e] @ W_gate_up[e].T
           then per (expert e, adapter a) run:  gu[run] += s_a (x[run] @ A_a,e.T) @ B_a,e.T
-          (runs of fewer than `SHORT_RUN` rows: all of them at once, pages gathered, two `bmm`s)
+          (an adapter's runs in padded `bmm`s, `ExpertLoRAStep.add_runs`;
+           runs of fewer than `SHORT_RUN` rows: all of them at once, pages gathered, two `bmm`s)
     h   = silu(gu[:, :I]) * gu[:, I:]
     y   = grouped GEMM with W_down, then per run  y[run] += s_a (h[run] @ A'_a,e.T) @ B'_a,e.T
     out[t] = sum_j weight[t, j] * y[pair (t, j)]        (`index_add_` in pair order)
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -53,6 +55,17 @@ class ExpertLoRAHook(Protocol):
         self, layer: int, proj: str, expert: int, adapter: int, x: torch.Tensor, out: torch.Tensor
     ) -> None:
         """`out += scaling * (x @ A.T) @ B.T` of adapter `adapter` for `expert`'s projection `proj`."""
+        ...
+
+    def add_runs(
+        self,
+        layer: int,
+        proj: str,
+        runs: Sequence[tuple[int, int, int, int]],
+        x: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """`add` for every run (expert, adapter, first row, rows) of x and out, in batched GEMMs."""
         ...
 
     def add_pairs(
@@ -293,7 +306,7 @@ class _RunPlan:
 
     def apply(self, lora: ExpertLoRAHook, layer: int, proj: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """Every run's LoRA delta for projection `proj` into `out` (rows of x and out: the sorted pairs)."""
-        for e, j, lo, n in self.long:
-            lora.add(layer, proj, e, j, x[lo : lo + n], out[lo : lo + n])
+        if self.long:
+            lora.add_runs(layer, proj, self.long, x, out)
         if self.rows:
             lora.add_pairs(layer, proj, self.rows, self.experts, self.adapters, x, out)

@@ -125,6 +125,38 @@ def test_decode_pairs_native_and_torch_both_match_peft(native_pairs, adapters, m
     assert bool(kernel_calls) == native_pairs
 
 
+def test_prefill_runs_are_batched_and_match_peft(adapters, monkeypatch):
+    """A prefill's (expert, adapter) runs of several rows go through `ExpertLoRAStep.add_runs`, which
+    multiplies each adapter's runs of similar length in padded `bmm`s, one pair per page: chunks of several
+    runs occur, and the tokens are PEFT's (expert adapters with rank and alpha patterns, base rows)."""
+    import engine.lora.expert_step as expert_step
+
+    chunks: list[list] = []
+    real = expert_step._run_chunks
+    monkeypatch.setattr(expert_step, "_run_chunks", lambda runs: chunks.extend(c := real(runs)) or c)
+    base, dirs, oracle = adapters["qwen3_moe"]
+    rng = random.Random(5)
+    names = ["experts-r4", "both-r16", None, "down-r2-rslora"]
+    reqs = [([rng.randrange(3, 96) for _ in range(rng.randrange(40, 64))], names[i % 4]) for i in range(6)]
+    check_requests(cpu_llm(base), dirs, oracle, reqs, NEW)
+    assert any(len(c) > 1 for c in chunks), chunks
+
+
+def test_run_chunks_cover_every_run_within_the_padding_bound():
+    from engine.lora.expert_step import CHUNK_MAX_ROWS, CHUNK_PAD, _run_chunks
+
+    rng = random.Random(0)
+    runs = [(e, 100 * e, rng.randrange(1, 40)) for e in range(30)] + [(30, 5000, 900), (31, 6000, 700)]
+    chunks = _run_chunks(runs)
+    assert sorted(r for c in chunks for r in c) == sorted(runs)
+    assert any(len(c) > 1 for c in chunks)
+    for c in chunks:
+        n_max = c[0][2]
+        assert all(r[2] <= n_max for r in c)
+        if len(c) > 1:
+            assert len(c) * n_max <= min(CHUNK_PAD * sum(r[2] for r in c), CHUNK_MAX_ROWS)
+
+
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_fused_decode_call_applies_expert_lora(arch, adapters, monkeypatch):
     """The CPU's fused decode call (`kernels/moe_fused_cpu.py`) with each row's expert LoRA inside it:
