@@ -64,11 +64,58 @@ static inline void lora_expand(const float *b, int64_t pr, int64_t c0, int64_t c
     }
 }
 
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+/* dots8_bf16 with vdpbf16ps: res[j] = dot(rows + j * ld, vec) over `len` bfloat16 elements for j < n
+ * (n <= 8; rows past n repeat the last), 32 products a step summed pairwise in float32, a masked tail. */
+static inline void dots8_dp_bf16(const uint16_t *rows, int64_t ld, int n, const uint16_t *vec, int64_t len,
+                                 float *res) {
+    const uint16_t *r[8];
+    for (int j = 0; j < 8; j++) r[j] = rows + (j < n ? j : n - 1) * ld;
+    __m512 s[8];
+    for (int j = 0; j < 8; j++) s[j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < len; i += 32) {
+        __mmask32 m = len - i >= 32 ? ~(__mmask32)0 : (__mmask32)((1ull << (len - i)) - 1);
+        __m512bh v = (__m512bh)_mm512_maskz_loadu_epi16(m, vec + i);
+        for (int j = 0; j < 8; j++)
+            s[j] = _mm512_dpbf16_ps(s[j], (__m512bh)_mm512_maskz_loadu_epi16(m, r[j] + i), v);
+    }
+    for (int j = 0; j < n; j++) res[j] = _mm512_reduce_add_ps(s[j]);
+}
+#define SHRINK_DOTS8_BF16 dots8_dp_bf16
+
+/* o[c0:c1] = bfloat16(o + scale * (b[c0:c1] @ v)) for page rank 16 with vdpbf16ps: one step holds two B
+ * rows (32 elements) against v twice, in bfloat16 (v's values are bfloat16 already: the shrink rounded
+ * them), and eight rows' lane sums finish at once (v8_hsum8x8). Returns the first row not done (a tail of
+ * fewer than eight rows, for the caller). */
+static inline int64_t lora_expand_bf16_r16(const uint16_t *b, int64_t c0, int64_t c1, const float *v, float scale,
+                                           uint16_t *o) {
+    uint16_t vb[32];
+    for (int i = 0; i < 16; i++) v1_store_bf16(vb + i, v[i]), vb[16 + i] = vb[i];
+    const __m512bh vv = (__m512bh)_mm512_loadu_si512(vb);
+    const v8f sc = {scale, scale, scale, scale, scale, scale, scale, scale};
+    int64_t c = c0;
+    for (; c + 8 <= c1; c += 8) {
+        v8f h[8];
+        for (int j = 0; j < 4; j++) {
+            __m512 p = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(b + (c + 2 * j) * 16), vv);
+            __m256 lo = _mm512_castps512_ps256(p), hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p), 1));
+            memcpy(&h[2 * j], &lo, sizeof lo);
+            memcpy(&h[2 * j + 1], &hi, sizeof hi);
+        }
+        v8_store_bf16(o + c, v8_load_bf16(o + c) + sc * v8_hsum8x8(h));
+    }
+    return c;
+}
+#else
+#define SHRINK_DOTS8_BF16 dots8_bf16
+#endif
+
 /* v[0:pr] = bfloat16-rounded a @ x (a: one bfloat16 A page, pr rows of `in`; x: a bfloat16 row). */
 static inline void lora_shrink_bf16(const uint16_t *a, int64_t pr, int64_t in, const uint16_t *x, float *v) {
     for (int64_t p = 0; p < pr; p += 8) {
         int n = pr - p < 8 ? (int)(pr - p) : 8;
-        dots8_bf16(a + p * in, in, n, x, in, v + p);
+        SHRINK_DOTS8_BF16(a + p * in, in, n, x, in, v + p);
     }
     for (int64_t p = 0; p < pr; p++) {
         uint16_t h;
@@ -81,6 +128,9 @@ static inline void lora_shrink_bf16(const uint16_t *a, int64_t pr, int64_t in, c
 static inline void lora_expand_bf16(const uint16_t *b, int64_t pr, int64_t c0, int64_t c1, const float *v, float scale,
                                     uint16_t *o) {
     float d[8];
+#ifdef __AVX512BF16__
+    if (pr == 16) c0 = lora_expand_bf16_r16(b, c0, c1, v, scale, o);
+#endif
     for (int64_t c = c0; c < c1; c += 8) {
         int n = c1 - c < 8 ? (int)(c1 - c) : 8;
         dots8_bf16_f32(b + c * pr, pr, n, v, pr, d);
