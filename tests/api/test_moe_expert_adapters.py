@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from api.cli import app
+from tests.api.test_structured_output import PERSON
 from tests.helpers.live_server import start_server, wait_until
 from tests.helpers.tiny_adapters import PeftGreedyOracle, build_adapter
 from tests.helpers.tiny_models import build_checkpoint, save_char_tokenizer
@@ -29,16 +30,6 @@ from tests.helpers.tiny_models import build_checkpoint, save_char_tokenizer
 pytestmark = pytest.mark.slow  # a live server and the PEFT oracle
 
 PROMPT = [5, 17, 33, 8]
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 8},
-        "age": {"type": "integer", "minimum": 0, "maximum": 99},
-        "plan": {"enum": ["free", "pro"]},
-    },
-    "required": ["name", "age", "plan"],
-    "additionalProperties": False,
-}
 REFUSED = {
     "router-param": r"target_parameters: 'mlp.gate.weight': LoRA on the router is not supported",
     "dense-mlp": r"module 'model.layers.1.mlp.gate_proj' is part of the mixture-of-experts",
@@ -189,7 +180,7 @@ def test_structured_output_on_the_moe_model(which, request, moe):
         dict(
             model=m,
             prompt=f"person {i}:",
-            max_tokens=120,
+            max_tokens=200,
             temperature=t,
             seed=i,
             extra_body={"response_format": fmt},
