@@ -144,7 +144,7 @@ static void route_token(const float *logit, int64_t e, int64_t k, int norm, int6
     }
 }
 
-#define DEFINE_FUSED(T, SCALAR, PUT, ROUND, LOADV, STOREV, ROUNDV)                                                                  \
+#define DEFINE_FUSED(T, SCALAR, PUT, ROUND, LOADV, STOREV, ROUNDV)                                          \
     int FUSED_ENTRY(T)(const T *x, int64_t ldx, int64_t ntok, int64_t H, const T *router, int64_t E,        \
                        const int64_t *expert_map, const T *gate_up, const T *down, int64_t EL, int64_t I,   \
                        int64_t k, int norm, T *out, int64_t ldo, int64_t *ids_out, float *w_out,            \

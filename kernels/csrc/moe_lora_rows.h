@@ -11,6 +11,8 @@
  *     lora_shrink_bf16:  v[0:pr]    = bf16(A @ x)                       (float32 products and sums)
  *     lora_expand_bf16:  o[c0:c1]   = bf16(o + scale * (B[c0:c1] @ v))
  *
+ * With AVX-512 BF16 the bfloat16 shrink and the expand of rank-16 pages use vdpbf16ps (exact products,
+ * summed pairwise in float32), so their sums round in another order than the other builds'.
  * Each output element is one thread's in every caller, so results do not depend on the thread count.
  */
 #ifndef LORAPLEX_MOE_LORA_ROWS_H
