@@ -129,6 +129,16 @@ class ExpertLoRAStep:
             v = x @ a[page, layer, expert].to(x.dtype).T
             out.addmm_(v, b[page, layer, expert].to(x.dtype).T, alpha=scale)
 
+    def _flat_pages(self, proj: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """`proj`'s A and B pages as [pages * layers * experts, pr, in] and [..., out, pr] views, the rows
+        `_page_row` numbers."""
+        a, b, pr = self.store.a[proj], self.store.b[proj], self.store.page_rank
+        return a.view(-1, pr, a.shape[-1]), b.view(-1, b.shape[-2], pr)
+
+    def _page_row(self, page: int, layer: int, expert: int) -> int:
+        """The row of `_flat_pages` holding `page`'s slice for `layer` and `expert`."""
+        return (page * self.store.cfg.num_layers + layer) * self.store.num_experts + expert
+
     def add_runs(
         self,
         layer: int,
@@ -145,9 +155,8 @@ class ExpertLoRAStep:
         by_adapter: dict[int, list[tuple[int, int, int]]] = {}
         for e, j, lo, n in runs:
             by_adapter.setdefault(j, []).append((e, lo, n))
-        store, pr = self.store, self.store.page_rank
-        a_all, b_all = store.a[proj], store.b[proj]
-        a_pages, b_pages = a_all.view(-1, pr, a_all.shape[-1]), b_all.view(-1, b_all.shape[-2], pr)
+        pr = self.store.page_rank
+        a_pages, b_pages = self._flat_pages(proj)
         device = out.device
         for j, mine in by_adapter.items():
             ad = self.adapters[j]
@@ -167,8 +176,8 @@ class ExpertLoRAStep:
                 xp = x.new_zeros(g * n_max, x.shape[1]).index_copy_(0, pos, x.index_select(0, rows))
                 op = out.new_zeros(g * n_max, out.shape[1]).index_copy_(0, pos, out.index_select(0, rows))
                 for page in ad.pages[proj][: cdiv(rank, pr)]:
-                    base = (page * store.cfg.num_layers + layer) * store.num_experts
-                    idx = torch.tensor([base + e for e, _, _ in chunk], dtype=torch.long, device=device)
+                    rows_of = [self._page_row(page, layer, e) for e, _, _ in chunk]
+                    idx = torch.tensor(rows_of, dtype=torch.long, device=device)
                     a = a_pages.index_select(0, idx).to(x.dtype)  # [G, pr, in]
                     b = b_pages.index_select(0, idx).to(x.dtype)  # [G, out, pr]
                     v = torch.bmm(xp.view(g, n_max, -1), a.transpose(1, 2))
@@ -190,29 +199,28 @@ class ExpertLoRAStep:
         reads the pages in place (`kernels/moe_lora_pairs_cpu.py`); elsewhere the pages of all pairs are
         gathered into `[K, page_rank, in]` and `[K, out, page_rank]`, two row-vector `bmm`s and one
         `index_add_`."""
-        store, pr = self.store, self.store.page_rank
+        pr = self.store.page_rank
         index, entry, scale = [], [], []
         for row, e, j in zip(rows, experts, adapters, strict=True):
             ad = self.adapters[j]
             rank = ad.ranks[layer].get(proj, 0)
             for page in ad.pages[proj][: cdiv(rank, pr)]:
-                index.append((page * store.cfg.num_layers + layer) * store.num_experts + e)
+                index.append(self._page_row(page, layer, e))
                 entry.append(row)
                 scale.append(ad.scalings[layer][proj])
         if not index:
             return
-        a_all, b_all = store.a[proj], store.b[proj]
         device = out.device
         idx = torch.tensor(index, dtype=torch.long, device=device)
         at = torch.tensor(entry, dtype=torch.long, device=device)
-        if _native_pairs(x, a_all, b_all, out):  # the pages read in place, no gathered copies
+        a_pages, b_pages = self._flat_pages(proj)
+        if _native_pairs(x, a_pages, b_pages, out):  # the pages read in place, no gathered copies
             from kernels.moe_lora_pairs_cpu import lora_pairs_cpu
 
-            a_pages, b_pages = a_all.view(-1, pr, a_all.shape[-1]), b_all.view(-1, b_all.shape[-2], pr)
             lora_pairs_cpu(x, a_pages, b_pages, idx, at, torch.tensor(scale, dtype=torch.float32), out)
             return
-        a = a_all.view(-1, pr, a_all.shape[-1]).index_select(0, idx).to(x.dtype)  # [K, pr, in]
-        b = b_all.view(-1, b_all.shape[-2], pr).index_select(0, idx).to(x.dtype)  # [K, out, pr]
+        a = a_pages.index_select(0, idx).to(x.dtype)  # [K, pr, in]
+        b = b_pages.index_select(0, idx).to(x.dtype)  # [K, out, pr]
         v = torch.bmm(x.index_select(0, at).unsqueeze(1), a.transpose(1, 2))  # [K, 1, pr]
         v.mul_(torch.tensor(scale, dtype=x.dtype, device=device).view(-1, 1, 1))
         out.index_add_(0, at, torch.bmm(v, b.transpose(1, 2)).squeeze(1))
